@@ -1,0 +1,56 @@
+"""Process-group helpers shared by the ops and the benchmark (no GEMM knowledge here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What an op needs to know about its process group."""
+
+    group: dist.ProcessGroup | None  # None: no distributed world at all (a world of one)
+    rank: int
+    world_size: int
+
+    @property
+    def name(self) -> str:
+        return "" if self.group is None else self.group.group_name
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> GroupInfo:
+    """The caller's rank and the world size in `group` (default: the world).
+
+    Without an initialized torch.distributed and no group given, the world is one
+    process and every op is a plain linear.
+    """
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return GroupInfo(None, 0, 1)
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of group "
+            f"{group.group_name!r}; call the op only on the group's ranks"
+        )
+    return GroupInfo(group, rank, dist.get_world_size(group))
+
+
+def group_from_name(name: str) -> GroupInfo:
+    """Inverse of GroupInfo.name, for the torch.library ops (they take strings, not groups)."""
+    if name == "":
+        return GroupInfo(None, 0, 1)
+    return resolve_group(_resolve_process_group(name))
+
+
+def backend_name(info: GroupInfo) -> str:
+    """The communication backend of a group ("nccl", "gloo", ...), lower case."""
+    if info.group is None:
+        return "none"
+    return str(dist.get_backend(info.group)).lower()

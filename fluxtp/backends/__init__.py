@@ -1,0 +1,54 @@
+"""Backend registry: which implementation computes an op, and why one cannot.
+
+A backend is a module with one function per op it implements (same name as the op) and
+`unsupported_reason(op, x, weight, info) -> str | None`. Every backend computes the same
+function as `reference` (the "nccl" backend).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from fluxtp._dist import GroupInfo
+
+_MODULES = {
+    "nccl": "fluxtp.backends.reference",
+    "torch": "fluxtp.backends.torch_symm",
+    "fused": "fluxtp.backends.fused",
+}
+# "auto" tries these in order and takes the first that can run the call.
+AUTO_ORDER = ("fused", "nccl")
+
+
+def _module(backend: str):
+    return importlib.import_module(_MODULES[backend])
+
+
+def unsupported_reason(op: str, backend: str, x, weight, info: GroupInfo) -> str | None:
+    """None when `backend` can run `op` on these inputs, else a sentence saying why not."""
+    try:
+        module = _module(backend)
+    except ImportError as e:  # e.g. triton missing
+        return f"backend {backend!r} cannot be imported here ({e})"
+    check = getattr(module, "unsupported_reason", None)
+    reason = None if check is None else check(op, x, weight, info)
+    if reason is None and not hasattr(module, op):
+        reason = f"backend {backend!r} does not implement {op} yet"
+    return reason
+
+
+def choose(op: str, backend: str, x, weight, info: GroupInfo) -> str:
+    """Resolve "auto" and check that an explicitly named backend can run this call."""
+    if backend == "auto":
+        for name in AUTO_ORDER:
+            if unsupported_reason(op, name, x, weight, info) is None:
+                return name
+        raise RuntimeError(f"no backend can run {op} here")  # unreachable: the reference runs anywhere
+    reason = unsupported_reason(op, backend, x, weight, info)
+    if reason is not None:
+        raise ValueError(f"{op}(backend={backend!r}) cannot run here: {reason}")
+    return backend
+
+
+def implementation(op: str, backend: str):
+    return getattr(_module(backend), op)

@@ -1,0 +1,60 @@
+"""The "torch" backend: PyTorch's own async-TP ops on symmetric memory (torch.ops.symm_mem).
+
+fused_all_gather_matmul / fused_matmul_reduce_scatter split the matmul into per-rank chunks on
+two streams with copy-engine transfers; for all-reduce, the matmul writes into a symmetric
+buffer that the one-shot (small) or two-shot (large) symmetric-memory all-reduce then reduces.
+CUDA only; no multicast is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fluxtp import symm
+from fluxtp._dist import GroupInfo
+
+# Above this many bytes the two-shot all-reduce (reduce-scatter + all-gather) moves less data.
+ONE_SHOT_MAX_BYTES = 1 << 20
+
+
+def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
+    if x.device.type != "cuda":
+        return f"it needs CUDA tensors (got {x.device}) and an NCCL group with symmetric memory"
+    if x.dtype == torch.float64 and op == "matmul_all_reduce":
+        return "symmetric-memory all-reduce does not take float64"
+    return symm.unsupported_reason(info)
+
+
+def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):
+    symm.enable_for_group(info)
+    x_gathered, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(
+        x_shard.contiguous(), [weight.t()], 0, info.name, return_A=True
+    )
+    if bias is not None:
+        y += bias
+    return y, x_gathered if return_gathered else None
+
+
+def matmul_reduce_scatter(x, weight, bias, info: GroupInfo):
+    symm.enable_for_group(info)
+    out = torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight.t(), "sum", 0, info.name)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def matmul_all_reduce(x, weight, bias, info: GroupInfo):
+    symm.enable_for_group(info)
+    rows, cols = x.shape[0], weight.shape[0]
+    buf = symm.buffer(info, "torch_all_reduce", rows * cols * x.element_size(), x.device)
+    partial = buf.local(x.dtype, (rows, cols))
+    torch.mm(x, weight.t(), out=partial)
+    if partial.numel() * partial.element_size() <= ONE_SHOT_MAX_BYTES:
+        y = torch.ops.symm_mem.one_shot_all_reduce(partial, "sum", info.name)
+    else:
+        y = torch.empty_like(partial)
+        torch.ops.symm_mem.two_shot_all_reduce_out(partial, "sum", info.name, y)
+    if bias is not None:
+        y += bias
+    return y
+

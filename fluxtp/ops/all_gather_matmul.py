@@ -1,0 +1,68 @@
+"""AllGather + GEMM: the column-parallel linear of sequence-parallel TP (QKV, MLP up/gate)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fluxtp import backends
+from fluxtp._dist import group_from_name, resolve_group
+from fluxtp.ops._validate import check_backend, check_linear_args
+
+OP = "all_gather_matmul"
+
+
+@torch.library.custom_op("fluxtp::all_gather_matmul", mutates_args=())
+def _all_gather_matmul_op(
+    x_shard: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    backend: str,
+    return_gathered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    info = group_from_name(group_name)
+    y, x_gathered = backends.implementation(OP, backend)(x_shard, weight, bias, info, return_gathered)
+    # torch.library outputs may not alias inputs and must be tensors: an empty one stands for "not asked".
+    return y, x_gathered if return_gathered else x_shard.new_empty(0)
+
+
+@_all_gather_matmul_op.register_fake
+def _(x_shard, weight, bias, group_name, backend, return_gathered):
+    world = group_from_name(group_name).world_size
+    m, k = x_shard.shape
+    y = x_shard.new_empty(m * world, weight.shape[0])
+    return y, x_shard.new_empty(m * world, k) if return_gathered else x_shard.new_empty(0)
+
+
+def all_gather_matmul(
+    x_shard: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    group=None,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    return_gathered: bool = False,
+):
+    """y = all_gather(x_shard) @ weight^T + bias, with the gather hidden behind the GEMM.
+
+    Args:
+        x_shard: [m, K], this rank's rows (rank r holds rows r*m .. (r+1)*m-1 of x).
+        weight: [n, K], this rank's output features (nn.Linear layout).
+        group: the tensor-parallel process group (default: the world).
+        bias: [n] or None.
+        backend: "auto", "fused", "nccl" or "torch" (see fluxtp.backends).
+        return_gathered: also return the gathered input (an exact copy; the backward needs it).
+
+    Returns:
+        y [m*W, n], or (y, x_gathered [m*W, K]) when return_gathered.
+    """
+    check_backend(backend)
+    check_linear_args(x_shard, weight, bias, "x_shard", "[m, K]", "[n, K]")
+    info = resolve_group(group)
+    if info.world_size == 1:
+        y = F.linear(x_shard, weight, bias)
+        return (y, x_shard.clone()) if return_gathered else y
+    name = backends.choose(OP, backend, x_shard, weight, info)
+    y, x_gathered = _all_gather_matmul_op(x_shard, weight, bias, info.name, name, return_gathered)
+    return (y, x_gathered) if return_gathered else y

@@ -1,0 +1,138 @@
+"""Workspaces on PyTorch symmetric memory: buffers every rank can address, side streams.
+
+Invariants:
+- A buffer is keyed by (group name, device, tag); one tag belongs to one op, so two ops never
+  share a buffer. Every rank asks for the same sizes in the same order (SPMD), because
+  allocation and rendezvous are collective.
+- Buffers only grow. Growing waits for the device first (the old buffer may still be read by
+  queued work), so do it outside CUDA graph capture: warm up once at the largest shape.
+- symm knows nothing of GEMMs; the ops say how many bytes they need.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fluxtp._dist import GroupInfo, backend_name
+
+# fluxtp never uses NVLink multicast; keep torch from creating multicast objects for our
+# buffers (multicast can take a shared host's GPUs out of service). A user may still override.
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+_MIN_BYTES = 1 << 20
+
+
+@dataclass
+class SymmBuffer:
+    """One rendezvoused symmetric allocation of `nbytes` bytes on every rank of a group."""
+
+    tensor: torch.Tensor  # uint8, this rank's part
+    handle: object  # torch's _SymmetricMemory handle
+    nbytes: int
+
+    def local(self, dtype: torch.dtype, shape, offset_bytes: int = 0) -> torch.Tensor:
+        """A typed view of this rank's buffer."""
+        return self.peer(self.handle.rank, dtype, shape, offset_bytes)
+
+    def peer(self, rank: int, dtype: torch.dtype, shape, offset_bytes: int = 0) -> torch.Tensor:
+        """A typed view of `rank`'s buffer (peer memory mapped into this GPU's address space)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if offset_bytes % itemsize or offset_bytes + numel * itemsize > self.nbytes:
+            raise ValueError(f"view of {numel} x {dtype} at byte {offset_bytes} does not fit a {self.nbytes}-byte buffer")
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // itemsize)
+
+
+_buffers: dict[tuple[str, int, str], SymmBuffer] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
+_enabled_groups: set[str] = set()
+_reasons: dict[str, str | None] = {}
+
+
+def _symm_mem():
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return symm_mem
+
+
+def unsupported_reason(info: GroupInfo) -> str | None:
+    """None when the group's GPUs can share symmetric memory (same host, peer access)."""
+    if info.name in _reasons:
+        return _reasons[info.name]
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "no CUDA GPU is visible"
+    elif backend_name(info) != "nccl":
+        reason = f"the group's backend is {backend_name(info)!r}, not 'nccl'"
+    elif torch.cuda.device_count() < info.world_size:
+        reason = (
+            f"the group has {info.world_size} ranks but this host shows {torch.cuda.device_count()} GPUs; "
+            "symmetric memory needs all ranks on one host"
+        )
+    else:
+        n = info.world_size
+        blocked = [(a, b) for a in range(n) for b in range(n) if a != b and not torch.cuda.can_device_access_peer(a, b)]
+        if blocked:
+            reason = f"GPUs {blocked[0][0]} and {blocked[0][1]} cannot access each other's memory peer-to-peer"
+        else:
+            try:
+                _symm_mem()
+            except ImportError as e:
+                reason = f"torch symmetric memory is unavailable ({e})"
+    _reasons[info.name] = reason
+    return reason
+
+
+def enable_for_group(info: GroupInfo) -> None:
+    """torch 2.11's async-TP ops still look for this per-group registration."""
+    if info.name in _enabled_groups:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _symm_mem().enable_symm_mem_for_group(info.name)
+    _enabled_groups.add(info.name)
+
+
+def buffer(info: GroupInfo, tag: str, nbytes: int, device: torch.device) -> SymmBuffer:
+    """This rank's symmetric buffer of at least `nbytes` bytes for (group, device, tag)."""
+    key = (info.name, torch.device(device).index or 0, tag)
+    buf = _buffers.get(key)
+    if buf is not None and buf.nbytes >= nbytes:
+        return buf
+    if buf is not None:
+        torch.cuda.synchronize(device)  # queued work may still read the old buffer
+    size = max(_MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+    symm_mem = _symm_mem()
+    enable_for_group(info)
+    tensor = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(tensor, info.name)
+    buf = SymmBuffer(tensor, handle, size)
+    _buffers[key] = buf
+    return buf
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """A high-priority side stream per device for copy-engine transfers and signals."""
+    index = torch.device(device).index or 0
+    stream = _streams.get(index)
+    if stream is None:
+        _, highest = torch.cuda.Stream.priority_range()
+        stream = torch.cuda.Stream(device=index, priority=highest)
+        _streams[index] = stream
+    return stream
+
+
+def free_workspaces(group_name: str | None = None) -> None:
+    """Drop the cached buffers of one group (or all). Call on every rank, after a device sync."""
+    for key in [k for k in _buffers if group_name is None or k[0] == group_name]:
+        del _buffers[key]
+    if group_name is None:
+        _reasons.clear()
+    else:
+        _reasons.pop(group_name, None)

@@ -1,5 +1,6 @@
 """The "fused" backend: Flux-style persistent Triton GEMMs that wait for, or send, each tile's
-data themselves (one file per op beside this one)."""
+data themselves. One launcher module per op beside this one (ag_gemm: AllGather+GEMM); they
+import triton, so they are imported on first use, not when the backend is only considered."""
 
 from __future__ import annotations
 
@@ -23,3 +24,19 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
     except ImportError:
         return "triton is not installed"
     return symm.unsupported_reason(info)
+
+
+def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):
+    from fluxtp.backends.fused import ag_gemm
+
+    return ag_gemm.all_gather_matmul(x_shard, weight, bias, info, return_gathered)
+
+
+def gemm_only(op: str, x, weight, bias, info: GroupInfo):
+    """A zero-argument callable running op's fused kernel with communication switched off."""
+    from fluxtp.backends.fused import ag_gemm
+
+    modules = {"all_gather_matmul": ag_gemm}
+    if op not in modules:
+        raise ValueError(f"the fused backend has no GEMM-only mode for {op}")
+    return modules[op].gemm_only(x, weight, bias, info)

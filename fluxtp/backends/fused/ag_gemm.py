@@ -1,0 +1,183 @@
+"""Fused AllGather+GEMM launcher: copy-engine pulls with per-chunk signals + one persistent GEMM.
+
+Per call, with S the caller's (compute) stream and C the side copy stream:
+  S: zero the chunk signals; fork C from S.
+  C: copy this rank's shard into x_gathered chunk by chunk (signal each), publish the shard in
+     this rank's symmetric buffer, barrier (every rank has published), pull each peer's shard
+     in ring order rank+1, rank+2, ... chunk by chunk (signal each), barrier (every rank has
+     finished reading the others' buffers, so the next call may overwrite them).
+  S: the persistent GEMM, which waits for each chunk's signal before its tiles' K loops.
+  S: join C, so everything C touched is ordered before later work on S (caching allocator).
+No host synchronization anywhere: back-to-back calls and CUDA graph capture work; the barriers
+and the in-kernel waits are bounded and fail with an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fluxtp import symm
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused._launch import num_sms, tma_ready
+from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
+
+BARRIER_TIMEOUT_MS = 60_000
+# In-kernel spin bound: each spin is one atomic read of local memory (well under a microsecond),
+# so 2^27 spins is tens of seconds, far past any real wait and short of a hang.
+MAX_SPINS = 1 << 27
+
+
+@dataclass(frozen=True)
+class AllGatherMatmulConfig:
+    """How one fused AllGather+GEMM call is launched; every rank must use the same one."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
+
+    @staticmethod
+    def heuristic(rows_per_rank: int, n: int, k: int, world: int) -> AllGatherMatmulConfig:
+        """Measured on H200 (DESIGN.md): 128x256x64/3 stages at large M, 128x128x64 at small M."""
+        total_rows = rows_per_rank * world
+        if total_rows <= 2048 or n <= 4096:
+            config = AllGatherMatmulConfig(block_n=128, num_stages=4)
+        else:
+            config = AllGatherMatmulConfig()
+        # About four chunks per peer: early first arrival, few signals and copy launches.
+        chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, 4), config.block_m) * config.block_m)
+        return dataclasses.replace(config, chunk_rows=chunk)
+
+    def chunk_rows_for(self, rows_per_rank: int) -> int:
+        rows = triton.cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m
+        return min(rows, triton.cdiv(rows_per_rank, self.block_m) * self.block_m)
+
+
+@dataclass
+class _Workspace:
+    shard: symm.SymmBuffer  # this rank's published shard, read by the peers
+    signals: torch.Tensor  # int32 chunk flags (local memory, written by the copy stream)
+
+
+_workspaces: dict[tuple[str, int], _Workspace] = {}
+
+
+def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _Workspace:
+    key = (info.name, torch.device(device).index or 0)
+    ws = _workspaces.get(key)
+    shard = symm.buffer(info, "all_gather_matmul", shard_bytes, device)
+    if ws is None or ws.signals.numel() < num_signals:
+        signals = torch.zeros(max(num_signals, 64), dtype=torch.int32, device=device)
+        ws = _Workspace(shard, signals)
+        _workspaces[key] = ws
+    ws.shard = shard
+    return ws
+
+
+def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS):
+    """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1)."""
+    n, k = weight.shape
+    sms = num_sms(y.device)
+    tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
+    a_desc = TensorDescriptor.from_tensor(x_gathered, [config.block_m, config.block_k])
+    b_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    all_gather_matmul_kernel[(min(sms, tiles),)](
+        a_desc,
+        b_desc,
+        y,
+        y if bias is None else bias,
+        signals,
+        rows_per_rank,
+        n,
+        k,
+        y.stride(0),
+        chunk_rows,
+        triton.cdiv(rows_per_rank, chunk_rows),
+        max_spins,
+        RANK=info.rank,
+        WORLD=info.world_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_SMS=sms,
+        HAS_BIAS=bias is not None,
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _write_signal(signals: torch.Tensor, index: int) -> None:
+    torch.ops.symm_mem.stream_write_value32_(signals, index, 1)
+
+
+def all_gather_matmul(
+    x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config: AllGatherMatmulConfig | None = None
+):
+    x_shard, weight = tma_ready(x_shard), tma_ready(weight)
+    rows_per_rank, k = x_shard.shape
+    n = weight.shape[0]
+    world, rank = info.world_size, info.rank
+    config = config or AllGatherMatmulConfig.heuristic(rows_per_rank, n, k, world)
+    chunk_rows = config.chunk_rows_for(rows_per_rank)
+    chunks_per_rank = triton.cdiv(rows_per_rank, chunk_rows)
+    device = x_shard.device
+
+    ws = _workspace(info, device, x_shard.numel() * x_shard.element_size(), world * chunks_per_rank)
+    x_gathered = torch.empty(rows_per_rank * world, k, dtype=x_shard.dtype, device=device)
+    y = torch.empty(rows_per_rank * world, n, dtype=x_shard.dtype, device=device)
+
+    compute = torch.cuda.current_stream(device)
+    copy = symm.copy_stream(device)
+    ws.signals.zero_()
+    copy.wait_stream(compute)
+    with torch.cuda.stream(copy):
+        # Own rows first: the GEMM starts on them while the peers' shards are in flight.
+        for c in range(chunks_per_rank):
+            r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
+            x_gathered[rank * rows_per_rank + r0 : rank * rows_per_rank + r1].copy_(x_shard[r0:r1])
+            _write_signal(ws.signals, rank * chunks_per_rank + c)
+        ws.shard.local(x_shard.dtype, x_shard.shape).copy_(x_shard)
+        ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        for step in range(1, world):
+            peer = (rank + step) % world
+            peer_shard = ws.shard.peer(peer, x_shard.dtype, x_shard.shape)
+            for c in range(chunks_per_rank):
+                r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
+                x_gathered[peer * rows_per_rank + r0 : peer * rows_per_rank + r1].copy_(peer_shard[r0:r1])
+                _write_signal(ws.signals, peer * chunks_per_rank + c)
+        ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+    launch_gemm(x_gathered, weight, bias, y, ws.signals, rows_per_rank, chunk_rows, info, config)
+    compute.wait_stream(copy)
+    return y, x_gathered if return_gathered else None
+
+
+def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulConfig | None = None):
+    """The fused kernel with every signal preset (no communication), for the benchmark.
+
+    Returns a zero-argument callable that launches exactly the kernel all_gather_matmul
+    launches for these inputs, reading an already gathered input.
+    """
+    x_shard, weight = tma_ready(x_shard), tma_ready(weight)
+    rows_per_rank, k = x_shard.shape
+    world = info.world_size
+    config = config or AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world)
+    chunk_rows = config.chunk_rows_for(rows_per_rank)
+    x_gathered = x_shard.repeat(world, 1)
+    signals = torch.ones(world * triton.cdiv(rows_per_rank, chunk_rows), dtype=torch.int32, device=x_shard.device)
+    y = torch.empty(rows_per_rank * world, weight.shape[0], dtype=x_shard.dtype, device=x_shard.device)
+
+    def run():
+        launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows, info, config)
+        return y
+
+    return run

@@ -1,0 +1,34 @@
+"""Device-side synchronization: bounded spin-waits with acquire semantics, release stores.
+
+A flag is a 32-bit word. A waiter spins on an atomic read with acquire semantics until the
+flag holds the value it expects, at most `max_spins` reads; on timeout it prints which flag
+and traps, so the launch fails with an error instead of hanging. The trap is inline PTX, which
+the Triton interpreter cannot run: interpreter tests preset every flag so it is never reached.
+Scope: "gpu" for flags written on this GPU (its copy stream), "sys" for flags a peer writes.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def trap():
+    """Abort the kernel (cudaErrorLaunchFailure on the host): a wait that will never finish."""
+    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_flag(flag_ptr, expected, max_spins, SCOPE: tl.constexpr):
+    """Spin until *flag_ptr == expected (acquire); returns whether it arrived within max_spins."""
+    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while (value != expected) & (spins < max_spins):
+        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    return value == expected
+
+
+@triton.jit
+def set_flag(flag_ptr, value, SCOPE: tl.constexpr):
+    """Publish everything this program wrote before, then the flag (release)."""
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope=SCOPE)

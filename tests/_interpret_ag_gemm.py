@@ -1,0 +1,67 @@
+"""Run under TRITON_INTERPRET=1 by tests/test_kernels_interpret.py (a subprocess: the flag must
+be set before triton is imported). Checks the persistent AllGather+GEMM kernel body with its
+chunk signals preset: every output row of every segment, ragged rows per rank, bias, and that
+a missing signal stops the kernel instead of computing on stale rows.
+
+float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+
+import torch  # noqa: E402
+
+from fluxtp._dist import GroupInfo  # noqa: E402
+from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig, launch_gemm  # noqa: E402
+
+TOL = 4 * 2**-11  # fp16 output rounding (u = 2^-11) plus fp32 accumulation, normwise
+
+
+def case(seed, world, rank, m, n, k, with_bias, cfg):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world * m, k, generator=g).half()
+    w = (torch.randn(n, k, generator=g) * k**-0.5).half()
+    b = torch.randn(n, generator=g).half() if with_bias else None
+    y = torch.full((world * m, n), float("nan"), dtype=torch.float16)  # poison: every element must be written
+    chunk = cfg.chunk_rows_for(m)
+    signals = torch.ones(world * -(-m // chunk), dtype=torch.int32)
+    launch_gemm(x, w, b, y, signals, m, chunk, GroupInfo(None, rank, world), cfg)
+    ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert not torch.isnan(y).any(), f"unwritten outputs: {torch.isnan(y).sum().item()}"
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL, f"world={world} rank={rank} m={m} n={n} k={k}: rel err {err:.2e}"
+
+
+def missing_signal_stops_kernel():
+    cfg = AllGatherMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
+    x, w = torch.randn(32, 16).half(), torch.randn(16, 16).half()
+    y = torch.zeros(32, 16, dtype=torch.float16)
+    signals = torch.ones(2, dtype=torch.int32)
+    signals[1] = 0  # rank 1's shard never arrives
+    try:
+        launch_gemm(x, w, None, y, signals, 16, 16, GroupInfo(None, 0, 2), cfg, max_spins=100)
+    except Exception as e:  # the interpreter cannot run the trap's PTX: any error proves it stopped
+        return str(e)
+    raise AssertionError("the kernel ran past a signal that never arrived")
+
+
+def main():
+    seed = int(sys.argv[1])
+    small = AllGatherMatmulConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
+    odd_chunks = AllGatherMatmulConfig(block_m=16, block_n=16, block_k=32, group_m=3, num_stages=1, num_warps=4, chunk_rows=40)
+    cases = [
+        (2, 0, 32, 64, 32, True, small),  # tile multiples
+        (2, 1, 40, 48, 48, False, small),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
+        (3, 2, 23, 20, 24, True, odd_chunks),  # three ranks, chunk not a tile multiple, K tail
+        (4, 1, 9, 16, 16, False, odd_chunks),  # fewer rows than a tile
+    ]
+    for i, (world, rank, m, n, k, with_bias, cfg) in enumerate(cases):
+        case(seed + i, world, rank, m, n, k, with_bias, cfg)
+    message = missing_signal_stops_kernel()
+    print("ok;", message[:80])
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ a missing signal stops the kernel instead of computing on stale rows.
 float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -51,11 +52,13 @@ def main():
     seed = int(sys.argv[1])
     small = AllGatherMatmulConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
     odd_chunks = AllGatherMatmulConfig(block_m=16, block_n=16, block_k=32, group_m=3, num_stages=1, num_warps=4, chunk_rows=40)
+    flat = dataclasses.replace(small, flatten=True, tma_store=False)
     cases = [
-        (2, 0, 32, 64, 32, True, small),  # tile multiples
+        (2, 0, 32, 64, 32, True, small),  # tile multiples: TMA-store epilogue
         (2, 1, 40, 48, 48, False, small),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
         (3, 2, 23, 20, 24, True, odd_chunks),  # three ranks, chunk not a tile multiple, K tail
         (4, 1, 9, 16, 16, False, odd_chunks),  # fewer rows than a tile
+        (2, 1, 48, 40, 64, True, flat),  # flattened loop, pointer-store epilogue
     ]
     for i, (world, rank, m, n, k, with_bias, cfg) in enumerate(cases):
         case(seed + i, world, rank, m, n, k, with_bias, cfg)

@@ -4,7 +4,9 @@ A_gathered [W*m, K] is filled by the copy stream: segment s (rows s*m .. (s+1)*m
 shard) arrives in chunks of `chunk_rows` rows, and chunk c of segment s is ready once
 signals[s * chunks_per_rank + c] == 1. Tiles are visited segment by segment in arrival order
 (this rank's own rows first, then rank+1, rank+2, ...), and each tile waits for the chunks
-its rows lie in BEFORE its K loop, so the pipelined K loop never runs ahead of the data.
+its rows lie in BEFORE its K loop, so the pipelined K loop never runs ahead of the data (or,
+with FLATTEN, one tile ahead: see the kernel). chunk_rows is a multiple of BLOCK_M, so a tile
+lies in exactly one chunk.
 A tile never spans two segments (m need not be a multiple of BLOCK_M): rows past the segment
 end are loaded (they belong to another segment or the zero padding) but never stored.
 """
@@ -17,9 +19,22 @@ from fluxtp.kernels._tiles import grouped_tile
 
 
 @triton.jit
+def _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
+                   max_spins, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Acquire-wait for the one chunk holding this tile's rows (chunk_rows is a BLOCK_M multiple)."""
+    segment = (RANK + tile_id // tiles_per_segment) % WORLD
+    pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+    chunk = pid_m * BLOCK_M // chunk_rows
+    if not wait_flag(signal_ptr + segment * chunks_per_rank + chunk, 1, max_spins, "gpu"):
+        tl.device_print("fluxtp all_gather_matmul: timed out waiting for rank/chunk", segment, chunk)
+        trap()
+
+
+@triton.jit
 def all_gather_matmul_kernel(
     a_desc,  # TensorDescriptor over A_gathered [W*m, K], block [BLOCK_M, BLOCK_K]
     b_desc,  # TensorDescriptor over B [n, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]
+    c_desc,  # TensorDescriptor over C [W*m, n], block [BLOCK_M, BLOCK_N] (used when TMA_STORE)
     c_ptr,  # C [W*m, n]
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
     signal_ptr,  # int32 [W * chunks_per_rank]
@@ -39,25 +54,35 @@ def all_gather_matmul_kernel(
     NUM_SMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
+    num_tiles = WORLD * tiles_per_segment
     k_tiles = tl.cdiv(K, BLOCK_K)
     dtype = c_ptr.dtype.element_ty
+    pid = tl.program_id(0)
 
-    for tile_id in tl.range(tl.program_id(0), WORLD * tiles_per_segment, NUM_SMS, num_stages=1):
+    if FLATTEN:
+        # The flattened loop prefetches the next tile's first K blocks during this tile's last
+        # ones (NUM_STAGES - 1 < k_tiles, the launcher checks): so wait one tile ahead, at the
+        # start of the previous tile, and for the first tile before the loop.
+        _wait_for_tile(pid, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
+                       max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+    for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN, num_stages=NUM_STAGES if FLATTEN else 1):
+        if FLATTEN:
+            if tile_id + NUM_SMS < num_tiles:
+                _wait_for_tile(tile_id + NUM_SMS, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                               chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+        else:
+            # Wait before the K loop, never inside it, so its pipelining cannot run ahead of the data.
+            _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
+                           max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
         segment = (RANK + tile_id // tiles_per_segment) % WORLD
         pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
         row_in_segment = pid_m * BLOCK_M
-        last_row = tl.minimum(row_in_segment + BLOCK_M, rows_per_rank) - 1
-
-        # Wait for every chunk this tile's rows lie in (acquire), before any load of A.
-        for chunk in range(row_in_segment // chunk_rows, last_row // chunk_rows + 1):
-            if not wait_flag(signal_ptr + segment * chunks_per_rank + chunk, 1, max_spins, "gpu"):
-                tl.device_print("fluxtp all_gather_matmul: timed out waiting for rank/chunk", segment, chunk)
-                trap()
-
         row0 = segment * rows_per_rank + row_in_segment
         col0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -66,12 +91,15 @@ def all_gather_matmul_kernel(
             b = b_desc.load([col0, ki * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
 
-        offs_m = row_in_segment + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
-        rows = (segment * rows_per_rank + offs_m).to(tl.int64)
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]
-        mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
-        tl.store(c_ptrs, acc.to(dtype), mask=mask)
+        if TMA_STORE:  # every tile lies inside its segment (rows_per_rank % BLOCK_M == 0)
+            c_desc.store([row0, col0], acc.to(dtype))  # clipped at N by the descriptor
+        else:
+            # Tiles may end past their segment: store only their own rows.
+            offs_m = row_in_segment + tl.arange(0, BLOCK_M)
+            rows = (segment * rows_per_rank + offs_m).to(tl.int64)
+            mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
+            tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(dtype), mask=mask)

@@ -43,6 +43,8 @@ class AllGatherMatmulConfig:
     num_stages: int = 3
     num_warps: int = 8
     chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
+    flatten: bool = False  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
+    tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
 
     @staticmethod
     def heuristic(rows_per_rank: int, n: int, k: int, world: int) -> AllGatherMatmulConfig:
@@ -89,9 +91,13 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
     tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
     a_desc = TensorDescriptor.from_tensor(x_gathered, [config.block_m, config.block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    # TMA stores need whole tiles inside each segment and 16-byte output rows.
+    tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y.stride(0) * y.element_size()) % 16 == 0
+    c_desc = TensorDescriptor.from_tensor(y, [config.block_m, config.block_n]) if tma_store else None
     all_gather_matmul_kernel[(min(sms, tiles),)](
         a_desc,
         b_desc,
+        c_desc,
         y,
         y if bias is None else bias,
         signals,
@@ -111,13 +117,16 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
         NUM_SMS=sms,
         HAS_BIAS=bias is not None,
         NUM_STAGES=config.num_stages,
+        FLATTEN=config.flatten and triton.cdiv(k, config.block_k) >= config.num_stages,
+        TMA_STORE=tma_store,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
 
 def _write_signal(signals: torch.Tensor, index: int) -> None:
-    torch.ops.symm_mem.stream_write_value32_(signals, index, 1)
+    """signals[index] = 1 on the current stream, ordered after the copies before it."""
+    torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), index, 1)
 
 
 def all_gather_matmul(

@@ -25,8 +25,9 @@ def _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chu
     segment = (RANK + tile_id // tiles_per_segment) % WORLD
     pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
     chunk = pid_m * BLOCK_M // chunk_rows
+    # No device_print here: its printf call alone made the whole kernel ~25% slower (measured
+    # on H200, docs/perf-log.md). A chunk that never arrives traps the kernel instead.
     if not wait_flag(signal_ptr + segment * chunks_per_rank + chunk, 1, max_spins, "gpu"):
-        tl.device_print("fluxtp all_gather_matmul: timed out waiting for rank/chunk", segment, chunk)
         trap()
 
 
@@ -34,7 +35,7 @@ def _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chu
 def all_gather_matmul_kernel(
     a_desc,  # TensorDescriptor over A_gathered [W*m, K], block [BLOCK_M, BLOCK_K]
     b_desc,  # TensorDescriptor over B [n, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]
-    c_desc,  # TensorDescriptor over C [W*m, n], block [BLOCK_M, BLOCK_N] (used when TMA_STORE)
+    c_desc,  # TensorDescriptor over C [W*m, n], block [BLOCK_M, BLOCK_N (/2 with EPILOGUE_SUBTILE)], or None
     c_ptr,  # C [W*m, n]
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
     signal_ptr,  # int32 [W * chunks_per_rank]
@@ -56,6 +57,7 @@ def all_gather_matmul_kernel(
     NUM_STAGES: tl.constexpr,
     FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr,
 ):
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -71,6 +73,9 @@ def all_gather_matmul_kernel(
         # start of the previous tile, and for the first tile before the loop.
         _wait_for_tile(pid, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
                        max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+    # The epilogue recomputes its tile from its own counter instead of reusing the prologue's
+    # values: that keeps the flattened loop's pipelining free of prologue-to-epilogue dependencies.
+    tile_id_c = pid - NUM_SMS
     for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN, num_stages=NUM_STAGES if FLATTEN else 1):
         if FLATTEN:
             if tile_id + NUM_SMS < num_tiles:
@@ -82,8 +87,7 @@ def all_gather_matmul_kernel(
                            max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
         segment = (RANK + tile_id // tiles_per_segment) % WORLD
         pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-        row_in_segment = pid_m * BLOCK_M
-        row0 = segment * rows_per_rank + row_in_segment
+        row0 = segment * rows_per_rank + pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
@@ -91,15 +95,25 @@ def all_gather_matmul_kernel(
             b = b_desc.load([col0, ki * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
 
-        offs_n = col0 + tl.arange(0, BLOCK_N)
+        tile_id_c += NUM_SMS
+        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD
+        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        row_in_segment_c = pid_m_c * BLOCK_M
+        row0_c = segment_c * rows_per_rank + row_in_segment_c
+        offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
         if TMA_STORE:  # every tile lies inside its segment (rows_per_rank % BLOCK_M == 0)
-            c_desc.store([row0, col0], acc.to(dtype))  # clipped at N by the descriptor
+            if EPILOGUE_SUBTILE:  # two half-width stores: less shared memory and registers at once
+                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc0.to(dtype))
+                c_desc.store([row0_c, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(dtype))
+            else:
+                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc.to(dtype))  # clipped at N by the descriptor
         else:
             # Tiles may end past their segment: store only their own rows.
-            offs_m = row_in_segment + tl.arange(0, BLOCK_M)
-            rows = (segment * rows_per_rank + offs_m).to(tl.int64)
+            offs_m = row_in_segment_c + tl.arange(0, BLOCK_M)
+            rows = (segment_c * rows_per_rank + offs_m).to(tl.int64)
             mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
             tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(dtype), mask=mask)

@@ -1,8 +1,9 @@
 """Device-side synchronization: bounded spin-waits with acquire semantics, release stores.
 
 A flag is a 32-bit word. A waiter spins on an atomic read with acquire semantics until the
-flag holds the value it expects, at most `max_spins` reads; on timeout it prints which flag
-and traps, so the launch fails with an error instead of hanging. The trap is inline PTX, which
+flag holds the value it expects, at most `max_spins` reads; on timeout the kernel traps, so
+the launch fails with an error instead of hanging (no device_print in hot kernels: the printf
+call slows the whole kernel down). The trap is inline PTX, which
 the Triton interpreter cannot run: interpreter tests preset every flag so it is never reached.
 Scope: "gpu" for flags written on this GPU (its copy stream), "sys" for flags a peer writes.
 """

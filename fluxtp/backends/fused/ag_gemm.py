@@ -43,12 +43,13 @@ class AllGatherMatmulConfig:
     num_stages: int = 3
     num_warps: int = 8
     chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
-    flatten: bool = False  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
+    flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
     tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
+    epilogue_subtile: bool = True  # TMA-store the tile in two halves
 
     @staticmethod
     def heuristic(rows_per_rank: int, n: int, k: int, world: int) -> AllGatherMatmulConfig:
-        """Measured on H200 (DESIGN.md): 128x256x64/3 stages at large M, 128x128x64 at small M."""
+        """Measured on H200 (docs/perf-log.md): 128x256x64/3 stages at large M, 128x128x64/4 at small M."""
         total_rows = rows_per_rank * world
         if total_rows <= 2048 or n <= 4096:
             config = AllGatherMatmulConfig(block_n=128, num_stages=4)
@@ -93,7 +94,8 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
     b_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
     # TMA stores need whole tiles inside each segment and 16-byte output rows.
     tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y.stride(0) * y.element_size()) % 16 == 0
-    c_desc = TensorDescriptor.from_tensor(y, [config.block_m, config.block_n]) if tma_store else None
+    store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
+    c_desc = TensorDescriptor.from_tensor(y, [config.block_m, store_n]) if tma_store else None
     all_gather_matmul_kernel[(min(sms, tiles),)](
         a_desc,
         b_desc,
@@ -119,6 +121,7 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
         NUM_STAGES=config.num_stages,
         FLATTEN=config.flatten and triton.cdiv(k, config.block_k) >= config.num_stages,
         TMA_STORE=tma_store,
+        EPILOGUE_SUBTILE=config.epilogue_subtile,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -1,8 +1,14 @@
-"""Launch helpers shared by the fused ops."""
+"""Launch helpers shared by the fused ops (host side, kept cheap: they run on every call)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+_descriptors: dict[tuple, TensorDescriptor] = {}
+_MAX_DESCRIPTORS = 256
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -14,8 +20,26 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor for t, cached: it is a function of (address, shape, strides, block)
+    only, so a hit is always valid, and the caching allocator hands out the same addresses."""
+    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, tuple(block))
+    desc = _descriptors.get(key)
+    if desc is None:
+        if len(_descriptors) >= _MAX_DESCRIPTORS:
+            _descriptors.clear()
+        desc = _descriptors[key] = TensorDescriptor.from_tensor(t, block)
+    return desc
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_sms(device: torch.device) -> int:
     """Persistent grid size: one program per SM (a few under the CPU interpreter)."""
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -15,15 +15,15 @@ and the in-kernel waits are bounded and fail with an error instead of hanging.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused._launch import num_sms, tma_ready
+from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 
 BARRIER_TIMEOUT_MS = 60_000
@@ -48,6 +48,7 @@ class AllGatherMatmulConfig:
     epilogue_subtile: bool = True  # TMA-store the tile in two halves
 
     @staticmethod
+    @functools.cache
     def heuristic(rows_per_rank: int, n: int, k: int, world: int) -> AllGatherMatmulConfig:
         """Measured on H200 (docs/perf-log.md): 128x256x64/3 stages at large M, 128x128x64/4 at small M."""
         total_rows = rows_per_rank * world
@@ -55,8 +56,9 @@ class AllGatherMatmulConfig:
             config = AllGatherMatmulConfig(block_n=128, num_stages=4)
         else:
             config = AllGatherMatmulConfig()
-        # About four chunks per peer: early first arrival, few signals and copy launches.
-        chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, 4), config.block_m) * config.block_m)
+        # Two chunks per peer: a peer's shard lands long before the GEMM needs it (this rank's own
+        # rows come first), so few copies and signals (host launch cost) beat fine granularity.
+        chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, 2), config.block_m) * config.block_m)
         return dataclasses.replace(config, chunk_rows=chunk)
 
     def chunk_rows_for(self, rows_per_rank: int) -> int:
@@ -68,6 +70,15 @@ class AllGatherMatmulConfig:
 class _Workspace:
     shard: symm.SymmBuffer  # this rank's published shard, read by the peers
     signals: torch.Tensor  # int32 chunk flags (local memory, written by the copy stream)
+    views: dict = dataclasses.field(default_factory=dict)  # (dtype, shape) -> [view of rank r's shard]
+
+    def shard_views(self, dtype, shape, world: int) -> list[torch.Tensor]:
+        """Every rank's published shard as a tensor (made once per shape: get_buffer is slow)."""
+        key = (dtype, tuple(shape))
+        views = self.views.get(key)
+        if views is None:
+            views = self.views[key] = [self.shard.peer(r, dtype, shape) for r in range(world)]
+        return views
 
 
 _workspaces: dict[tuple[str, int], _Workspace] = {}
@@ -77,11 +88,10 @@ def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _
     key = (info.name, torch.device(device).index or 0)
     ws = _workspaces.get(key)
     shard = symm.buffer(info, "all_gather_matmul", shard_bytes, device)
-    if ws is None or ws.signals.numel() < num_signals:
-        signals = torch.zeros(max(num_signals, 64), dtype=torch.int32, device=device)
-        ws = _Workspace(shard, signals)
-        _workspaces[key] = ws
-    ws.shard = shard
+    if ws is None or ws.shard is not shard or ws.signals.numel() < num_signals:
+        fits = ws is not None and ws.signals.numel() >= num_signals
+        signals = ws.signals if fits else torch.zeros(max(num_signals, 64), dtype=torch.int32, device=device)
+        ws = _workspaces[key] = _Workspace(shard, signals)
     return ws
 
 
@@ -90,12 +100,12 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
     n, k = weight.shape
     sms = num_sms(y.device)
     tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
-    a_desc = TensorDescriptor.from_tensor(x_gathered, [config.block_m, config.block_k])
-    b_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    a_desc = descriptor(x_gathered, [config.block_m, config.block_k])
+    b_desc = descriptor(weight, [config.block_n, config.block_k])
     # TMA stores need whole tiles inside each segment and 16-byte output rows.
     tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y.stride(0) * y.element_size()) % 16 == 0
     store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
-    c_desc = TensorDescriptor.from_tensor(y, [config.block_m, store_n]) if tma_store else None
+    c_desc = descriptor(y, [config.block_m, store_n]) if tma_store else None
     all_gather_matmul_kernel[(min(sms, tiles),)](
         a_desc,
         b_desc,
@@ -127,9 +137,12 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
     )
 
 
-def _write_signal(signals: torch.Tensor, index: int) -> None:
-    """signals[index] = 1 on the current stream, ordered after the copies before it."""
-    torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), index, 1)
+def _set_signals(signals: torch.Tensor, first: int, count: int) -> None:
+    """signals[first:first+count] = 1 on the current stream, ordered after the copies before it."""
+    if count == 1:
+        torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), first, 1)
+    else:
+        torch.ops.symm_mem.memset32_(signals.view(torch.uint32), first, 1, count)
 
 
 def all_gather_matmul(
@@ -153,20 +166,19 @@ def all_gather_matmul(
     ws.signals.zero_()
     copy.wait_stream(compute)
     with torch.cuda.stream(copy):
-        # Own rows first: the GEMM starts on them while the peers' shards are in flight.
-        for c in range(chunks_per_rank):
-            r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
-            x_gathered[rank * rows_per_rank + r0 : rank * rows_per_rank + r1].copy_(x_shard[r0:r1])
-            _write_signal(ws.signals, rank * chunks_per_rank + c)
-        ws.shard.local(x_shard.dtype, x_shard.shape).copy_(x_shard)
+        # Own rows first, in one piece: the GEMM starts on them while the peers' shards are in flight.
+        x_gathered[rank * rows_per_rank : (rank + 1) * rows_per_rank].copy_(x_shard)
+        _set_signals(ws.signals, rank * chunks_per_rank, chunks_per_rank)
+        shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
+        shards[rank].copy_(x_shard)
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         for step in range(1, world):
             peer = (rank + step) % world
-            peer_shard = ws.shard.peer(peer, x_shard.dtype, x_shard.shape)
+            peer_shard = shards[peer]
             for c in range(chunks_per_rank):
                 r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
                 x_gathered[peer * rows_per_rank + r0 : peer * rows_per_rank + r1].copy_(peer_shard[r0:r1])
-                _write_signal(ws.signals, peer * chunks_per_rank + c)
+                _set_signals(ws.signals, peer * chunks_per_rank + c, 1)
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     launch_gemm(x_gathered, weight, bias, y, ws.signals, rows_per_rank, chunk_rows, info, config)
     compute.wait_stream(copy)

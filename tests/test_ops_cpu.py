@@ -21,6 +21,22 @@ def test_reference_on_gloo(world):
     run_on_ranks(_sweep_body, world, random.randrange(1 << 30), backend="gloo")
 
 
+def _large_world_body(rank, world, seed):
+    from tests._cases import check_all_gather_matmul, check_matmul_reduce
+
+    for i, (m, n, k) in enumerate([(3, 5, 16), (8, 2, 24)]):
+        s = seed + 10 * i
+        check_all_gather_matmul(rank, world, s, m, n, k, torch.float32, "cpu", "auto", i == 0)
+        check_matmul_reduce("matmul_reduce_scatter", rank, world, s, m * world, n, k, torch.float32, "cpu", "auto", i == 1)
+        check_matmul_reduce("matmul_all_reduce", rank, world, s, m, n, k, torch.float32, "cpu", "auto", i == 0)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_tp4_and_tp8_worlds(world):
+    """The code paths for the TP=4/8 layouts of the paper (issue 8), on gloo."""
+    run_on_ranks(_large_world_body, world, random.randrange(1 << 30), backend="gloo")
+
+
 def test_world_of_one_without_distributed():
     # No process group at all: every op is a plain linear.
     sweep(0, 1, random.randrange(1 << 30), "cpu", ["nccl", "auto", "torch", "fused"], DTYPES + [torch.float64])

@@ -1,0 +1,315 @@
+"""Column- and row-parallel linears of Megatron-style tensor + sequence parallelism, with the
+communication of the forward *and* the backward overlapped by the fused ops.
+
+Sequence-parallel layout (the convention of every module in fluxtp.nn): activations between
+blocks are sharded by rows. The rows are the tokens of the activations flattened to
+[tokens, hidden]; with W ranks, rank r holds the contiguous block of rows
+r*T/W .. (r+1)*T/W - 1 (for [batch, seq, hidden] flattened batch-major, a block may span
+several sequences). A tensor of more than two dims is sharded along its first dim, so a shard
+[d0, d1, ..., hidden] stands for the full [W*d0, d1, ..., hidden].
+
+    ColumnParallelLinear   x_shard [T/W, K]  --all_gather_matmul-->      y      [T, N/W]
+    RowParallelLinear      x       [T, K/W]  --matmul_reduce_scatter-->  out    [T/W, N]
+
+Backward (what each autograd function computes; G_* are gradients):
+    column: G_x_shard = reduce_scatter(G_y @ W_shard)        matmul_reduce_scatter(G_y, W_shard^T)
+            G_W_shard = G_y^T @ x_gathered                   (x_gathered kept from the forward,
+                                                              or re-gathered with save_memory)
+    row:    G_x       = all_gather(G_out_shard) @ W_shard    all_gather_matmul(G_out, W_shard^T),
+            G_W_shard = all_gather(G_out_shard)^T @ x         whose gathered G_out serves G_W too
+            G_b       = all_reduce(sum of G_out_shard rows)  (the bias is whole on every rank)
+
+The W_shard^T passed to the ops is a transposed view ([K, n] with strides (1, K)), not a copy;
+a backend whose kernel needs another layout makes it contiguous itself.
+
+Nothing beside a fused op: no plain collective of ours is in flight while a fused op runs.
+The fused kernels are persistent (one program per SM) and spin on peers' signals; an NCCL
+kernel holding SMs while it waits for a peer that is itself spinning could stall both. So the
+save_memory re-gather runs after the input-gradient op, and the row bias all-reduce is issued
+after the fused op and overlaps only the weight-gradient GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fluxtp._dist import GroupInfo, resolve_group
+from fluxtp.nn._collectives import all_reduce_sum, gather_rows
+from fluxtp.ops import all_gather_matmul, matmul_reduce_scatter
+from fluxtp.ops._validate import check_backend
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_shard_m, w_shard_n, bias_n, info: GroupInfo, backend: str, save_memory: bool):
+        group = info.group
+        if save_memory:
+            y = all_gather_matmul(x_shard_m, w_shard_n, group=group, bias=bias_n, backend=backend)
+            ctx.save_for_backward(x_shard_m, w_shard_n)
+        else:
+            y, x_gathered = all_gather_matmul(
+                x_shard_m, w_shard_n, group=group, bias=bias_n, backend=backend, return_gathered=True
+            )
+            ctx.save_for_backward(x_gathered, w_shard_n)
+        ctx.info, ctx.backend, ctx.save_memory = info, backend, save_memory
+        ctx.has_bias = bias_n is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved_x, w_shard_n = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_y = grad_y.contiguous()  # no-op in the usual case; the ops want row-major rows
+        grad_x_shard = None
+        if need_x:
+            grad_x_shard = matmul_reduce_scatter(grad_y, w_shard_n.t(), group=ctx.info.group, backend=ctx.backend)
+        grad_w = None
+        if need_w:
+            # Re-gathered after the fused op, not beside it (module docstring).
+            x_gathered = gather_rows(saved_x, ctx.info) if ctx.save_memory else saved_x
+            grad_w = grad_y.t() @ x_gathered
+        grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
+        return grad_x_shard, grad_w, grad_b, None, None, None
+
+
+class _RowParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_k, w_shard_k, bias, info: GroupInfo, backend: str):
+        out_shard = matmul_reduce_scatter(x_k, w_shard_k, group=info.group, bias=bias, backend=backend)
+        ctx.save_for_backward(x_k, w_shard_k)
+        ctx.info, ctx.backend = info, backend
+        ctx.has_bias = bias is not None
+        return out_shard
+
+    @staticmethod
+    def backward(ctx, grad_out_shard):
+        x_k, w_shard_k = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        info = ctx.info
+        grad_out_shard = grad_out_shard.contiguous()
+        grad_x = grad_out_gathered = None
+        if need_x:
+            grad_x, grad_out_gathered = all_gather_matmul(
+                grad_out_shard, w_shard_k.t(), group=info.group, backend=ctx.backend, return_gathered=True
+            )
+        elif need_w:
+            grad_out_gathered = gather_rows(grad_out_shard, info)
+        bias_work = grad_b = None
+        if ctx.has_bias and need_b:
+            # The bias was added to this rank's rows only: sum the row sums over the group,
+            # in flight during the weight-gradient GEMM only (issued after the fused op; see
+            # "nothing beside a fused op" in the module docstring).
+            grad_b = grad_out_shard.sum(0)
+            bias_work = all_reduce_sum(grad_b, info, async_op=True)
+        grad_w = grad_out_gathered.t() @ x_k if need_w else None
+        if bias_work is not None:
+            bias_work.wait()
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _flatten_rows(x: torch.Tensor, features: int, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [..., {features}], got {type(x).__name__}")
+    if x.dim() < 2 or x.shape[-1] != features:
+        raise ValueError(f"{name} must be [rows, {features}] or [d0, ..., {features}], got shape {tuple(x.shape)}")
+    return x.reshape(-1, features)
+
+
+def _check_divides(world: int, features: int, what: str) -> int:
+    if features % world:
+        raise ValueError(f"{what}={features} must be divisible by the tensor-parallel world size {world}")
+    return features // world
+
+
+def _uniform_like_linear_(t: torch.Tensor, fan_in: int) -> None:
+    """nn.Linear's default: kaiming_uniform(a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        t.uniform_(-bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = all_gather(x_shard) @ weight^T + bias, the weight split by output features.
+
+    Args:
+        in_features, out_features: of the whole (unsharded) layer; out_features % W == 0.
+        group: the tensor-parallel process group (default: the world).
+        bias: keep a bias (sharded like the output features).
+        backend: "auto", "fused", "nccl" or "torch" (see fluxtp.backends), forward and backward.
+        save_memory: keep only this rank's input rows for the backward and re-gather them there
+            (W times less saved activation memory, one more all-gather per backward).
+
+    Shapes (W = group size, rank r):
+        input:  x_shard [m, in_features], rank r's rows of x [m*W, in_features]; or
+                [d0, d1, ..., in_features] standing for [W*d0, d1, ..., in_features].
+        output: [m*W, out_features/W] (or [W*d0, d1, ..., out_features/W]): every row, output
+                features r*out_features/W .. (r+1)*out_features/W - 1.
+        weight: [out_features/W, in_features], bias: [out_features/W].
+
+    A fresh layer has nn.Linear's weight distribution and a zero bias (as Megatron); use
+    `from_linear` to shard an existing nn.Linear.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group=None,
+        bias: bool = True,
+        backend: str = "auto",
+        save_memory: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_backend(backend)
+        self.group = group
+        self._info = resolve_group(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_features_local = _check_divides(self._info.world_size, out_features, "out_features")
+        self.backend, self.save_memory = backend, save_memory
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_features_local, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(self.out_features_local, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _uniform_like_linear_(self.weight, self.in_features)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto", save_memory: bool = False):
+        """This rank's block of output features of `linear` (rows of its weight), copied."""
+        w = linear.weight
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group=group,
+            bias=linear.bias is not None,
+            backend=backend,
+            save_memory=save_memory,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        rows = slice(layer._info.rank * layer.out_features_local, (layer._info.rank + 1) * layer.out_features_local)
+        with torch.no_grad():
+            layer.weight.copy_(w[rows])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        layer.weight.requires_grad_(w.requires_grad)
+        if linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        return layer
+
+    def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+        x_shard_m = _flatten_rows(x_shard, self.in_features, "x_shard")
+        y = _ColumnParallelLinearFn.apply(x_shard_m, self.weight, self.bias, self._info, self.backend, self.save_memory)
+        if x_shard.dim() == 2:
+            return y
+        return y.view(x_shard.shape[0] * self._info.world_size, *x_shard.shape[1:-1], self.out_features_local)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.out_features_local} of {self._info.world_size} ranks), bias={self.bias is not None}, "
+            f"backend={self.backend!r}, save_memory={self.save_memory}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """out = reduce_scatter(x @ weight^T) + bias, the weight split by input features.
+
+    Args:
+        in_features, out_features: of the whole (unsharded) layer; in_features % W == 0.
+        group: the tensor-parallel process group (default: the world).
+        bias: keep a bias. It is whole ([out_features]) and replicated on every rank, added
+            once to the reduced rows; its gradient is summed over the group in the backward,
+            so every rank holds the full (identical) gradient.
+        backend: "auto", "fused", "nccl" or "torch", forward and backward.
+
+    Shapes (W = group size, rank r):
+        input:  x [M, in_features/W], all rows, input features r*in/W .. (r+1)*in/W - 1 (what
+                a ColumnParallelLinear returns); or [D0, d1, ..., in_features/W] with W | D0.
+        output: [M/W, out_features], rank r's rows r*M/W .. (r+1)*M/W - 1 of the summed
+                product (or [D0/W, d1, ..., out_features]).
+        weight: [out_features, in_features/W], bias: [out_features].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group=None,
+        bias: bool = True,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_backend(backend)
+        self.group = group
+        self._info = resolve_group(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_features_local = _check_divides(self._info.world_size, in_features, "in_features")
+        self.backend = backend
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_local, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # fan-in of the whole layer, so the shards together have nn.Linear's distribution.
+        _uniform_like_linear_(self.weight, self.in_features)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)  # replicated: must start equal on every rank
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto"):
+        """This rank's block of input features of `linear` (columns of its weight), copied;
+        the bias is copied whole."""
+        w = linear.weight
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group=group,
+            bias=linear.bias is not None,
+            backend=backend,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        k_local = layer.in_features_local
+        cols = slice(layer._info.rank * k_local, (layer._info.rank + 1) * k_local)
+        with torch.no_grad():
+            layer.weight.copy_(w[:, cols])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        layer.weight.requires_grad_(w.requires_grad)
+        if linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_k = _flatten_rows(x, self.in_features_local, "x")
+        world = self._info.world_size
+        if x.shape[0] % world:
+            raise ValueError(
+                f"x has shape {tuple(x.shape)}: its first dim {x.shape[0]} must be divisible by the "
+                f"tensor-parallel world size {world} to be scattered by rows (flatten to [tokens, features] "
+                f"to shard the tokens instead)"
+            )
+        out_shard = _RowParallelLinearFn.apply(x_k, self.weight, self.bias, self._info, self.backend)
+        if x.dim() == 2:
+            return out_shard
+        return out_shard.view(x.shape[0] // world, *x.shape[1:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.in_features_local} of {self._info.world_size} ranks), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, backend={self.backend!r}"
+        )

@@ -46,7 +46,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost mesh dim)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
@@ -202,7 +204,9 @@ def train(args) -> None:
         module = model
         blocks = list(model.model.layers)
     else:
-        module = PipelineStageModule(model, stage_layers(args.layers, args.pp, pp_rank), first, last, args.seq, tp_group)
+        module = PipelineStageModule(
+            model, stage_layers(args.layers, args.pp, pp_rank), first, last, args.seq, tp_group
+        )
         blocks = list(module.layers)
     del model
     if args.dp > 1:
@@ -224,7 +228,13 @@ def train(args) -> None:
         example_in = torch.zeros(micro, args.seq, dtype=torch.long, device=device) if first else rows
         example_out = torch.empty(micro, args.seq, args.vocab, dtype=dtype, device=device) if last else rows
         stage = PipelineStage(
-            module, pp_rank, args.pp, device, input_args=example_in, output_args=example_out, group=mesh["pp"].get_group()
+            module,
+            pp_rank,
+            args.pp,
+            device,
+            input_args=example_in,
+            output_args=example_out,
+            group=mesh["pp"].get_group(),
         )
         schedule_cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
         # loss_fn is the mean over a micro-batch; the schedule averages gradients over them.

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fluxtp.nn import ColumnParallelLinear, RowParallelLinear
+from fluxtp.nn import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from fluxtp.testing import run_on_ranks
 from tests._cases import rel_error
 
@@ -47,7 +47,12 @@ def _reference(x, linear, grad_out):
             ref.bias.copy_(linear.bias)
     y = ref(x64)
     y.backward(grad_out.double())
-    return y.detach(), (x64.grad if x.requires_grad else None), ref.weight.grad, (ref.bias.grad if ref.bias is not None else None)
+    return (
+        y.detach(),
+        (x64.grad if x.requires_grad else None),
+        ref.weight.grad,
+        (ref.bias.grad if ref.bias is not None else None),
+    )
 
 
 def check_column(rank, world, seed, lead, k, n, dtype, bias, save_memory, x_grad=True, device="cpu", backend="auto"):
@@ -104,6 +109,41 @@ def check_row(rank, world, seed, lead, k, n, dtype, bias, x_grad=True, device="c
         _close(f"{tag} bias grad", layer.bias.grad, gb_ref, dtype)
 
 
+def check_shared_gather(rank, world, seed, lead, k, ns, biases, dtype, save_memory, device="cpu", backend="auto"):
+    """column_parallel_linears: several column layers of one input (one all-gather) against
+    the unsharded linears, with the loss sum_i sum(y_i * G_i) so every input gradient counts."""
+    torch.manual_seed(seed)
+    linears = [nn.Linear(k, n, bias=b, dtype=dtype) for n, b in zip(ns, biases)]
+    for linear in linears:
+        if linear.bias is not None:
+            nn.init.normal_(linear.bias)
+    x = torch.randn(*lead, k, dtype=dtype)
+    grad_ys = [torch.randn(*lead, n, dtype=dtype) for n in ns]
+    x64 = x.double().clone().requires_grad_()  # a copy: for float64, .double() is x itself
+    refs = [nn.Linear(k, n, bias=b, dtype=torch.float64) for n, b in zip(ns, biases)]
+    for ref, linear in zip(refs, linears):
+        ref.load_state_dict({name: t.double() for name, t in linear.state_dict().items()})
+    y_refs = [ref(x64) for ref in refs]
+    torch.autograd.backward(y_refs, [g.double() for g in grad_ys])
+
+    layers = [
+        ColumnParallelLinear.from_linear(lin.to(device), save_memory=save_memory, backend=backend) for lin in linears
+    ]
+    rows = lead[0] // world
+    x_shard = x[rank * rows : (rank + 1) * rows].to(device).requires_grad_()
+    ys = column_parallel_linears(x_shard, layers)
+    tag = f"shared gather {backend} W={world} {dtype} lead={lead} ns={ns} save_memory={save_memory}"
+    col_slices = [slice(rank * (n // world), (rank + 1) * (n // world)) for n in ns]
+    for i, (y, y_ref, cols) in enumerate(zip(ys, y_refs, col_slices)):
+        _close(f"{tag} output {i}", y, y_ref.detach()[..., cols], dtype)
+    torch.autograd.backward(ys, [g[..., cols].to(device) for g, cols in zip(grad_ys, col_slices)])
+    _close(f"{tag} input grad", x_shard.grad, x64.grad[rank * rows : (rank + 1) * rows], dtype)
+    for i, (layer, ref, cols) in enumerate(zip(layers, refs, col_slices)):
+        _close(f"{tag} weight grad {i}", layer.weight.grad, ref.weight.grad[cols], dtype)
+        if ref.bias is not None:
+            _close(f"{tag} bias grad {i}", layer.bias.grad, ref.bias.grad[cols], dtype)
+
+
 def check_errors(world):
     with pytest.raises(ValueError, match="out_features=7 must be divisible"):
         ColumnParallelLinear(8, 7)
@@ -117,6 +157,8 @@ def check_errors(world):
         row(torch.randn(1, 4 * world, 2))
     with pytest.raises(ValueError, match="backend must be one of"):
         ColumnParallelLinear(8, 8, backend="nope")
+    with pytest.raises(ValueError, match="same in_features, group, backend and save_memory"):
+        column_parallel_linears(torch.randn(4, 8), [column, ColumnParallelLinear(8, 2 * world, save_memory=True)])
 
 
 def _layers_body(rank, world, seed):
@@ -135,6 +177,11 @@ def _layers_body(rank, world, seed):
     check_column(rank, world, seed + 7, (3 * world, 2), 12, 2 * world, torch.float64, True, True, x_grad=False)
     check_column(rank, world, seed + 8, (3 * world, 2), 12, 2 * world, torch.float64, True, False, x_grad=False)
     check_row(rank, world, seed + 9, (3 * world, 2), 2 * world, 12, torch.float64, True, x_grad=False)
+    # q/k/v-like: three layers of one input (different widths, biases on some), one all-gather.
+    for i, (dtype, lead) in enumerate([(torch.float64, (4 * world,)), (torch.float32, (2 * world, 3))]):
+        for save_memory in (False, True):
+            ns = (4 * world, 2 * world, 2 * world)
+            check_shared_gather(rank, world, seed + 20 + i, lead, 12, ns, (True, False, True), dtype, save_memory)
     check_errors(world)
 
 

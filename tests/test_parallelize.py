@@ -14,9 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # in the test extra; CI installs it
 
-from fluxtp.nn import ColumnParallelLinear, RowParallelLinear, parallelize  # noqa: E402
-from fluxtp.testing import run_on_ranks  # noqa: E402
-from tests._cases import rel_error  # noqa: E402
+from fluxtp.nn import ColumnParallelLinear, RowParallelLinear, parallelize
+from fluxtp.testing import run_on_ranks
+from tests._cases import rel_error
 
 # Normwise relative error against the unsharded model in float64. The sharded model sums the
 # same products in another order (reduce-scatter of rank partials, gathered GEMMs), so each
@@ -25,15 +25,15 @@ from tests._cases import rel_error  # noqa: E402
 # errors of order 1.
 TOLERANCE = 1e-10
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-)
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
 
 
 def _build(family, attn, seed, **overrides):
@@ -85,7 +85,9 @@ def check_model(rank, world, family, attn, seed, batch, seq, save_memory=False):
         module = modules[name.rpartition(".")[0]]
         expected = _expected_grad(name, ref_params[name].grad, module, rank)
         assert p.grad is not None, f"{tag} {name}: no gradient"
-        assert p.grad.shape == expected.shape, f"{tag} {name}: grad shape {tuple(p.grad.shape)} vs {tuple(expected.shape)}"
+        assert p.grad.shape == expected.shape, (
+            f"{tag} {name}: grad shape {tuple(p.grad.shape)} vs {tuple(expected.shape)}"
+        )
         err = rel_error(p.grad, expected)
         assert err <= TOLERANCE, f"{tag} {name}: grad rel err {err:.2e}"
     sharded = [n for n, m in modules.items() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]

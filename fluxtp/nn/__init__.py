@@ -1,19 +1,21 @@
 """Tensor + sequence-parallel modules built on the fused ops (see fluxtp.nn.linear for the layout).
 
     ColumnParallelLinear, RowParallelLinear   the two linears, with overlapped backward
+    column_parallel_linears(x, [q, k, v])     column linears of one input: one all-gather
     parallelize(model, group)                 TP + SP for a LLaMA-style transformers decoder
     scatter_tokens, gather_tokens             enter / leave the sequence-parallel region
     sum_grads_over_group                      replicated parameters used on row shards
 """
 
-from fluxtp.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fluxtp.nn.decoder import TensorParallelPlan, default_plan, parallelize
+from fluxtp.nn.linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from fluxtp.nn.sequence import gather_tokens, scatter_tokens, sum_grads_over_group
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "TensorParallelPlan",
+    "column_parallel_linears",
     "default_plan",
     "gather_tokens",
     "parallelize",

@@ -7,11 +7,12 @@ plan; another model with the same structure can pass its own `TensorParallelPlan
     -- scatter_tokens --            before the first decoder layer: [B, S, H] -> rows [B*S/W, H]
     per decoder layer (sequence-parallel region: residual stream and norms on row shards)
       input_layernorm               on rows, weight replicated (gradient summed over the group)
-      q/k/v_proj                    ColumnParallelLinear: rows -> all tokens, local heads
+      q/k/v_proj                    ColumnParallelLinear: rows -> all tokens, local heads (the
+                                    three share one all-gather, fused with q's GEMM)
       attention                     on the full sequences, this rank's heads (and KV heads)
       o_proj                        RowParallelLinear: local heads -> rows (reduce-scatter)
       post_attention_layernorm      on rows
-      gate/up_proj, down_proj       ColumnParallelLinear, RowParallelLinear
+      gate/up_proj, down_proj       ColumnParallelLinear (sharing one all-gather), RowParallelLinear
     final norm                      on rows
     -- gather_tokens --             on the base model's output: rows -> [B, S, H]
     lm_head, loss                   replicated (identical on every rank)
@@ -33,11 +34,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from fluxtp._dist import resolve_group
-from fluxtp.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fluxtp.nn.linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from fluxtp.nn.sequence import gather_tokens, scatter_tokens, sum_grads_over_group
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -52,9 +52,18 @@ class TensorParallelPlan:
     """
 
     layers: str = "model.layers"  # the ModuleList of decoder layers
-    column: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    column: tuple[str, ...] = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    )
     row: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     attention: str = "self_attn"  # gets local head counts and the sequence-parallel forward
+    # A gated MLP (gate_proj, up_proj, down_proj, act_fn) whose forward is replaced so that gate
+    # and up share one all-gather; None keeps the model's own forward (one gather per layer).
+    mlp: str | None = "mlp"
     # Replicated parameters that each rank applies to part of the data (its rows, or its heads
     # for per-head q/k norms): their gradients are summed over the group.
     replicated: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
@@ -107,12 +116,14 @@ def _validate(model: nn.Module, plan: TensorParallelPlan, world: int) -> nn.Modu
     _head_counts(model, world)
     layers = model.get_submodule(plan.layers)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"plan.layers={plan.layers!r} must name a non-empty nn.ModuleList, got {type(layers).__name__}")
+        raise ValueError(
+            f"plan.layers={plan.layers!r} must name a non-empty nn.ModuleList, got {type(layers).__name__}"
+        )
     for i, layer in enumerate(layers):
         for path, sharded in [(p, "out_features") for p in plan.column] + [(p, "in_features") for p in plan.row]:
             linear = layer.get_submodule(path)
             if not isinstance(linear, nn.Linear):
-                raise ValueError(f"{plan.layers}.{i}.{path} must be an nn.Linear, got {type(linear).__name__}")
+                raise TypeError(f"{plan.layers}.{i}.{path} must be an nn.Linear, got {type(linear).__name__}")
             if getattr(linear, sharded) % world:
                 raise ValueError(
                     f"{plan.layers}.{i}.{path}: {sharded}={getattr(linear, sharded)} must be divisible by the "
@@ -120,7 +131,9 @@ def _validate(model: nn.Module, plan: TensorParallelPlan, world: int) -> nn.Modu
                 )
         attn = layer.get_submodule(plan.attention)
         model_file = sys.modules.get(type(attn).__module__)
-        missing = [a for a in ("head_dim", "scaling", "config", "q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, a)]
+        missing = [
+            a for a in ("head_dim", "scaling", "config", "q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, a)
+        ]
         missing += [f for f in ("apply_rotary_pos_emb", "eager_attention_forward") if not hasattr(model_file, f)]
         if missing:
             raise ValueError(
@@ -129,6 +142,14 @@ def _validate(model: nn.Module, plan: TensorParallelPlan, world: int) -> nn.Modu
             )
         for path in plan.replicated:
             layer.get_submodule(path)
+        if plan.mlp is not None:
+            mlp = layer.get_submodule(plan.mlp)
+            missing = [a for a in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, a)]
+            if missing:
+                raise ValueError(
+                    f"{plan.layers}.{i}.{plan.mlp} ({type(mlp).__name__}) is not a gated MLP: it lacks "
+                    f"{', '.join(missing)} (set plan.mlp=None to keep its own forward)"
+                )
     for path in (plan.final_norm, plan.sequence_output):
         if path is not None:
             model.get_submodule(path)
@@ -151,14 +172,13 @@ def _sequence_parallel_attention_forward(
     seq_len = cos.shape[-2]
     hf = sys.modules[type(self).__module__]  # the model file's own rope/attention functions
 
-    query = self.q_proj(hidden_states)  # [T, heads_local * head_dim]: all tokens, local heads
+    # [T, heads_local * head_dim] each: all tokens, local heads; one all-gather for the three.
+    query, key, value = column_parallel_linears(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
     tokens = query.shape[0]
     if tokens % seq_len:
         raise ValueError(f"{tokens} tokens are not a whole number of sequences of length {seq_len}")
     full_shape = (tokens // seq_len, seq_len, -1, self.head_dim)
-    query = query.view(full_shape)
-    key = self.k_proj(hidden_states).view(full_shape)
-    value = self.v_proj(hidden_states).view(full_shape)
+    query, key, value = query.view(full_shape), key.view(full_shape), value.view(full_shape)
     if getattr(self, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
         query, key = self.q_norm(query), self.k_norm(key)
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -189,6 +209,12 @@ def _sequence_parallel_attention_forward(
     )
     attn_output = attn_output.reshape(tokens, -1)  # [B*S, heads_local * head_dim], batch-major rows
     return self.o_proj(attn_output), attn_weights
+
+
+def _sequence_parallel_mlp_forward(self, x_shard):
+    """Gated MLP on row shards [T/W, H] -> [T/W, H]; gate and up share one all-gather."""
+    gate, up = column_parallel_linears(x_shard, (self.gate_proj, self.up_proj))  # [T, ffn/W] each
+    return self.down_proj(self.act_fn(gate) * up)
 
 
 def _scatter_before_first_layer(group):
@@ -222,7 +248,12 @@ def _gather_model_output(group):
 
 
 def parallelize(
-    model: nn.Module, group=None, plan: TensorParallelPlan | None = None, *, backend: str = "auto", save_memory: bool = False
+    model: nn.Module,
+    group=None,
+    plan: TensorParallelPlan | None = None,
+    *,
+    backend: str = "auto",
+    save_memory: bool = False,
 ) -> nn.Module:
     """Apply tensor + sequence parallelism to a LLaMA-style decoder, in place.
 
@@ -249,9 +280,13 @@ def parallelize(
     for layer in layers:
         for path in plan.column:
             linear = layer.get_submodule(path)
-            _set_submodule(layer, path, ColumnParallelLinear.from_linear(linear, group, backend=backend, save_memory=save_memory))
+            _set_submodule(
+                layer, path, ColumnParallelLinear.from_linear(linear, group, backend=backend, save_memory=save_memory)
+            )
         for path in plan.row:
-            _set_submodule(layer, path, RowParallelLinear.from_linear(layer.get_submodule(path), group, backend=backend))
+            _set_submodule(
+                layer, path, RowParallelLinear.from_linear(layer.get_submodule(path), group, backend=backend)
+            )
         attn = layer.get_submodule(plan.attention)
         # Local heads: rank r has query heads r*h/W.. and KV heads r*kv/W.., which keeps every
         # query head with its KV head (query head j uses KV head j // (h/kv)).
@@ -259,6 +294,9 @@ def parallelize(
         attn.num_key_value_heads = kv_heads // world
         attn.num_key_value_groups = heads // kv_heads
         attn.forward = _sequence_parallel_attention_forward.__get__(attn)
+        if plan.mlp is not None:
+            mlp = layer.get_submodule(plan.mlp)
+            mlp.forward = _sequence_parallel_mlp_forward.__get__(mlp)
         for path in plan.replicated:
             sum_grads_over_group(layer.get_submodule(path), group)
     if plan.final_norm is not None:

@@ -10,6 +10,7 @@ several sequences). A tensor of more than two dims is sharded along its first di
 
     ColumnParallelLinear   x_shard [T/W, K]  --all_gather_matmul-->      y      [T, N/W]
     RowParallelLinear      x       [T, K/W]  --matmul_reduce_scatter-->  out    [T/W, N]
+    column_parallel_linears(x_shard, [q, k, v]): several column layers, one all-gather
 
 Backward (what each autograd function computes; G_* are gradients):
     column: G_x_shard = reduce_scatter(G_y @ W_shard)        matmul_reduce_scatter(G_y, W_shard^T)
@@ -43,36 +44,49 @@ from fluxtp.ops._validate import check_backend
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_shard_m, w_shard_n, bias_n, info: GroupInfo, backend: str, save_memory: bool):
-        group = info.group
-        if save_memory:
-            y = all_gather_matmul(x_shard_m, w_shard_n, group=group, bias=bias_n, backend=backend)
-            ctx.save_for_backward(x_shard_m, w_shard_n)
-        else:
-            y, x_gathered = all_gather_matmul(
-                x_shard_m, w_shard_n, group=group, bias=bias_n, backend=backend, return_gathered=True
-            )
-            ctx.save_for_backward(x_gathered, w_shard_n)
-        ctx.info, ctx.backend, ctx.save_memory = info, backend, save_memory
-        ctx.has_bias = bias_n is not None
-        return y
+    """One or more column-parallel linears reading the same input rows: one all-gather.
+
+    forward(x_shard_m, info, backend, save_memory, n, W_0..W_{n-1}, b_0..b_{n-1}) -> (y_0..y_{n-1}).
+    The gather is fused with W_0's GEMM; the others read the gathered copy. The backward sums
+    their input gradients in one fused reduce-scatter: sum_i G_y_i @ W_i is
+    [G_y_0 | G_y_1 | ...] @ [W_0; W_1; ...], so with n > 1 the gradients and the weights are
+    concatenated (copies, cheaper than n reduce-scatters of [T, K] each).
+    """
 
     @staticmethod
-    def backward(ctx, grad_y):
-        saved_x, w_shard_n = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_y = grad_y.contiguous()  # no-op in the usual case; the ops want row-major rows
+    def forward(ctx, x_shard_m, info: GroupInfo, backend: str, save_memory: bool, n: int, *params):
+        weights, biases = params[:n], params[n:]
+        y_0, x_gathered = all_gather_matmul(
+            x_shard_m, weights[0], group=info.group, bias=biases[0], backend=backend, return_gathered=True
+        )
+        ys = [y_0] + [torch.nn.functional.linear(x_gathered, w, b) for w, b in zip(weights[1:], biases[1:])]
+        ctx.save_for_backward(x_shard_m if save_memory else x_gathered, *weights)
+        ctx.info, ctx.backend, ctx.save_memory, ctx.n = info, backend, save_memory, n
+        ctx.has_bias = [b is not None for b in biases]
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        saved_x, *weights = ctx.saved_tensors
+        n = ctx.n
+        need_x = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[5 : 5 + n]
+        need_b = ctx.needs_input_grad[5 + n :]
+        grad_ys = [g.contiguous() for g in grad_ys]  # no-op in the usual case; ops want row-major rows
         grad_x_shard = None
         if need_x:
-            grad_x_shard = matmul_reduce_scatter(grad_y, w_shard_n.t(), group=ctx.info.group, backend=ctx.backend)
-        grad_w = None
-        if need_w:
+            if n == 1:
+                grad_y_cat, w_cat = grad_ys[0], weights[0]
+            else:
+                grad_y_cat, w_cat = torch.cat(grad_ys, dim=1), torch.cat(weights, dim=0)
+            grad_x_shard = matmul_reduce_scatter(grad_y_cat, w_cat.t(), group=ctx.info.group, backend=ctx.backend)
+        grad_ws = [None] * n
+        if any(need_w):
             # Re-gathered after the fused op, not beside it (module docstring).
             x_gathered = gather_rows(saved_x, ctx.info) if ctx.save_memory else saved_x
-            grad_w = grad_y.t() @ x_gathered
-        grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
-        return grad_x_shard, grad_w, grad_b, None, None, None
+            grad_ws = [g.t() @ x_gathered if need else None for g, need in zip(grad_ys, need_w)]
+        grad_bs = [g.sum(0) if has and need else None for g, has, need in zip(grad_ys, ctx.has_bias, need_b)]
+        return (grad_x_shard, None, None, None, None, *grad_ws, *grad_bs)
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
@@ -207,11 +221,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
-        x_shard_m = _flatten_rows(x_shard, self.in_features, "x_shard")
-        y = _ColumnParallelLinearFn.apply(x_shard_m, self.weight, self.bias, self._info, self.backend, self.save_memory)
-        if x_shard.dim() == 2:
-            return y
-        return y.view(x_shard.shape[0] * self._info.world_size, *x_shard.shape[1:-1], self.out_features_local)
+        return column_parallel_linears(x_shard, [self])[0]
 
     def extra_repr(self) -> str:
         return (
@@ -219,6 +229,42 @@ class ColumnParallelLinear(nn.Module):
             f"(local {self.out_features_local} of {self._info.world_size} ranks), bias={self.bias is not None}, "
             f"backend={self.backend!r}, save_memory={self.save_memory}"
         )
+
+
+def column_parallel_linears(x_shard: torch.Tensor, layers) -> tuple[torch.Tensor, ...]:
+    """Several ColumnParallelLinear layers applied to the same input rows, with one all-gather.
+
+    For q/k/v (or gate/up) projections of the same activations: the gather is fused with the
+    first layer's GEMM and the others reuse the gathered rows (instead of gathering once per
+    layer), the backward reduces all input gradients in one fused reduce-scatter, and only one
+    gathered copy is kept for the weight gradients.
+
+    Args:
+        x_shard: [m, K] or [d0, ..., K], as for ColumnParallelLinear.
+        layers: ColumnParallelLinear modules with the same in_features, group, backend and
+            save_memory.
+
+    Returns:
+        One output per layer, each as ColumnParallelLinear returns it.
+    """
+    layers = list(layers)
+    first = layers[0]
+    for layer in layers:
+        if not isinstance(layer, ColumnParallelLinear):
+            raise TypeError(f"layers must be ColumnParallelLinear modules, got {type(layer).__name__}")
+        same = (layer.in_features, layer._info.name, layer.backend, layer.save_memory)
+        if same != (first.in_features, first._info.name, first.backend, first.save_memory):
+            raise ValueError(
+                "layers sharing one all-gather need the same in_features, group, backend and save_memory; got "
+                f"{(first.in_features, first._info.name, first.backend, first.save_memory)} and {same}"
+            )
+    x_shard_m = _flatten_rows(x_shard, first.in_features, "x_shard")
+    params = [layer.weight for layer in layers] + [layer.bias for layer in layers]
+    ys = _ColumnParallelLinearFn.apply(x_shard_m, first._info, first.backend, first.save_memory, len(layers), *params)
+    if x_shard.dim() == 2:
+        return tuple(ys)
+    lead = (x_shard.shape[0] * first._info.world_size, *x_shard.shape[1:-1])
+    return tuple(y.view(*lead, layer.out_features_local) for y, layer in zip(ys, layers))
 
 
 class RowParallelLinear(nn.Module):

@@ -29,3 +29,7 @@ def run_interpreted(script: str):
 
 def test_all_gather_matmul_kernel():
     run_interpreted("_interpret_ag_gemm.py")
+
+
+def test_matmul_reduce_scatter_kernel():
+    run_interpreted("_interpret_gemm_rs.py")

@@ -17,10 +17,18 @@ The pair (src, owner) lives in the buffer of its `holder` at slot `other - (othe
   over NVLink, then, after a CTA barrier, one release atomic (scope "sys") sets the flag there.
 - pull: holder = src, other = owner. The producer stores into its own buffer and sets the flag
   there; the owner waits on the flag and loads the tile over NVLink.
-The owner, for each own tile after its K loop, waits (acquire, bounded; on timeout it prints the
-source rank and tile and traps) for each peer's flag in rank order, adds that peer's partial
-to its float32 accumulator (fixed order: bitwise deterministic), adds the bias once and rounds
-once into out [m, N]. Flags must read 0 before the launch (the launcher resets them).
+The owner, for each own tile after its K loop, waits (acquire, bounded) for every peer's flag, then adds the peers' partials in rank
+order to its float32 accumulator (a fixed order: bitwise deterministic, and push and pull give
+the same bits), adds the bias once and rounds once into out [m, N]. Flags must read 0 before
+the launch (the launcher resets them).
+
+The epilogue runs on EPI_SPLIT column slices of the tile (register pressure), and tells the
+compiler that buffer bases are 16-byte aligned (addresses loaded from memory carry no
+alignment), so rows with N % 8 == 0 move in 16-byte accesses.
+
+A wait that gives up writes (source rank, tile, this rank) to `report_ptr` (host-pinned memory,
+still readable after the trap; the launcher reports it) and traps. No device_print: a printf
+call, even in a branch never taken, slowed a fused kernel here by 25% (docs/perf-log.md).
 """
 
 import triton
@@ -28,6 +36,81 @@ import triton.language as tl
 
 from fluxtp.kernels._sync import set_flag, trap, wait_flag
 from fluxtp.kernels._tiles import grouped_tile
+
+
+@triton.jit
+def _give_up(report_ptr, flag_ptr, src, tile, RANK: tl.constexpr):
+    """Record which wait timed out where the host can read it after the trap, then trap."""
+    tl.store(report_ptr, src)
+    tl.store(report_ptr + 1, tile)
+    tl.store(report_ptr + 2, RANK)
+    tl.atomic_add(flag_ptr, 0, sem="release", scope="sys")  # its fence makes the record visible first
+    tl.debug_barrier()  # (one thread wrote it) no thread traps before that fence has completed
+    trap()
+
+
+@triton.jit
+def _halves(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Columns [0, WIDTH/2) and [WIDTH/2, WIDTH) of x [BLOCK_M, WIDTH], as two register tensors."""
+    x = tl.permute(tl.reshape(x, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1))
+    return tl.split(x)
+
+
+@triton.jit
+def _epilogue(
+    acc,  # float32 [BLOCK_M, width]: columns col.. of the tile
+    own,  # this rank owns the tile's rows: reduce and write out; else hand the partial over
+    owner,
+    row_in_segment,
+    col,
+    buffer_ptrs,
+    out_ptr,
+    bias_ptr,
+    rows_per_rank,
+    N,
+    stride_om,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PUSH: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    WIDTH: tl.constexpr = acc.shape[1]
+    dtype = out_ptr.dtype.element_ty
+    offs_m = row_in_segment + tl.arange(0, BLOCK_M)
+    offs_n = col + tl.arange(0, WIDTH)
+    mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
+    if own:
+        # The peers' partials (their flags were acquired), in rank order, onto the accumulator;
+        # a loop, not unrolled, so that one peer's slice at a time is live in registers.
+        for i in range(WORLD - 1):
+            src = tl.where(i >= RANK, i + 1, i)
+            if PUSH:
+                holder = RANK
+                slot = i
+            else:
+                holder = src
+                slot = tl.where(RANK > src, RANK - 1, RANK)
+            # Buffers are 16-byte aligned: the hint lets N % 8 == 0 rows use 16-byte accesses.
+            part_ptr = tl.multiple_of(tl.load(buffer_ptrs + holder).to(tl.pointer_type(dtype)), 16)
+            rows = (slot * rows_per_rank + offs_m).to(tl.int64)
+            # .cg: from L2, where the peers' stores land, never from a stale L1 line.
+            part = tl.load(part_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            acc += part.to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=mask)
+    else:
+        if PUSH:
+            holder = owner
+            slot = RANK - (owner < RANK).to(tl.int32)
+        else:
+            holder = RANK
+            slot = owner - (owner > RANK).to(tl.int32)
+        part_ptr = tl.multiple_of(tl.load(buffer_ptrs + holder).to(tl.pointer_type(dtype)), 16)
+        rows = (slot * rows_per_rank + offs_m).to(tl.int64)
+        tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -45,6 +128,7 @@ def matmul_reduce_scatter_kernel(
     first_step,  # owner steps to run: first_step..last_step (a full call: 0..W-1)
     last_step,
     max_spins,
+    report_ptr,  # int32 [3]: where a timed-out wait records (source rank, tile, rank)
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -55,17 +139,19 @@ def matmul_reduce_scatter_kernel(
     HAS_BIAS: tl.constexpr,
     PUSH: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,  # the epilogue works on 1, 2 or 4 column slices (fewer live registers)
 ):
+    tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    dtype = out_ptr.dtype.element_ty
     first_tile = first_step * tiles_per_segment + tl.program_id(0)
     end_tile = (last_step + 1) * tiles_per_segment
 
     for tile_id in tl.range(first_tile, end_tile, NUM_SMS, num_stages=1):
         owner = (RANK + 1 + tile_id // tiles_per_segment) % WORLD
+        own = owner == RANK
         pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
         tile = pid_m * tiles_n + pid_n
         row_in_segment = pid_m * BLOCK_M
@@ -77,57 +163,53 @@ def matmul_reduce_scatter_kernel(
             b = b_desc.load([col0, ki * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
 
-        offs_m = row_in_segment + tl.arange(0, BLOCK_M)
-        offs_n = col0 + tl.arange(0, BLOCK_N)
-        mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
+        if own:
+            # Every peer's partial of this tile has arrived (acquire), after the K loop (which
+            # overlaps the peers' work), before any thread loads one.
+            for src in tl.static_range(WORLD):
+                if src != RANK:
+                    if PUSH:
+                        holder = RANK
+                        slot = src - (src > RANK)
+                    else:
+                        holder = src
+                        slot = RANK - (RANK > src)
+                    flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
+                    flag_ptr = flags + slot * tiles_per_segment + tile
+                    if not wait_flag(flag_ptr, 1, max_spins, "sys"):
+                        _give_up(report_ptr, flag_ptr, src, tile, RANK)
+            tl.debug_barrier()
 
-        if owner != RANK:
-            # Hand the partial tile to its owner: store, CTA barrier (every thread's stores
-            # precede the flag), one release atomic.
+        if EPI_SPLIT == 1:
+            _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+        elif EPI_SPLIT == 2:
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            _epilogue(a0, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+            _epilogue(a1, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+        else:
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
+            a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
+            _epilogue(a00, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+            _epilogue(a01, own, owner, row_in_segment, col0 + BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+            _epilogue(a10, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+            _epilogue(a11, own, owner, row_in_segment, col0 + 3 * BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+
+        if not own:
+            # Publish the tile: every thread's stores, then one release atomic (scope "sys").
+            tl.debug_barrier()
             if PUSH:
                 holder = owner
                 slot = RANK - (owner < RANK).to(tl.int32)
             else:
                 holder = RANK
                 slot = owner - (owner > RANK).to(tl.int32)
-            base = tl.load(buffer_ptrs + holder)
-            part_ptr = base.to(tl.pointer_type(dtype))
-            rows = (slot * rows_per_rank + offs_m).to(tl.int64)
-            tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask)
-            tl.debug_barrier()
-            flag_ptr = (base + flags_offset).to(tl.pointer_type(tl.int32)) + slot * tiles_per_segment + tile
-            set_flag(flag_ptr, 1, "sys")
-        else:
-            # Own rows: the peers' partials of this tile, in rank order, onto the accumulator.
-            for src in tl.static_range(WORLD):
-                if src != RANK:
-                    # (compile-time: src, RANK and PUSH are constexpr)
-                    if PUSH:
-                        holder = RANK
-                        if src > RANK:
-                            slot = src - 1
-                        else:
-                            slot = src
-                    else:
-                        holder = src
-                        if RANK > src:
-                            slot = RANK - 1
-                        else:
-                            slot = RANK
-                    base = tl.load(buffer_ptrs + holder)
-                    flag_ptr = (base + flags_offset).to(tl.pointer_type(tl.int32)) + slot * tiles_per_segment + tile
-                    if not wait_flag(flag_ptr, 1, max_spins, "sys"):
-                        tl.device_print("fluxtp matmul_reduce_scatter: timed out waiting for rank/tile", src, tile)
-                        trap()
-                    tl.debug_barrier()  # every thread's loads after the acquire
-                    part_ptr = base.to(tl.pointer_type(dtype))
-                    rows = (slot * rows_per_rank + offs_m).to(tl.int64)
-                    part = tl.load(
-                        part_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg"
-                    )
-                    acc += part.to(tl.float32) * (src < RANK)
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-                acc += bias.to(tl.float32)[None, :]
-            out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(dtype), mask=mask)
+            flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
+            set_flag(flags + slot * tiles_per_segment + tile, 1, "sys")

@@ -1,8 +1,11 @@
 """The "fused" backend: Flux-style persistent Triton GEMMs that wait for, or send, each tile's
-data themselves. One launcher module per op beside this one (ag_gemm: AllGather+GEMM); they
-import triton, so they are imported on first use, not when the backend is only considered."""
+data themselves. One launcher module per op beside this one (ag_gemm: AllGather+GEMM,
+gemm_rs: GEMM+ReduceScatter); they import triton, so they are imported on first use, not when
+the backend is only considered."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -32,11 +35,18 @@ def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: b
     return ag_gemm.all_gather_matmul(x_shard, weight, bias, info, return_gathered)
 
 
+def matmul_reduce_scatter(x, weight, bias, info: GroupInfo):
+    from fluxtp.backends.fused import gemm_rs
+
+    return gemm_rs.matmul_reduce_scatter(x, weight, bias, info)
+
+
+_GEMM_ONLY_MODULES = {"all_gather_matmul": "ag_gemm", "matmul_reduce_scatter": "gemm_rs"}
+
+
 def gemm_only(op: str, x, weight, bias, info: GroupInfo):
     """A zero-argument callable running op's fused kernel with communication switched off."""
-    from fluxtp.backends.fused import ag_gemm
-
-    modules = {"all_gather_matmul": ag_gemm}
-    if op not in modules:
+    if op not in _GEMM_ONLY_MODULES:
         raise ValueError(f"the fused backend has no GEMM-only mode for {op}")
-    return modules[op].gemm_only(x, weight, bias, info)
+    module = importlib.import_module(f"fluxtp.backends.fused.{_GEMM_ONLY_MODULES[op]}")
+    return module.gemm_only(x, weight, bias, info)

@@ -1,0 +1,271 @@
+"""Fused GEMM+ReduceScatter launcher: one persistent GEMM whose epilogue hands tiles to their owners.
+
+Per call, everything on the caller's stream S (no side stream, no host synchronization):
+  1. zero this rank's tile flags (in its symmetric buffer);
+  2. barrier over the group's buffers: every rank has zeroed its flags, and every rank's
+     previous kernel on this buffer has finished (it precedes the barrier on its stream), so
+     no peer still reads or writes what this call's kernels write;
+  3. the persistent kernel (fluxtp/kernels/_matmul_reduce_scatter.py): partial tiles of peers'
+     rows go to their owners with a release flag per (source rank, tile), own rows come last
+     and are reduced as the peers' flags arrive, in rank order, into a fresh output;
+  4. pull only: a second barrier, because the peers read this rank's buffer during their
+     kernels, and step 1 of the next call must not reset flags a peer has yet to read.
+Push is safe without it: every flag and partial a peer writes into this rank's buffer is
+consumed by this rank's own kernel, which precedes the next call's reset on S.
+The output is fresh memory owned by the caller; the symmetric buffer is reused. Back-to-back
+calls, alternating shapes, several groups (one buffer each) and CUDA graph capture work (warm
+up outside capture first: the workspace is allocated and rendezvoused on first use). The
+barriers and the in-kernel waits are bounded and fail with an error instead of hanging: a wait
+that gives up records the peer rank and tile in host-pinned memory and traps (the CUDA error
+surfaces at the next synchronization); timeout_report() and an exit hook name them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fluxtp import symm
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused._launch import num_sms, tma_ready
+from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
+
+BARRIER_TIMEOUT_MS = 60_000
+# In-kernel spin bound. Each spin is one system-scope acquire read, of local memory (push) or
+# of a peer's over NVLink (pull): about a microsecond or two, so 2^26 spins is a minute or more,
+# far past any real wait (a peer still compiling its first launch included) and short of a hang.
+MAX_SPINS = 1 << 26
+_TAG = "matmul_reduce_scatter"
+
+
+@dataclass(frozen=True)
+class MatmulReduceScatterConfig:
+    """How one fused GEMM+ReduceScatter call is launched; every rank must use the same one."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    push: bool = True  # store tiles into the owner's buffer (True) or locally for the owner to pull
+    # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
+    # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
+    epilogue_split: int = 4
+
+    @staticmethod
+    def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
+        """Measured on H200 (DESIGN.md): 128x256x64/3 stages at large M, 128x128x64/4 at M <= 2048."""
+        if m_total <= 2048 or n <= 4096:
+            return MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)
+        return MatmulReduceScatterConfig()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte layout of one rank's buffer for one call: W-1 partial slots [m, n], then int32 flags."""
+
+    flags_offset: int
+    num_flags: int
+    nbytes: int
+
+    @staticmethod
+    def of(rows_per_rank: int, n: int, itemsize: int, world: int, config: MatmulReduceScatterConfig) -> Layout:
+        tiles = triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
+        flags_offset = triton.cdiv((world - 1) * rows_per_rank * n * itemsize, 16) * 16
+        num_flags = (world - 1) * tiles
+        return Layout(flags_offset, num_flags, flags_offset + 4 * num_flags)
+
+
+@dataclass
+class _Workspace:
+    buffer: symm.SymmBuffer
+    buffer_ptrs: torch.Tensor  # int64 [W], every rank's buffer base as this GPU addresses it
+
+
+_workspaces: dict[tuple[str, int], _Workspace] = {}
+
+
+def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace:
+    buf = symm.buffer(info, _TAG, nbytes, device)
+    key = (info.name, torch.device(device).index or 0)
+    ws = _workspaces.get(key)
+    if ws is None or ws.buffer is not buf:
+        ptrs = [buf.peer(r, torch.uint8, (buf.nbytes,)).data_ptr() for r in range(info.world_size)]
+        ws = _Workspace(buf, torch.tensor(ptrs, dtype=torch.int64, device=device))
+        _workspaces[key] = ws
+    return ws
+
+
+_report: torch.Tensor | None = None  # int32 [3] pinned: (peer rank, tile, rank) of a timed-out wait
+
+
+def _timeout_record(device: torch.device) -> torch.Tensor:
+    """Host memory the kernel can write (pinned on CUDA), created on first use (outside capture)."""
+    global _report
+    if _report is None:
+        pinned = torch.device(device).type == "cuda"
+        _report = torch.full((3,), -1, dtype=torch.int32, pin_memory=pinned)
+        atexit.register(_print_timeout_report)
+    return _report
+
+
+def timeout_report() -> str | None:
+    """Which in-kernel wait of this process gave up, if one did (readable after the trap)."""
+    if _report is None or int(_report[0]) < 0:
+        return None
+    src, tile, rank = _report.tolist()
+    return (
+        f"fluxtp matmul_reduce_scatter: rank {rank} timed out waiting for rank {src}'s partial of "
+        f"tile {tile} (the peer never signalled: it failed, hung, or called with another shape)"
+    )
+
+
+def _print_timeout_report() -> None:
+    report = timeout_report()
+    if report is not None:
+        print(report, file=sys.stderr)
+
+
+def launch_kernel(
+    x,
+    weight,
+    bias,
+    out,
+    buffer_ptrs,
+    flags_offset: int,
+    rank: int,
+    world: int,
+    config: MatmulReduceScatterConfig,
+    first_step: int = 0,
+    last_step: int | None = None,
+    max_spins: int = MAX_SPINS,
+    report: torch.Tensor | None = None,
+):
+    """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
+
+    x [M, k], weight [n, k] TMA-ready; out [M/W, n]; buffer_ptrs int64 [W] of buffers laid out
+    as Layout.of(...) says, their flags zero (or set by peers). Runs owner steps
+    first_step..last_step (default all: 0..W-1, the last being this rank's own rows). A wait
+    that gives up writes (peer rank, tile, rank) into `report` (default: this process's record).
+    """
+    m_total, k = x.shape
+    n = weight.shape[0]
+    rows_per_rank = m_total // world
+    last_step = world - 1 if last_step is None else last_step
+    sms = num_sms(out.device)
+    tiles = (last_step - first_step + 1) * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
+    if tiles <= 0:
+        return
+    report = _timeout_record(out.device) if report is None else report
+    a_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
+    b_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    matmul_reduce_scatter_kernel[(min(sms, tiles),)](
+        a_desc,
+        b_desc,
+        out,
+        out if bias is None else bias,
+        buffer_ptrs,
+        rows_per_rank,
+        n,
+        k,
+        out.stride(0),
+        flags_offset,
+        first_step,
+        last_step,
+        max_spins,
+        report,
+        RANK=rank,
+        WORLD=world,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_SMS=sms,
+        HAS_BIAS=bias is not None,
+        PUSH=config.push,
+        NUM_STAGES=config.num_stages,
+        EPI_SPLIT=config.epilogue_split,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+@dataclass
+class Call:
+    """One call after its reset and barrier (steps 1-2), ready for launch() (steps 3-4)."""
+
+    ws: _Workspace
+    layout: Layout
+    config: MatmulReduceScatterConfig
+    info: GroupInfo
+
+
+def prepare(x, weight, info: GroupInfo, config: MatmulReduceScatterConfig | None = None) -> Call:
+    """Steps 1-2 on the current stream: zero this rank's flags, then barrier."""
+    m_total, k = x.shape
+    n = weight.shape[0]
+    config = config or MatmulReduceScatterConfig.heuristic(m_total, n, k, info.world_size)
+    layout = Layout.of(m_total // info.world_size, n, x.element_size(), info.world_size, config)
+    ws = _workspace(info, x.device, layout.nbytes)
+    ws.buffer.local(torch.int32, (layout.num_flags,), layout.flags_offset).zero_()
+    ws.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+    return Call(ws, layout, config, info)
+
+
+def launch(call: Call, x, weight, bias) -> torch.Tensor:
+    """Steps 3-4 on the current stream; returns this rank's rows of the sum, [M/W, n]."""
+    info = call.info
+    out = torch.empty(x.shape[0] // info.world_size, weight.shape[0], dtype=x.dtype, device=x.device)
+    launch_kernel(
+        x, weight, bias, out, call.ws.buffer_ptrs, call.layout.flags_offset, info.rank, info.world_size, call.config
+    )
+    if not call.config.push:
+        call.ws.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+    return out
+
+
+def _ready(x, weight, bias):
+    return tma_ready(x), tma_ready(weight), None if bias is None else bias.contiguous()
+
+
+def matmul_reduce_scatter(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
+    """[M/W, n]: rows rank*M/W .. (rank+1)*M/W - 1 of sum over ranks of x @ weight^T, plus bias."""
+    x, weight, bias = _ready(x, weight, bias)
+    return launch(prepare(x, weight, info, config), x, weight, bias)
+
+
+def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
+    """The fused kernel with communication switched off, for the benchmark.
+
+    Returns a zero-argument callable that launches exactly the kernel matmul_reduce_scatter
+    launches for these inputs, with every rank's buffer address pointing at local memory: the
+    partial tiles of peers' rows go to a local scratch buffer, and the own rows read zero
+    partials whose flags are preset. It returns this rank's rows of its own partial plus bias.
+    """
+    x, weight, bias = _ready(x, weight, bias)
+    m_total, k = x.shape
+    n = weight.shape[0]
+    world, rank = info.world_size, info.rank
+    config = config or MatmulReduceScatterConfig.heuristic(m_total, n, k, world)
+    layout = Layout.of(m_total // world, n, x.element_size(), world, config)
+    read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
+    read[layout.flags_offset :].view(torch.int32).fill_(1)
+    scratch = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
+    # push: the owner (this rank) reads its own buffer, producers write the peers'; pull: reversed.
+    own, peers = (read, scratch) if config.push else (scratch, read)
+    ptrs = [own.data_ptr() if r == rank else peers.data_ptr() for r in range(world)]
+    buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=x.device)
+    out = torch.empty(m_total // world, n, dtype=x.dtype, device=x.device)
+
+    def run():
+        launch_kernel(x, weight, bias, out, buffer_ptrs, layout.flags_offset, rank, world, config)
+        return out
+
+    run.workspace = (read, scratch)  # buffer_ptrs holds their raw addresses: keep them alive with run
+    return run

@@ -1,0 +1,151 @@
+"""Run under TRITON_INTERPRET=1 by tests/test_kernels_interpret.py (a subprocess: the flag must
+be set before triton is imported). Checks the persistent GEMM+ReduceScatter kernel body with W
+ranks simulated in one process: the "symmetric buffers" are CPU tensors addressed through the
+same int64 address table the GPUs use; every rank runs its peer steps (push or pull stores and
+flags) first, then every rank its own-rows step (waits, fixed-order reduction, bias, output).
+Worlds of 2, 3 and 4, push and pull, ragged rows per rank, N and K not tile multiples, bias,
+poisoned outputs and buffers, determinism, the GEMM-only mode, and that a missing flag stops
+the kernel.
+
+float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
+"""
+
+import dataclasses
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+
+import torch
+
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused.gemm_rs import (
+    Layout,
+    MatmulReduceScatterConfig,
+    gemm_only,
+    launch_kernel,
+)
+
+# fp16 output rounding (u = 2^-11), plus the peers' partials rounded to fp16 before the sum
+# (partials can be larger than their sum), plus fp32 accumulation: normwise.
+TOL = 4 * 2**-11
+
+
+def draw(seed, world, m, n, k_local, with_bias):
+    g = torch.Generator().manual_seed(seed)
+    k = world * k_local
+    x = torch.randn(world * m, k, generator=g).half()
+    w = (torch.randn(n, k, generator=g) * k**-0.5).half()
+    b = torch.randn(n, generator=g).half() if with_bias else None
+    return x, w, b
+
+
+def shards(x, w, rank, k_local):
+    cols = slice(rank * k_local, (rank + 1) * k_local)
+    return x[:, cols].contiguous(), w[:, cols].contiguous()
+
+
+def make_buffers(world, layout, poison):
+    """One byte buffer per rank: partial slots poisoned (never-written data must not leak), flags 0."""
+    buffers = []
+    for _ in range(world):
+        buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        buf[: layout.flags_offset].view(torch.float16).fill_(poison)
+        buffers.append(buf)
+    return buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+
+
+def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000):
+    m, n = x.shape[0] // world, w.shape[0]
+    layout = Layout.of(m, n, 2, world, cfg)
+    buffers, ptrs = make_buffers(world, layout, poison)
+    outs = [torch.full((m, n), float("nan"), dtype=torch.float16) for _ in range(world)]
+    for r in range(world):  # peer steps 0..W-2 of every rank
+        xr, wr = shards(x, w, r, k_local)
+        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
+    for r in range(world):  # then every rank's own rows (step W-1)
+        xr, wr = shards(x, w, r, k_local)
+        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
+    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+    return outs, flags
+
+
+def reference(x, w, b):
+    return x.double() @ w.double().T + (b.double() if b is not None else 0)
+
+
+def check(out, ref, what):
+    assert not torch.isnan(out).any(), f"{what}: unwritten outputs: {torch.isnan(out).sum().item()}"
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL, f"{what}: rel err {err:.2e}"
+
+
+def case(seed, world, m, n, k_local, with_bias, cfg):
+    x, w, b = draw(seed, world, m, n, k_local, with_bias)
+    ref = reference(x, w, b)
+    what = f"world={world} m={m} n={n} k_local={k_local} push={cfg.push}"
+    outs, flags = simulate(x, w, b, world, k_local, cfg, float("nan"))
+    for r in range(world):
+        check(outs[r], ref[r * m : (r + 1) * m], f"{what} rank={r}")
+        assert bool((flags[r] == 1).all()), f"{what}: rank {r} has flags never set: {flags[r].tolist()}"
+    # Determinism and no stale reads: other poison in the buffers, bitwise the same outputs.
+    again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0)
+    for r in range(world):
+        assert torch.equal(outs[r], again[r]), f"{what} rank={r}: outputs differ between identical runs"
+    # GEMM-only mode: the same kernel on local memory gives this rank's own partial plus bias.
+    for r in range(world):
+        xr, wr = shards(x, w, r, k_local)
+        own = gemm_only(xr, wr, b, GroupInfo(None, r, world), cfg)()
+        part = reference(xr[r * m : (r + 1) * m], wr, b)
+        check(own, part, f"{what} gemm_only rank={r}")
+
+
+def missing_flag_stops_kernel(push):
+    """Every flag but one arrives: the owner's wait for that tile must give up (then trap)."""
+    cfg = MatmulReduceScatterConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, push=push)
+    cfg = dataclasses.replace(cfg, epilogue_split=1 if push else 4)
+    world, m, n, k_local = 2, 32, 32, 16
+    x, w, _ = draw(0, world, m, n, k_local, False)
+    layout = Layout.of(m, n, 2, world, cfg)
+    buffers, ptrs = make_buffers(world, layout, 0.0)
+    out = torch.zeros(m, n, dtype=torch.float16)
+    x1, w1 = shards(x, w, 1, k_local)
+    launch_kernel(x1, w1, None, torch.zeros_like(out), ptrs, layout.flags_offset, 1, world, cfg, 0, 0)
+    holder = buffers[0] if push else buffers[1]
+    flags = holder[layout.flags_offset :].view(torch.int32)
+    assert bool((flags == 1).all()), f"rank 1 did not set every flag of rank 0's rows: {flags.tolist()}"
+    flags[2] = 0  # tile 2 of rank 1's partial of rank 0's rows never arrives
+    x0, w0 = shards(x, w, 0, k_local)
+    report = torch.full((3,), -1, dtype=torch.int32)
+    try:
+        launch_kernel(x0, w0, None, out, ptrs, layout.flags_offset, 0, world, cfg, 1, 1, max_spins=100, report=report)
+    except Exception as e:  # noqa: BLE001 -- the interpreter cannot run the trap's PTX: any error proves it stopped
+        # It recorded which wait gave up: source rank 1, tile 2, on rank 0.
+        assert report.tolist() == [1, 2, 0], f"timeout record {report.tolist()}, expected [1, 2, 0]"
+        return str(e)
+    raise AssertionError("the kernel ran past a flag that never arrived")
+
+
+def main():
+    seed = int(sys.argv[1])
+    small = MatmulReduceScatterConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4)
+    odd = MatmulReduceScatterConfig(block_m=16, block_n=16, block_k=32, group_m=3, num_stages=1, num_warps=4, epilogue_split=1)
+    pull = dataclasses.replace(small, push=False, epilogue_split=2)
+    odd_pull = dataclasses.replace(odd, push=False, epilogue_split=2)
+    cases = [
+        (2, 32, 64, 32, True, small),  # tile multiples
+        (2, 40, 48, 48, False, small),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
+        (2, 40, 48, 48, True, pull),
+        (3, 23, 20, 24, True, odd),  # three ranks, K tail (24 of a 32 block)
+        (3, 17, 40, 16, False, pull),
+        (4, 9, 16, 16, True, odd_pull),  # fewer rows than a tile
+        (4, 21, 40, 24, False, odd),
+    ]
+    for i, (world, m, n, k_local, with_bias, cfg) in enumerate(cases):
+        case(seed + i, world, m, n, k_local, with_bias, cfg)
+    messages = [missing_flag_stops_kernel(push) for push in (True, False)]
+    print("ok;", messages[0][:80])
+
+
+if __name__ == "__main__":
+    main()

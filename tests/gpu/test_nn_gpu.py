@@ -67,7 +67,6 @@ def test_train_hybrid_tp2_bf16_tracks_float64():
     (reference ops): the losses stay within 0.11% of float64 at lr 3e-3. Allowed: 1%, ten times
     that noise; a wrong row or head block in a fused op is off by far more from step 0 on.
     """
-    pytest.importorskip("transformers")
     common = ["--steps", "10", "--seed", "1", "--lr", "3e-3"]
     env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES="0,1")
     reference = _losses([sys.executable, EXAMPLE, "--reference", "--dtype", "float64", *common], env)

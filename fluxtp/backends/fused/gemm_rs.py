@@ -102,28 +102,30 @@ def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace
     return ws
 
 
-_report: torch.Tensor | None = None  # int32 [3] pinned: (peer rank, tile, rank) of a timed-out wait
+# int32 [3] per device type, pinned for CUDA: (peer rank, tile, rank) of a wait that gave up.
+_reports: dict[str, torch.Tensor] = {}
 
 
 def _timeout_record(device: torch.device) -> torch.Tensor:
     """Host memory the kernel can write (pinned on CUDA), created on first use (outside capture)."""
-    global _report
-    if _report is None:
-        pinned = torch.device(device).type == "cuda"
-        _report = torch.full((3,), -1, dtype=torch.int32, pin_memory=pinned)
-        atexit.register(_print_timeout_report)
-    return _report
+    kind = torch.device(device).type
+    if kind not in _reports:
+        if not _reports:
+            atexit.register(_print_timeout_report)
+        _reports[kind] = torch.full((3,), -1, dtype=torch.int32, pin_memory=kind == "cuda")
+    return _reports[kind]
 
 
 def timeout_report() -> str | None:
     """Which in-kernel wait of this process gave up, if one did (readable after the trap)."""
-    if _report is None or int(_report[0]) < 0:
-        return None
-    src, tile, rank = _report.tolist()
-    return (
-        f"fluxtp matmul_reduce_scatter: rank {rank} timed out waiting for rank {src}'s partial of "
-        f"tile {tile} (the peer never signalled: it failed, hung, or called with another shape)"
-    )
+    for report in _reports.values():
+        src, tile, rank = report.tolist()
+        if src >= 0:
+            return (
+                f"fluxtp matmul_reduce_scatter: rank {rank} timed out waiting for rank {src}'s partial of "
+                f"tile {tile} (the peer never signalled: it failed, hung, or called with another shape)"
+            )
+    return None
 
 
 def _print_timeout_report() -> None:

@@ -46,15 +46,20 @@ def matmul_reduce_scatter(x, weight, bias, info: GroupInfo):
 def matmul_all_reduce(x, weight, bias, info: GroupInfo):
     symm.enable_for_group(info)
     rows, cols = x.shape[0], weight.shape[0]
-    buf = symm.buffer(info, "torch_all_reduce", rows * cols * x.element_size(), x.device)
-    partial = buf.local(x.dtype, (rows, cols))
-    torch.mm(x, weight.t(), out=partial)
-    if partial.numel() * partial.element_size() <= ONE_SHOT_MAX_BYTES:
-        y = torch.ops.symm_mem.one_shot_all_reduce(partial, "sum", info.name)
+    numel = rows * cols
+    # The symmetric all-reduces want 16-byte sizes that split evenly over ranks: reduce a padded
+    # flat buffer (its tail is ignored) and return the real rows.
+    quantum = info.world_size * 16 // x.element_size()
+    padded = -(-numel // quantum) * quantum
+    buf = symm.buffer(info, "torch_all_reduce", padded * x.element_size(), x.device)
+    flat = buf.local(x.dtype, (padded,))
+    torch.mm(x, weight.t(), out=flat[:numel].view(rows, cols))
+    if padded * x.element_size() <= ONE_SHOT_MAX_BYTES:
+        reduced = torch.ops.symm_mem.one_shot_all_reduce(flat, "sum", info.name)
     else:
-        y = torch.empty_like(partial)
-        torch.ops.symm_mem.two_shot_all_reduce_out(partial, "sum", info.name, y)
+        reduced = torch.empty_like(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_out(flat, "sum", info.name, reduced)
+    y = reduced[:numel].view(rows, cols)
     if bias is not None:
         y += bias
     return y
-

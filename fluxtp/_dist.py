@@ -31,6 +31,12 @@ def resolve_group(group: dist.ProcessGroup | None) -> GroupInfo:
         if not (dist.is_available() and dist.is_initialized()):
             return GroupInfo(None, 0, 1)
         group = dist.group.WORLD
+    if isinstance(group, int) and dist.is_initialized() and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group returns on the ranks it leaves out (an int, not a ProcessGroup).
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group it was given "
+            "(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here); call the op only on the group's ranks"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     rank = dist.get_rank(group)

@@ -1,0 +1,30 @@
+"""Benchmarks: the timing harness (harness.py, its protocol in the docstring), the results
+envelope (results.py) and the scenarios of `fluxtp bench <scenario>`.
+
+A scenario is a module named in SCENARIOS that provides:
+- `add_arguments(group)`: its own options, added to `fluxtp bench` as an argument group
+  (the common ones, --dtype --backends --rounds --nproc --out --plot, are the CLI's);
+- `make_config(args, world, device_type) -> frozen dataclass`: checks the options before any
+  process starts (ValueError with a message on bad ones); the config travels to every rank;
+- `run(config, info, device, show_progress) -> (rows, notes)`: on every rank, collectively;
+  rows are JSON-ready dicts, notes are sentences rank 0 prints under the table;
+- `format_table(rows) -> str` and `plot(rows, path, title)`: rank 0's report.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Later scenarios ("train", "serve") add a line here.
+SCENARIOS = {"ops": "fluxtp.bench.ops"}
+
+
+class BenchError(RuntimeError):
+    """A benchmark cannot go on (e.g. a backend disagrees with the reference). Raised on every
+    rank alike (the ranks agree first), so that all of them stop together with one message."""
+
+
+def scenario_module(name: str):
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown benchmark scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
+    return importlib.import_module(SCENARIOS[name])

@@ -1,0 +1,188 @@
+"""The timing protocol of every fluxtp benchmark (GPU machines are shared and noisy).
+
+1. Warm-up. Every variant first runs `warmup_rounds` interleaved samples that are thrown
+   away: Triton compiles, symmetric buffers are allocated and rendezvoused, clocks ramp up.
+2. Interleaving. Variants are measured in rounds, A B C A B C ..., so that clock drift and
+   a neighbour's load hit every variant alike instead of whichever ran last.
+3. One sample. The ranks finish their queued work and meet at a barrier (untimed), then
+   `calls_per_sample` back-to-back calls run between two CUDA events (a wall clock on CPU);
+   the sample is the elapsed time divided by the number of calls.
+4. Cold inputs. When one set of inputs would fit in `ROTATE_BELOW_CACHE_MULTIPLE` times the
+   last-level cache (L2 on GPUs), the variant gets several copies and call i uses copy
+   i mod n, so no call finds its inputs already cached by the previous one.
+5. Reduction. The median of the samples per variant on each rank, then the maximum over the
+   ranks: a tensor-parallel step is as slow as its slowest rank.
+6. Derived numbers, against variants of the same run only (never across runs):
+   E_overlap = 1 - (T_x - T_gemm) / (T_nccl - T_gemm)  (1: communication fully hidden,
+   0: no better than NCCL then GEMM, negative: slower) and speedup_vs_nccl = T_nccl / T_x.
+
+Inputs are random, never zeros (zeros make GEMMs and links cheaper than real data).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fluxtp._dist import GroupInfo
+
+# A set of inputs smaller than this many caches gets rotated copies (protocol step 4).
+ROTATE_BELOW_CACHE_MULTIPLE = 4
+MAX_INPUT_COPIES = 16
+_FALLBACK_CACHE_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How many samples of how many calls (see the module docstring)."""
+
+    rounds: int
+    warmup_rounds: int
+    calls_per_sample: int
+
+    def __post_init__(self):
+        if self.rounds < 1 or self.warmup_rounds < 0 or self.calls_per_sample < 1:
+            raise ValueError(f"invalid timing protocol {self}: need rounds >= 1, warmup_rounds >= 0, calls >= 1")
+
+
+# GPU samples are short and cheap; CPU (gloo) demo samples are slow, so fewer of them.
+GPU_PROTOCOL = Protocol(rounds=20, warmup_rounds=3, calls_per_sample=5)
+CPU_PROTOCOL = Protocol(rounds=5, warmup_rounds=1, calls_per_sample=3)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One thing to time: `calls[i % len(calls)]` is the i-th call (one callable per input copy)."""
+
+    name: str
+    calls: tuple[Callable[[], object], ...]
+
+    def __post_init__(self):
+        if not self.calls:
+            raise ValueError(f"variant {self.name!r} has no calls")
+
+
+def cache_bytes(device: torch.device) -> int:
+    """L2 size of a GPU; on CPU the largest cache level sysfs lists (fallback 32 MiB)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "L2_cache_size", 0)) or _FALLBACK_CACHE_BYTES
+    sizes = []
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size_file.read_text().strip().upper()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text and text[-1] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=_FALLBACK_CACHE_BYTES)
+
+
+def input_copies(set_bytes: int, cache: int) -> int:
+    """How many copies of one input set to rotate so that a call never finds its inputs cached."""
+    threshold = ROTATE_BELOW_CACHE_MULTIPLE * cache
+    if set_bytes >= threshold:
+        return 1
+    return min(MAX_INPUT_COPIES, math.ceil(threshold / max(set_bytes, 1)))
+
+
+def overlap_efficiency(t_x: float, t_gemm: float, t_nccl: float) -> float | None:
+    """E_overlap = 1 - ECT_x / ECT_nccl; None when NCCL exposed no time to hide (ECT_nccl <= 0)."""
+    exposed_baseline = t_nccl - t_gemm
+    if exposed_baseline <= 0:
+        return None
+    return 1.0 - (t_x - t_gemm) / exposed_baseline
+
+
+def speedup(t_nccl: float, t_x: float) -> float | None:
+    return None if t_x <= 0 else t_nccl / t_x
+
+
+class _CudaClock:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def settle(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+class _WallClock:
+    def settle(self) -> None:
+        pass  # CPU collectives (gloo) and matmuls have finished when they return
+
+    def mark(self):
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        return (end - start) * 1e3
+
+
+def _barrier(info: GroupInfo) -> None:
+    if info.group is not None:
+        dist.barrier(group=info.group)
+
+
+def measure(
+    variants: Sequence[Variant],
+    protocol: Protocol,
+    info: GroupInfo,
+    device: torch.device,
+    on_round: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Milliseconds per call of each variant: median over samples, then max over ranks.
+
+    Every rank of `info` must call this with the same variant names in the same order
+    (the barriers and the final reduction are collective). `on_round` is called after each
+    measured round (a progress bar).
+    """
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names must be unique, got {names}")
+    device = torch.device(device)
+    clock = _CudaClock(device) if device.type == "cuda" else _WallClock()
+    next_call = {v.name: 0 for v in variants}
+
+    def sample(variant: Variant):
+        clock.settle()
+        _barrier(info)  # untimed: every rank starts the sample together
+        start = clock.mark()
+        for _ in range(protocol.calls_per_sample):
+            variant.calls[next_call[variant.name] % len(variant.calls)]()
+            next_call[variant.name] += 1
+        return start, clock.mark()
+
+    for _ in range(protocol.warmup_rounds):
+        for variant in variants:
+            sample(variant)
+    marks: dict[str, list] = {name: [] for name in names}
+    for _ in range(protocol.rounds):
+        for variant in variants:
+            marks[variant.name].append(sample(variant))
+        if on_round is not None:
+            on_round()
+    clock.settle()
+    medians = [
+        statistics.median(clock.elapsed_ms(start, end) / protocol.calls_per_sample for start, end in marks[name])
+        for name in names
+    ]
+    slowest = torch.tensor(medians, dtype=torch.float64, device=device)
+    if info.group is not None:
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=info.group)
+    return dict(zip(names, slowest.tolist(), strict=True))

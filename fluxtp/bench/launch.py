@@ -1,0 +1,128 @@
+"""Run a benchmark scenario on every rank: spawn one process per local GPU (gloo processes on a
+host without CUDA), or join a `torchrun` launch. Rank 0 prints the table and writes the files.
+
+Children always run with NVLink multicast off (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): multicast can take a shared
+host's GPUs out of service, and nothing in fluxtp needs it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fluxtp._dist import resolve_group
+from fluxtp.bench import BenchError, scenario_module
+from fluxtp.bench.results import envelope, result_filename, write_json
+from fluxtp.testing import MULTICAST_OFF, run_on_ranks
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# A whole default GPU run takes minutes; a hung collective is cut off well before this.
+LAUNCH_TIMEOUT_S = 3600.0
+NO_GPU_LINE = (
+    "note: no CUDA GPU here, so this was the {world}-process gloo demo of the API on small shapes; "
+    "the fused kernels need NVIDIA GPUs."
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every rank needs: the scenario, its checked config, and rank 0's report options."""
+
+    scenario: str
+    config: object
+    out: str | None
+    plot: str | None
+    command: str
+
+
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def local_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+
+
+def _report(launch: Launch, rows: list[dict], notes: list[str], device: torch.device, world: int) -> None:
+    module = scenario_module(launch.scenario)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpus = world if device.type == "cuda" else 0
+    print(module.format_table(rows), flush=True)
+    for note in notes:
+        print(note, flush=True)
+    if device.type != "cuda":
+        print(NO_GPU_LINE.format(world=world), flush=True)
+    data = envelope(launch.scenario, rows, device=device_name, gpus=gpus, world=world, command=launch.command)
+    if launch.out:
+        out = Path(launch.out)
+        if launch.out.endswith(("/", os.sep)) or out.is_dir():  # a folder: name the file as committed results are
+            out = out / result_filename(launch.scenario, device_name, world, data["date"])
+        print(f"wrote {write_json(data, out)}", flush=True)
+    if launch.plot:
+        title = f"fluxtp bench {launch.scenario}: {device_name} x{world}, {data['date']}, {data['commit'][:10]}"
+        module.plot(rows, launch.plot, title)
+        print(f"wrote {launch.plot}", flush=True)
+
+
+def rank_main(rank: int, world: int, launch: Launch) -> None:
+    """The body every rank runs inside an initialized default process group."""
+    info = resolve_group(None)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+    try:
+        rows, notes = scenario_module(launch.scenario).run(launch.config, info, device, show_progress=rank == 0)
+    except BenchError as e:
+        if rank == 0:
+            print(f"fluxtp bench: {e}", file=sys.stderr, flush=True)
+        dist.barrier()  # rank 0 has printed before any rank exits (the launcher stops the rest at the first exit)
+        raise SystemExit(1) from None
+    if rank == 0:
+        _report(launch, rows, notes, device, world)
+
+
+def run_local(launch: Launch, nproc: int, device_type: str) -> int:
+    """Spawn `nproc` ranks (NCCL, one GPU each; gloo without CUDA); the exit code of the run."""
+    os.environ.update(MULTICAST_OFF)  # inherited by the children from their start
+    try:
+        run_on_ranks(
+            rank_main, nproc, launch, backend="nccl" if device_type == "cuda" else "gloo", timeout_s=LAUNCH_TIMEOUT_S
+        )
+    except mp.ProcessExitedException as e:
+        if e.signal_name or e.exit_code != 1:  # a crash, not a rank stopping on purpose (rank 0 printed why)
+            print(f"fluxtp bench failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (mp.ProcessRaisedException, TimeoutError) as e:
+        print(f"fluxtp bench failed:\n{e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def run_torchrun(launch: Launch) -> int:
+    """This process is one rank of a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* set)."""
+    os.environ.update(MULTICAST_OFF)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=LAUNCH_TIMEOUT_S / 2)
+    if local_device_type() == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    try:
+        rank_main(rank, world, launch)
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,355 @@
+"""The `ops` scenario: each public op, every backend, against NCCL-then-GEMM and the bare GEMM.
+
+Shapes are given as the layer's global sizes MxNxK (M tokens, N output and K input features of
+the whole layer); the op decides what each of the W ranks holds:
+- all_gather_matmul (column-parallel): x_shard [M/W, K], weight [N/W, K] -> y [M, N/W];
+  its bare GEMM is F.linear(x [M, K], weight [N/W, K]).
+- matmul_reduce_scatter, matmul_all_reduce (row-parallel): x [M, K/W], weight [N, K/W];
+  their bare GEMM is F.linear(x [M, K/W], weight [N, K/W]).
+Before anything is timed, every backend's output is compared with the "nccl" reference on the
+same inputs (the gathered input must be an exact copy); a disagreement stops the benchmark.
+Timing follows fluxtp.bench.harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from tqdm import tqdm
+
+import fluxtp
+from fluxtp import backends
+from fluxtp._dist import GroupInfo
+from fluxtp.bench import BenchError
+from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies, measure
+from fluxtp.bench.harness import overlap_efficiency, speedup
+from fluxtp.ops import BACKENDS, OPS
+
+COLUMN_PARALLEL = "all_gather_matmul"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+# The concrete backends, the baseline first; without --backends every one of them that can run
+# a case is timed ("auto" is only an alias of one of them).
+CANDIDATE_BACKENDS = ("nccl", "torch", "fused")
+BASELINE = "nccl"
+
+# Agreement with the nccl reference: max |out - ref| / max |ref| (a max-norm, so that one wrong
+# tile among millions of right elements cannot hide in an average). Each output is its exact
+# value rounded once or a few times (reduce-scatter sums rounded partials), a couple of unit
+# roundoffs u of the largest element (measured: 1.6u between a bf16 ring sum and an fp32 sum
+# for W = 2 and 8), so 8u; a zeroed or misplaced tile is off by O(1) of the largest element.
+# float32 runs without TF32; cuBLAS's error is about sqrt(K) u (1e-5 at K = 28672): 1e-4.
+VERIFY_TOLERANCE = {torch.bfloat16: 8 * 2**-8, torch.float16: 8 * 2**-11, torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A layer's global sizes: M tokens, N output features, K input features."""
+
+    M: int
+    N: int
+    K: int
+
+    def __str__(self) -> str:
+        return f"{self.M}x{self.N}x{self.K}"
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    shape: Shape
+
+
+def _llama70b_shapes():
+    # LLaMA-70B MLP at TP: up/gate is column-parallel (N = 28672 intermediate, K = 8192 hidden),
+    # down is row-parallel (N = 8192, K = 28672). Prefill-size M; all-reduce is the decode op,
+    # so it also gets decode-size M.
+    prefill = (1024, 2048, 4096, 8192)
+    return {
+        "all_gather_matmul": tuple(Shape(m, 28672, 8192) for m in prefill),
+        "matmul_reduce_scatter": tuple(Shape(m, 8192, 28672) for m in prefill),
+        "matmul_all_reduce": tuple(Shape(m, 8192, 28672) for m in (1, 128) + prefill),
+    }
+
+
+DEFAULT_SHAPES = {
+    "cuda": _llama70b_shapes(),
+    # The CPU demo: small enough that a 2-process gloo world finishes in seconds.
+    "cpu": {
+        "all_gather_matmul": tuple(Shape(m, 512, 256) for m in (64, 128, 256)),
+        "matmul_reduce_scatter": tuple(Shape(m, 256, 512) for m in (64, 128, 256)),
+        "matmul_all_reduce": tuple(Shape(m, 256, 512) for m in (64, 128, 256)),
+    },
+}
+DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    cases: tuple[Case, ...]
+    dtype: torch.dtype
+    backends: tuple[str, ...] | None  # None: every candidate that can run a case; else the baseline first
+    protocol: Protocol
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--op", default="all", choices=OPS + ("all",), help="which op to benchmark (default: all three)")
+    group.add_argument(
+        "--shapes",
+        metavar="MxNxK,...",
+        help="global layer sizes: M tokens, N output and K input features of the whole layer "
+        "(default on GPUs: LLaMA-70B MLP dims, M 1024..8192; on CPU: small demo shapes)",
+    )
+
+
+def parse_shapes(text: str) -> tuple[Shape, ...]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(
+                f"--shapes: {item.strip()!r} is not MxNxK with three positive integers (e.g. 4096x28672x8192)"
+            )
+        shapes.append(Shape(*map(int, parts)))
+    return tuple(shapes)
+
+
+def parse_backends(text: str | None) -> tuple[str, ...] | None:
+    """The requested backends, the nccl baseline first (added when missing: every ratio needs it)."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in BACKENDS:
+            raise ValueError(f"--backends: unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    if not names:
+        raise ValueError("--backends is empty")
+    ordered = [BASELINE] + [n for n in names if n != BASELINE]
+    return tuple(dict.fromkeys(ordered))
+
+
+def shard_shapes(op: str, shape: Shape, world: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(x, weight) shapes held by each of `world` ranks; ValueError when the sizes do not divide."""
+    M, N, K = shape.M, shape.N, shape.K
+    if op == COLUMN_PARALLEL:
+        for name, size in (("M", M), ("N", N)):
+            if size % world:
+                raise ValueError(f"{op} {shape}: {name}={size} must be divisible by the world size {world}")
+        return (M // world, K), (N // world, K)
+    if K % world:
+        raise ValueError(f"{op} {shape}: K={K} must be divisible by the world size {world}")
+    if op == "matmul_reduce_scatter" and M % world:
+        raise ValueError(f"{op} {shape}: M={M} must be divisible by the world size {world}")
+    return (M, K // world), (N, K // world)
+
+
+def gemm_shapes(op: str, shape: Shape, world: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(x, weight) of the non-split GEMM of one rank's total work (the `gemm` variant): all M rows
+    against this rank's weight, i.e. [M, K] x [N/W, K] column-parallel, [M, K/W] x [N, K/W] row-parallel."""
+    (_, k), (n, _) = shard_shapes(op, shape, world)
+    return (shape.M, k), (n, k)
+
+
+def make_config(args: argparse.Namespace, world: int, device_type: str) -> OpsConfig:
+    ops = OPS if args.op == "all" else (args.op,)
+    if args.shapes:
+        shapes = parse_shapes(args.shapes)
+        cases = tuple(Case(op, s) for op in ops for s in shapes)
+    else:
+        cases = tuple(Case(op, s) for op in ops for s in DEFAULT_SHAPES[device_type][op])
+    for case in cases:
+        shard_shapes(case.op, case.shape, world)
+    dtype_name = args.dtype or DEFAULT_DTYPE[device_type]
+    if dtype_name not in DTYPES:
+        raise ValueError(f"--dtype: {dtype_name!r} is not one of {', '.join(DTYPES)}")
+    protocol = GPU_PROTOCOL if device_type == "cuda" else CPU_PROTOCOL
+    if args.rounds is not None:
+        protocol = Protocol(args.rounds, protocol.warmup_rounds, protocol.calls_per_sample)
+    return OpsConfig(cases, DTYPES[dtype_name], parse_backends(args.backends), protocol)
+
+
+def _random(shape, dtype, device, generator, scale=1.0) -> torch.Tensor:
+    return torch.randn(shape, dtype=dtype, device=device, generator=generator).mul_(scale)
+
+
+def _select_backends(config: OpsConfig, op: str, x, weight, info: GroupInfo) -> tuple[list[str], dict[str, str]]:
+    """Backends to time on this case (baseline first) and why the others were left out."""
+    chosen, skipped = [], {}
+    for name in config.backends or CANDIDATE_BACKENDS:
+        reason = None if name == "auto" else backends.unsupported_reason(op, name, x, weight, info)
+        if reason is None:
+            chosen.append(name)
+        elif config.backends is not None:
+            raise BenchError(f"backend {name!r} cannot run {op} with {x.dtype} on {x.device} here: {reason}")
+        else:
+            skipped[name] = reason
+    return chosen, skipped
+
+
+def _call(op: str, x, weight, backend: str, info: GroupInfo):
+    """(output, gathered input or None) of one op call."""
+    if op == COLUMN_PARALLEL:
+        return fluxtp.all_gather_matmul(x, weight, group=info.group, backend=backend, return_gathered=True)
+    return getattr(fluxtp, op)(x, weight, group=info.group, backend=backend), None
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| in float32; inf when out has NaN or Inf (NaN never passes)."""
+    out32, ref32 = out.float(), ref.float()
+    if not torch.isfinite(out32).all():
+        return math.inf
+    return ((out32 - ref32).abs().max() / ref32.abs().max().clamp_min(1e-30)).item()
+
+
+def verify(case: Case, names: list[str], x, weight, info: GroupInfo) -> None:
+    """Every backend in `names` against the nccl reference; BenchError on every rank if any differs."""
+    ref, ref_gathered = _call(case.op, x, weight, BASELINE, info)
+    tolerance = VERIFY_TOLERANCE[x.dtype]
+    for name in names:
+        out, gathered = (ref, ref_gathered) if name == BASELINE else _call(case.op, x, weight, name, info)
+        shape_differs = tuple(out.shape) != tuple(ref.shape) or out.dtype != ref.dtype
+        error = math.inf if shape_differs else relative_error(out, ref)  # the baseline: 0, or inf on NaN
+        gathered_differs = gathered is not None and not torch.equal(gathered, ref_gathered)
+        worst = torch.tensor(
+            [error, float(gathered_differs), float(shape_differs)], dtype=torch.float64, device=x.device
+        )
+        if info.group is not None:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)  # all ranks reach the same verdict
+        error, gathered_differs, shape_differs = worst.tolist()
+        where = f"{case.op} {case.shape} {str(x.dtype).removeprefix('torch.')}"
+        if shape_differs:
+            raise BenchError(
+                f"verification failed: backend {name!r} on {where} returned shape {tuple(out.shape)} {out.dtype}, "
+                f"the nccl reference {tuple(ref.shape)} {ref.dtype}; nothing was timed"
+            )
+        if gathered_differs:
+            raise BenchError(
+                f"verification failed: backend {name!r} on {where}: the gathered input is not an exact copy of "
+                "the nccl reference's on some rank; nothing was timed"
+            )
+        if not error <= tolerance:
+            what = "NaN or Inf in the output" if math.isinf(error) else f"max-norm relative error {error:.3g}"
+            raise BenchError(
+                f"verification failed: backend {name!r} on {where}: {what} against the nccl reference "
+                f"(worst rank), allowed {tolerance:.3g}; nothing was timed"
+            )
+
+
+def _gemm_only(backend: str):
+    """The backend's `gemm_only(op, x, weight, bias, info) -> callable` (its fused kernel with the
+    communication switched off), or None when it has none."""
+    try:
+        module = backends._module(backend)
+    except (ImportError, KeyError):
+        return None
+    fn = getattr(module, "gemm_only", None)
+    return fn if callable(fn) else None
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator, on_round):
+    world, dtype = info.world_size, config.dtype
+    x_shape, w_shape = shard_shapes(case.op, case.shape, world)
+    gx_shape, gw_shape = gemm_shapes(case.op, case.shape, world)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    copies = input_copies((math.prod(x_shape) + math.prod(w_shape)) * itemsize, cache_bytes(device))
+    w_scale = w_shape[1] ** -0.5  # keeps outputs O(1), like a trained layer's
+    inputs = [
+        (_random(x_shape, dtype, device, generator), _random(w_shape, dtype, device, generator, w_scale))
+        for _ in range(copies)
+    ]
+    gemm_inputs = [
+        (_random(gx_shape, dtype, device, generator), _random(gw_shape, dtype, device, generator, w_scale))
+        for _ in range(copies)
+    ]
+    names, skipped = _select_backends(config, case.op, *inputs[0], info)
+    verify(case, names, *inputs[0], info)
+
+    op_fn = getattr(fluxtp, case.op)
+    variants = [Variant("gemm", tuple(functools.partial(F.linear, x, w) for x, w in gemm_inputs))]
+    for name in names:
+        variants.append(
+            Variant(name, tuple(functools.partial(op_fn, x, w, group=info.group, backend=name) for x, w in inputs))
+        )
+    for name in names:
+        gemm_only = _gemm_only(name)
+        if gemm_only is None:
+            continue
+        try:
+            calls = tuple(gemm_only(case.op, x, w, None, info) for x, w in inputs)
+        except (ValueError, NotImplementedError):
+            continue  # no GEMM-only mode for this op (the same answer on every rank)
+        variants.append(Variant(f"{name}_gemm_only", calls))
+    ms = measure(variants, config.protocol, info, device, on_round)
+
+    t_gemm, t_nccl = ms["gemm"], ms[BASELINE]
+    row = {
+        "op": case.op,
+        "M": case.shape.M,
+        "N": case.shape.N,
+        "K": case.shape.K,
+        "dtype": str(dtype).removeprefix("torch."),
+        "ms": {k: round(v, 5) for k, v in ms.items()},
+        "E_overlap": {n: _round(overlap_efficiency(ms[n], t_gemm, t_nccl), 4) for n in names},
+        "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
+    }
+    return row, skipped
+
+
+def run(config: OpsConfig, info: GroupInfo, device: torch.device, show_progress: bool):
+    """Verify, then time every case; collective over the ranks of `info`. Returns (rows, notes)."""
+    generator = torch.Generator(device=device).manual_seed(20261122 + info.rank)
+    rows, notes = [], {}
+    bar = tqdm(total=len(config.cases) * config.protocol.rounds, disable=not show_progress, unit="round", leave=False)
+    try:
+        for case in config.cases:
+            bar.set_description(f"{case.op} {case.shape}")
+            row, skipped = _run_case(case, config, info, device, generator, lambda: bar.update(1))
+            rows.append(row)
+            for name, reason in skipped.items():
+                notes.setdefault(f"backend {name!r} not timed: {reason}", None)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the next case's copies may be larger
+    finally:
+        bar.close()
+    return rows, list(notes)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """One table per op: time per call of every variant, then E_overlap and speedup of each backend."""
+    parts = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        op_rows = [r for r in rows if r["op"] == op]
+        variants = list(dict.fromkeys(k for r in op_rows for k in r["ms"]))
+        compared = [b for b in dict.fromkeys(k for r in op_rows for k in r["E_overlap"]) if b != BASELINE]
+        headers = ["M", "N", "K"] + [f"{v} ms" for v in variants]
+        headers += [f"E_overlap {b}" for b in compared] + [f"speedup {b}" for b in compared]
+        body = []
+        for r in op_rows:
+            line = [r["M"], r["N"], r["K"]] + [_fmt(r["ms"].get(v)) for v in variants]
+            line += [_fmt(r["E_overlap"].get(b)) for b in compared] + [
+                _fmt(r["speedup_vs_nccl"].get(b)) for b in compared
+            ]
+            body.append(line)
+        title = f"{op} ({op_rows[0]['dtype']}; M, N, K are the layer's global sizes)"
+        parts.append(title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right"))
+    return "\n\n".join(parts)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    from fluxtp.bench.plot import plot_ops
+
+    plot_ops(rows, path, title)

@@ -1,0 +1,259 @@
+"""The `fluxtp` command on CPU (info; the gloo bench demo, spawned and under torchrun; its
+errors), the results format, the timing harness's arithmetic, and the quickstart example."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluxtp import cli
+from fluxtp._dist import GroupInfo
+from fluxtp.bench import BenchError
+from fluxtp.bench import ops as ops_scenario
+from fluxtp.bench.harness import Protocol, Variant, input_copies, measure, overlap_efficiency, speedup
+from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_KEYS = {"op", "M", "N", "K", "dtype", "ms", "E_overlap", "speedup_vs_nccl"}
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+
+def fluxtp_cli(*args, timeout=300, launcher=("-m", "fluxtp")):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def check_envelope(data: dict, world: int) -> None:
+    """Every key of the fluxtp.bench/1 envelope and of each ops row."""
+    assert tuple(data) == ENVELOPE_KEYS
+    assert data["schema"] == SCHEMA == "fluxtp.bench/1"
+    assert data["scenario"] == "ops"
+    assert data["device"] == "cpu" and data["gpus"] == 0 and data["world"] == world
+    assert data["torch"] == torch.__version__
+    assert isinstance(data["triton"], str) and data["triton"]
+    assert data["commit"] == "unknown" or re.fullmatch(r"[0-9a-f]{40}", data["commit"])
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"])
+    assert "fluxtp bench" in data["command"]
+    assert data["rows"]
+    for row in data["rows"]:
+        assert set(row) == ROW_KEYS
+        assert row["op"] in OPS and row["dtype"] == "float32"
+        assert all(isinstance(row[k], int) and row[k] > 0 for k in ("M", "N", "K"))
+        assert {"gemm", "nccl"} <= set(row["ms"]), row["ms"]
+        assert all(isinstance(v, float) and 0 < v < 60_000 for v in row["ms"].values())
+        assert set(row["E_overlap"]) == set(row["speedup_vs_nccl"]) == set(row["ms"]) - {"gemm"}
+        assert row["speedup_vs_nccl"]["nccl"] == 1.0
+        assert row["E_overlap"]["nccl"] in (0.0, None)  # None: NCCL exposed no time over the GEMM
+
+
+def test_info_exits_0_and_names_the_backends():
+    done = fluxtp_cli("info", timeout=120)
+    assert done.returncode == 0, done.stderr
+    for needle in ("fluxtp", "torch", "triton", "NCCL", "GPUs", "symmetric memory"):
+        assert needle in done.stdout
+    assert re.search(r"^nccl\s+yes", done.stdout, re.M), done.stdout
+    if not torch.cuda.is_available():
+        assert re.search(r"^torch\s+no\s+it needs CUDA", done.stdout, re.M), done.stdout
+        assert re.search(r"^fused\s+no", done.stdout, re.M), done.stdout
+
+
+def test_cpu_bench_prints_a_table_and_writes_json_and_png(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = fluxtp_cli("bench", "--out", str(out), "--plot", str(png))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for op in OPS:
+        assert re.search(rf"^{op} \(float32", done.stdout, re.M), done.stdout
+    assert re.search(r"M\s+N\s+K\s+gemm ms\s+nccl ms", done.stdout)
+    assert "the fused kernels need NVIDIA GPUs" in done.stdout
+    data = json.loads(out.read_text())
+    check_envelope(data, world=2)
+    assert data["command"].endswith(f"-m fluxtp bench --out {out} --plot {png}")
+    assert {r["op"] for r in data["rows"]} == set(OPS)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_joins_a_torchrun_launch(tmp_path):
+    # --out given a folder: the file gets the name of committed results.
+    args = ("--op", "matmul_reduce_scatter", "--shapes", "48x40x96", "--rounds", "2", "--out", f"{tmp_path}/")
+    done = fluxtp_cli(*args, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "3", "-m", "fluxtp", "bench"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    (out,) = tmp_path.iterdir()
+    assert re.fullmatch(r"ops-cpu-x3-\d{4}-\d{2}-\d{2}\.json", out.name), out.name
+    data = json.loads(out.read_text())
+    check_envelope(data, world=3)
+    assert [(r["op"], r["M"], r["N"], r["K"]) for r in data["rows"]] == [("matmul_reduce_scatter", 48, 40, 96)]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--shapes", "65x64x64", "--op", "all_gather_matmul"), "M=65 must be divisible by the world size 2"),
+        (("--shapes", "64x63x64", "--op", "all_gather_matmul"), "N=63 must be divisible by the world size 2"),
+        (("--shapes", "64x64x63", "--op", "matmul_all_reduce"), "K=63 must be divisible by the world size 2"),
+        (("--shapes", "63x64x64", "--op", "matmul_reduce_scatter"), "M=63 must be divisible by the world size 2"),
+        (
+            (
+                "--shapes",
+                "64x64",
+            ),
+            "'64x64' is not MxNxK",
+        ),
+        (("--backends", "nccl,cutlass"), "unknown backend 'cutlass'"),
+        (("--rounds", "0"), "--rounds must be at least 1"),
+    ],
+)
+def test_bench_rejects_bad_options_before_launching(args, message, capsys):
+    # In-process: these are caught by the parser, before any rank is spawned.
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_stops_with_a_message_when_a_named_backend_cannot_run():
+    done = fluxtp_cli("bench", "--backends", "torch", "--op", "matmul_all_reduce", "--shapes", "8x8x8")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "backend 'torch' cannot run matmul_all_reduce" in done.stderr and "CUDA" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_quickstart_example_runs_under_torchrun():
+    done = fluxtp_cli("examples/quickstart.py", launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "quickstart ok" in done.stdout
+
+
+# ------------------------------------------------------------- verification before timing
+
+WORLD_OF_ONE = GroupInfo(None, 0, 1)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_verify_passes_backends_that_agree(op):
+    x, w = torch.randn(16, 32), torch.randn(24, 32)
+    ops_scenario.verify(ops_scenario.Case(op, ops_scenario.Shape(16, 24, 32)), ["nccl", "auto"], x, w, WORLD_OF_ONE)
+
+
+CORRUPTIONS = {
+    "scaled": (lambda y, g: (y * 1.1, g), "relative error 0.1"),
+    "nan": (lambda y, g: (y.index_fill(0, torch.tensor([3]), float("nan")), g), "NaN or Inf"),
+    "gathered": (lambda y, g: (y, g.index_fill(1, torch.tensor([0]), 0.0)), "gathered input"),
+    "shape": (lambda y, g: (y[:-1], g), "returned shape"),
+}
+
+
+@pytest.mark.parametrize(
+    "op, corruption",
+    [("all_gather_matmul", c) for c in CORRUPTIONS] + [("matmul_all_reduce", c) for c in ("scaled", "nan", "shape")],
+)
+def test_verify_stops_on_a_backend_that_disagrees(monkeypatch, op, corruption):
+    corrupt, message = CORRUPTIONS[corruption]
+    real_call = ops_scenario._call
+
+    def broken(op_, x, w, backend, info):
+        y, g = real_call(op_, x, w, backend, info)
+        return corrupt(y, g) if backend == "torch" else (y, g)
+
+    monkeypatch.setattr(ops_scenario, "_call", broken)
+    x, w = torch.randn(16, 32), torch.randn(24, 32)
+    case = ops_scenario.Case(op, ops_scenario.Shape(16, 24, 32))
+    with pytest.raises(BenchError, match=r"verification failed: backend 'torch' on " + op) as e:
+        ops_scenario.verify(case, ["nccl", "torch"], x, w, WORLD_OF_ONE)
+    assert message in str(e.value) and "nothing was timed" in str(e.value)
+
+
+def test_verify_catches_one_wrong_tile_in_a_large_output(monkeypatch):
+    # A 16x16 tile of zeros in a 1024x512 bfloat16 output moves the normwise error by only about
+    # sqrt(256 / 524288) = 0.022, under bfloat16's tolerance 0.031; the max-norm error is ~0.5.
+    real_call = ops_scenario._call
+
+    def one_bad_tile(op_, x, w, backend, info):
+        y, g = real_call(op_, x, w, backend, info)
+        if backend == "torch":
+            y = y.clone()
+            y[16:32, 16:32] = 0
+        return y, g
+
+    monkeypatch.setattr(ops_scenario, "_call", one_bad_tile)
+    x, w = torch.randn(1024, 64, dtype=torch.bfloat16), (torch.randn(512, 64) / 8).bfloat16()
+    case = ops_scenario.Case("matmul_all_reduce", ops_scenario.Shape(1024, 512, 64))
+    with pytest.raises(BenchError, match="max-norm relative error"):
+        ops_scenario.verify(case, ["nccl", "torch"], x, w, WORLD_OF_ONE)
+
+
+# ------------------------------------------------------------- harness arithmetic
+
+
+def test_overlap_efficiency_and_speedup():
+    assert overlap_efficiency(t_x=1.0, t_gemm=1.0, t_nccl=2.0) == 1.0  # all communication hidden
+    assert overlap_efficiency(t_x=2.0, t_gemm=1.0, t_nccl=2.0) == 0.0  # no better than the baseline
+    assert overlap_efficiency(t_x=1.5, t_gemm=1.0, t_nccl=2.0) == 0.5
+    assert overlap_efficiency(t_x=3.0, t_gemm=1.0, t_nccl=2.0) == -1.0  # slower than the baseline
+    assert overlap_efficiency(t_x=1.0, t_gemm=1.0, t_nccl=0.9) is None  # nothing exposed to hide
+    # DESIGN.md's row: AG+GEMM M=1024, torch async-TP.
+    assert math.isclose(overlap_efficiency(0.550, 0.323, 0.385), -2.66, abs_tol=0.01)
+    assert speedup(t_nccl=3.0, t_x=2.0) == 1.5
+
+
+def test_input_copies_rotate_only_what_fits_the_cache():
+    l2 = 50 << 20
+    assert input_copies(4 * l2, l2) == 1
+    assert input_copies(10 * l2, l2) == 1
+    assert input_copies(l2, l2) == 4
+    assert input_copies(3 * l2, l2) == 2
+    assert input_copies(1, l2) == 16  # capped
+
+
+def test_measure_interleaves_variants_and_takes_the_median():
+    order = []
+
+    def make(name, seconds):
+        def call():
+            order.append(name)
+            time.sleep(seconds)
+
+        return call
+
+    variants = [Variant("a", (make("a", 0.0),)), Variant("b", (make("b", 0.004), make("b2", 0.004)))]
+    ms = measure(variants, Protocol(rounds=3, warmup_rounds=1, calls_per_sample=2), WORLD_OF_ONE, torch.device("cpu"))
+    # warm-up round + 3 rounds, each: a's sample (2 calls) then b's sample (2 calls, rotating copies)
+    assert order == ["a", "a", "b", "b2"] * 4
+    assert ms["a"] < 1.0 and 3.5 < ms["b"] < 40.0
+
+
+def test_shapes_are_sharded_as_the_layer_says():
+    shape = ops_scenario.Shape(8192, 28672, 8192)
+    assert ops_scenario.shard_shapes("all_gather_matmul", shape, 2) == ((4096, 8192), (14336, 8192))
+    assert ops_scenario.gemm_shapes("all_gather_matmul", shape, 2) == ((8192, 8192), (14336, 8192))
+    row = ops_scenario.Shape(8192, 8192, 28672)
+    assert ops_scenario.shard_shapes("matmul_reduce_scatter", row, 2) == ((8192, 14336), (8192, 14336))
+    assert ops_scenario.gemm_shapes("matmul_all_reduce", row, 2) == ((8192, 14336), (8192, 14336))
+    assert ops_scenario.shard_shapes("matmul_all_reduce", ops_scenario.Shape(1, 8192, 28672), 2) == (
+        (1, 14336),
+        (8192, 14336),
+    )
+    assert ops_scenario.parse_shapes("1024x28672x8192, 2048X8X16") == (
+        ops_scenario.Shape(1024, 28672, 8192),
+        ops_scenario.Shape(2048, 8, 16),
+    )
+    assert ops_scenario.parse_backends("torch,fused") == ("nccl", "torch", "fused")
+
+
+def test_result_file_names_and_command_line():
+    assert device_slug("NVIDIA H200") == "h200"
+    assert device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert result_filename("ops", "NVIDIA H200", 2, "2026-11-22") == "ops-h200-x2-2026-11-22.json"
+    assert result_filename("serve", "cpu", 2, "2026-11-22") == "serve-cpu-x2-2026-11-22.json"
+    assert command_line(["/usr/bin/fluxtp", "bench", "--shapes", "1x2x3", "--out", "a b.json"]) == (
+        "fluxtp bench --shapes 1x2x3 --out 'a b.json'"
+    )
+    assert command_line(["/x/fluxtp/__main__.py", "info"]).endswith("-m fluxtp info")

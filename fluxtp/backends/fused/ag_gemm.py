@@ -56,9 +56,11 @@ class AllGatherMatmulConfig:
             config = AllGatherMatmulConfig(block_n=128, num_stages=4)
         else:
             config = AllGatherMatmulConfig()
-        # Two chunks per peer: a peer's shard lands long before the GEMM needs it (this rank's own
-        # rows come first), so few copies and signals (host launch cost) beat fine granularity.
-        chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, 2), config.block_m) * config.block_m)
+        # A peer's shard lands long before the GEMM needs it (own rows come first), but the own
+        # shard's first chunk delays the GEMM's start: four chunks at large M, two at small M
+        # (each chunk costs host launch time, which small M cannot hide).
+        pieces = 4 if rows_per_rank >= 2048 else 2
+        chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, pieces), config.block_m) * config.block_m)
         return dataclasses.replace(config, chunk_rows=chunk)
 
     def chunk_rows_for(self, rows_per_rank: int) -> int:
@@ -137,12 +139,9 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
     )
 
 
-def _set_signals(signals: torch.Tensor, first: int, count: int) -> None:
-    """signals[first:first+count] = 1 on the current stream, ordered after the copies before it."""
-    if count == 1:
-        torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), first, 1)
-    else:
-        torch.ops.symm_mem.memset32_(signals.view(torch.uint32), first, 1, count)
+def _set_signal(signals: torch.Tensor, index: int) -> None:
+    """signals[index] = 1 on the current stream, ordered after the copies before it."""
+    torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), index, 1)
 
 
 def all_gather_matmul(
@@ -166,9 +165,12 @@ def all_gather_matmul(
     ws.signals.zero_()
     copy.wait_stream(compute)
     with torch.cuda.stream(copy):
-        # Own rows first, in one piece: the GEMM starts on them while the peers' shards are in flight.
-        x_gathered[rank * rows_per_rank : (rank + 1) * rows_per_rank].copy_(x_shard)
-        _set_signals(ws.signals, rank * chunks_per_rank, chunks_per_rank)
+        # Own rows first, chunk by chunk: the GEMM's first tiles wait for one chunk, not the whole
+        # shard (between two calls the copy stream can only start once the previous GEMM is done).
+        for c in range(chunks_per_rank):
+            r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
+            x_gathered[rank * rows_per_rank + r0 : rank * rows_per_rank + r1].copy_(x_shard[r0:r1])
+            _set_signal(ws.signals, rank * chunks_per_rank + c)
         shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
         shards[rank].copy_(x_shard)
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
@@ -178,7 +180,7 @@ def all_gather_matmul(
             for c in range(chunks_per_rank):
                 r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
                 x_gathered[peer * rows_per_rank + r0 : peer * rows_per_rank + r1].copy_(peer_shard[r0:r1])
-                _set_signals(ws.signals, peer * chunks_per_rank + c, 1)
+                _set_signal(ws.signals, peer * chunks_per_rank + c)
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     launch_gemm(x_gathered, weight, bias, y, ws.signals, rows_per_rank, chunk_rows, info, config)
     compute.wait_stream(copy)

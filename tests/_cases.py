@@ -64,8 +64,11 @@ def check_matmul_reduce(op, rank, world, seed, m_total, n, k_local, dtype, devic
     assert err <= TOLERANCE[dtype], f"{op} {backend} {dtype} M={m_total} N={n} k={k_local}: rel err {err:.2e}"
 
 
-def sweep(rank, world, seed, device, backends, dtypes, group=None):
-    """Odd and even shapes, with and without bias, every op."""
+ALL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+
+def sweep(rank, world, seed, device, backends, dtypes, group=None, ops=ALL_OPS):
+    """Odd and even shapes, with and without bias, every op (or those named)."""
     shapes = [(1, 5, 8), (7, 3, 13), (16, 32, 64), (33, 17, 40)]
     case = 0
     for dtype in dtypes:
@@ -73,7 +76,10 @@ def sweep(rank, world, seed, device, backends, dtypes, group=None):
             for m, n, k in shapes:
                 with_bias = case % 2 == 0
                 s = seed + 10 * case
-                check_all_gather_matmul(rank, world, s, m, n, k, dtype, device, backend, with_bias, group)
-                check_matmul_reduce("matmul_reduce_scatter", rank, world, s, m * world, n, k, dtype, device, backend, with_bias, group)
-                check_matmul_reduce("matmul_all_reduce", rank, world, s, m, n, k, dtype, device, backend, not with_bias, group)
+                if "all_gather_matmul" in ops:
+                    check_all_gather_matmul(rank, world, s, m, n, k, dtype, device, backend, with_bias, group)
+                if "matmul_reduce_scatter" in ops:
+                    check_matmul_reduce("matmul_reduce_scatter", rank, world, s, m * world, n, k, dtype, device, backend, with_bias, group)
+                if "matmul_all_reduce" in ops:
+                    check_matmul_reduce("matmul_all_reduce", rank, world, s, m, n, k, dtype, device, backend, not with_bias, group)
                 case += 1

@@ -20,8 +20,9 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
     if x.device.type != "cuda":
         return f"it needs CUDA tensors (got {x.device}) and an NCCL group with symmetric memory"
-    if x.dtype == torch.float64 and op == "matmul_all_reduce":
-        return "symmetric-memory all-reduce does not take float64"
+    if op == "matmul_all_reduce" and x.dtype not in (torch.bfloat16, torch.float32):
+        # torch 2.11's one_shot_all_reduce raised NotImplementedError for float16 on 2xH200.
+        return f"torch's symmetric-memory all-reduce takes bfloat16 and float32, got {x.dtype}"
     return symm.unsupported_reason(info)
 
 

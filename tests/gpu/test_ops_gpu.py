@@ -15,28 +15,36 @@ from pathlib import Path
 import pytest
 import torch
 
+import fluxtp
+
 from fluxtp.testing import run_on_ranks
-from tests._cases import sweep
+from tests._cases import ALL_OPS, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 
 
-def _sweep_body(rank, world, seed, backend, dtype_names):
-    sweep(rank, world, seed, "cuda", [backend], [getattr(torch, name) for name in dtype_names])
+def _sweep_body(rank, world, seed, backend, dtype_names, ops):
+    sweep(rank, world, seed, "cuda", [backend], [getattr(torch, name) for name in dtype_names], ops=ops)
+    if backend == "torch" and "float16" in dtype_names:
+        x = torch.randn(4, 8, device="cuda", dtype=torch.float16)
+        with pytest.raises(ValueError, match="float16"):
+            fluxtp.matmul_all_reduce(x, torch.randn(6, 8, device="cuda", dtype=torch.float16), backend="torch")
 
 
 @pytest.mark.parametrize(
-    "backend, dtype_names",
+    "backend, dtype_names, ops",
     [
-        ("nccl", ("bfloat16", "float16", "float32")),
-        ("torch", ("bfloat16", "float16")),
-        ("auto", ("bfloat16", "float16")),
+        ("nccl", ("bfloat16", "float16", "float32"), ALL_OPS),
+        ("torch", ("bfloat16",), ALL_OPS),
+        # torch's symmetric-memory all-reduce has no float16 (a clear error, checked in the body).
+        ("torch", ("float16",), ("all_gather_matmul", "matmul_reduce_scatter")),
+        ("auto", ("bfloat16", "float16"), ALL_OPS),
     ],
 )
-def test_sweep_on_two_gpus(backend, dtype_names):
-    # One spawned world per backend: every dtype, shape and op of the sweep inside it.
-    run_on_ranks(_sweep_body, WORLD, random.randrange(1 << 30), backend, dtype_names, backend="nccl")
+def test_sweep_on_two_gpus(backend, dtype_names, ops):
+    # One spawned world per case: every dtype, shape and op of the sweep inside it.
+    run_on_ranks(_sweep_body, WORLD, random.randrange(1 << 30), backend, dtype_names, ops, backend="nccl")
 
 
 def _cli(*args, timeout=600):

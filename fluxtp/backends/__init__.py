@@ -1,8 +1,10 @@
 """Backend registry: which implementation computes an op, and why one cannot.
 
 A backend is a module with one function per op it implements (same name as the op) and
-`unsupported_reason(op, x, weight, info) -> str | None`. Every backend computes the same
-function as `reference` (the "nccl" backend).
+`unsupported_reason(op, x, weight, info) -> str | None`; it may add
+`preferred(op, x, weight, info) -> bool`, which "auto" asks before taking it (where it is
+measured slower than the next backend, it says no). Every backend computes the same function
+as `reference` (the "nccl" backend).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def choose(op: str, backend: str, x, weight, info: GroupInfo) -> str:
     if backend == "auto":
         for name in AUTO_ORDER:
             if unsupported_reason(op, name, x, weight, info) is None:
-                return name
+                preferred = getattr(_module(name), "preferred", None)
+                if preferred is None or preferred(op, x, weight, info):
+                    return name
         raise RuntimeError(f"no backend can run {op} here")  # unreachable: the reference runs anywhere
     reason = unsupported_reason(op, backend, x, weight, info)
     if reason is not None:

@@ -49,7 +49,10 @@ def triton_version() -> str:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout fluxtp is imported from, or "unknown" (e.g. an installed wheel)."""
+    """$FLUXTP_COMMIT if set (a copy of the tree without .git, as on a lent GPU machine), else
+    HEAD of the checkout fluxtp is imported from, or "unknown" (e.g. an installed wheel)."""
+    if os.environ.get("FLUXTP_COMMIT"):
+        return os.environ["FLUXTP_COMMIT"]
     source_dir = Path(fluxtp.__file__).resolve().parent
     try:
         done = subprocess.run(

@@ -14,6 +14,12 @@ from fluxtp._dist import GroupInfo
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
+# "auto" takes the fused kernels from these global token counts M on, where they measured faster
+# than NCCL-then-cuBLAS on 2x H200 at the LLaMA-70B and GPT-3 dims (benchmarks/results/
+# ops-h200-x2-2026-11-22-*.json); below, host launch cost and GEMM efficiency lose to NCCL.
+# Until tuned configs exist (issue 7) this is the whole policy.
+AUTO_MIN_TOKENS = {"all_gather_matmul": 4096, "matmul_reduce_scatter": 8192}
+
 
 def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
     if x.device.type != "cuda":
@@ -27,6 +33,12 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
     except ImportError:
         return "triton is not installed"
     return symm.unsupported_reason(info)
+
+
+def preferred(op: str, x, weight, info: GroupInfo) -> bool:
+    """Whether "auto" should take the fused kernel for this call (see AUTO_MIN_TOKENS)."""
+    tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
+    return tokens >= AUTO_MIN_TOKENS.get(op, float("inf"))
 
 
 def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):

@@ -1,0 +1,26 @@
+"""The "auto" policy: the fused kernels only from the token counts where they measured faster."""
+
+import torch
+
+from fluxtp._dist import GroupInfo
+from fluxtp.backends import fused
+
+TWO = GroupInfo(None, 0, 2)
+
+
+def test_all_gather_matmul_counts_gathered_tokens():
+    w = torch.empty(8, 64)
+    threshold = fused.AUTO_MIN_TOKENS["all_gather_matmul"]
+    assert not fused.preferred("all_gather_matmul", torch.empty(threshold // 2 - 1, 64), w, TWO)
+    assert fused.preferred("all_gather_matmul", torch.empty(threshold // 2, 64), w, TWO)
+
+
+def test_matmul_reduce_scatter_counts_rows():
+    w = torch.empty(8, 64)
+    threshold = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"]
+    assert not fused.preferred("matmul_reduce_scatter", torch.empty(threshold - 2, 64), w, TWO)
+    assert fused.preferred("matmul_reduce_scatter", torch.empty(threshold, 64), w, TWO)
+
+
+def test_ops_without_a_fused_kernel_are_never_preferred():
+    assert not fused.preferred("matmul_all_reduce", torch.empty(1 << 20, 64), torch.empty(8, 64), TWO)

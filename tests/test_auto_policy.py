@@ -22,5 +22,12 @@ def test_matmul_reduce_scatter_counts_rows():
     assert fused.preferred("matmul_reduce_scatter", torch.empty(threshold, 64), w, TWO)
 
 
+def test_matmul_reduce_scatter_not_past_measured_widths():
+    rows = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"]
+    widest = fused.AUTO_MAX_N["matmul_reduce_scatter"]
+    assert fused.preferred("matmul_reduce_scatter", torch.empty(rows, 64), torch.empty(widest, 64), TWO)
+    assert not fused.preferred("matmul_reduce_scatter", torch.empty(rows, 64), torch.empty(widest + 8, 64), TWO)
+
+
 def test_ops_without_a_fused_kernel_are_never_preferred():
     assert not fused.preferred("matmul_all_reduce", torch.empty(1 << 20, 64), torch.empty(8, 64), TWO)

@@ -14,11 +14,14 @@ from fluxtp._dist import GroupInfo
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
-# "auto" takes the fused kernels from these global token counts M on, where they measured faster
-# than NCCL-then-cuBLAS on 2x H200 at the LLaMA-70B and GPT-3 dims (benchmarks/results/
-# ops-h200-x2-2026-11-22-*.json); below, host launch cost and GEMM efficiency lose to NCCL.
-# Until tuned configs exist (issue 7) this is the whole policy.
+# "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS on 2x H200
+# (benchmarks/results/ops-h200-x2-2026-11-22-*.json): all-gather from 4096 global tokens on
+# (1.01-1.06x at both model dims); reduce-scatter from 8192 tokens and only up to N = 8192
+# output features (1.06x at LLaMA-70B dims; at GPT-3 dims, N = 12288, the Triton GEMM alone is
+# 5-8% slower than cuBLAS and the op lost by 1%). Below: host launch cost and GEMM efficiency
+# lose to NCCL. Until tuned configs exist (issue 7) this is the whole policy.
 AUTO_MIN_TOKENS = {"all_gather_matmul": 4096, "matmul_reduce_scatter": 8192}
+AUTO_MAX_N = {"matmul_reduce_scatter": 8192}
 
 
 def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
@@ -38,7 +41,7 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
 def preferred(op: str, x, weight, info: GroupInfo) -> bool:
     """Whether "auto" should take the fused kernel for this call (see AUTO_MIN_TOKENS)."""
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
-    return tokens >= AUTO_MIN_TOKENS.get(op, float("inf"))
+    return tokens >= AUTO_MIN_TOKENS.get(op, float("inf")) and weight.shape[0] <= AUTO_MAX_N.get(op, weight.shape[0])
 
 
 def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):

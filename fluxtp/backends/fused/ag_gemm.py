@@ -23,6 +23,7 @@ import triton
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused._config import GemmTiling
 from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 
@@ -33,15 +34,9 @@ MAX_SPINS = 1 << 27
 
 
 @dataclass(frozen=True)
-class AllGatherMatmulConfig:
+class AllGatherMatmulConfig(GemmTiling):
     """How one fused AllGather+GEMM call is launched; every rank must use the same one."""
 
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_stages: int = 3
-    num_warps: int = 8
     chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
     flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
     tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
@@ -51,8 +46,7 @@ class AllGatherMatmulConfig:
     @functools.cache
     def heuristic(rows_per_rank: int, n: int, k: int, world: int) -> AllGatherMatmulConfig:
         """Measured on H200 (docs/perf-log.md): 128x256x64/3 stages at large M, 128x128x64/4 at small M."""
-        total_rows = rows_per_rank * world
-        if total_rows <= 2048 or n <= 4096:
+        if GemmTiling.prefers_small_tiles(rows_per_rank * world, n):
             config = AllGatherMatmulConfig(block_n=128, num_stages=4)
         else:
             config = AllGatherMatmulConfig()

@@ -32,6 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused._config import GemmTiling
 from fluxtp.backends.fused._launch import num_sms, tma_ready
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 
@@ -44,15 +45,9 @@ _TAG = "matmul_reduce_scatter"
 
 
 @dataclass(frozen=True)
-class MatmulReduceScatterConfig:
+class MatmulReduceScatterConfig(GemmTiling):
     """How one fused GEMM+ReduceScatter call is launched; every rank must use the same one."""
 
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_stages: int = 3
-    num_warps: int = 8
     push: bool = True  # store tiles into the owner's buffer (True) or locally for the owner to pull
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
@@ -61,7 +56,7 @@ class MatmulReduceScatterConfig:
     @staticmethod
     def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
         """Measured on H200 (DESIGN.md): 128x256x64/3 stages at large M, 128x128x64/4 at M <= 2048."""
-        if m_total <= 2048 or n <= 4096:
+        if GemmTiling.prefers_small_tiles(m_total, n):
             return MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)
         return MatmulReduceScatterConfig()
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import importlib
 
-# Later scenarios ("train", "serve") add a line here.
-SCENARIOS = {"ops": "fluxtp.bench.ops"}
+# Later scenarios ("serve") add a line here.
+SCENARIOS = {"ops": "fluxtp.bench.ops", "train": "fluxtp.bench.train"}
 
 
 class BenchError(RuntimeError):

@@ -1,0 +1,515 @@
+"""The `train` scenario: whole training steps of a stack of LLaMA decoder layers, per backend.
+
+One step is forward + backward + AdamW step + zero_grad of `--layers` transformers
+LlamaDecoderLayers at real layer sizes (`--model`), tensor + sequence parallel over the ranks by
+fluxtp.nn.parallelize. Every backend runs on the same model and the same data: there is one
+model, and the backend of its parallel linears is switched between samples. Each sample is one
+step (GPU_PROTOCOL / CPU_PROTOCOL below), the variants interleaved by fluxtp.bench.harness.
+
+What a step contains (each rank; T = batch*seq tokens, W ranks):
+- input: hidden states [batch, seq, hidden], random, the same on every rank, no gradient (the
+  embedding's output as data); the hook parallelize puts before the first layer keeps this
+  rank's rows (a local slice). RoPE cos/sin are computed once per sequence length.
+- the layers, as parallelize runs them: norms on row shards [T/W, hidden]; q/k/v and gate/up
+  column-parallel (one all-gather each group, fused with the first GEMM), o and down
+  row-parallel (reduce-scatter); attention (sdpa, causal) on all tokens of this rank's heads.
+  The backward has the mirrored collectives (reduce-scatter of the input gradients of q/k/v
+  and gate/up, all-gather of the output gradients of o and down) and the all-reduce of the
+  norm weights' gradients.
+- loss: the mean square of this rank's output rows (local; the sum over ranks is the objective,
+  so every gradient is that of a real loss of the whole layer stack); backward; AdamW over the
+  layers' parameters; zero_grad.
+
+Variants: `nccl` (the baseline), `torch`, `fused` (those usable here, or --backends), and
+`no_comm`: the nccl step with every communication of the layers removed (NO_COMM_REPLACES):
+- all_gather_matmul (forward of q/k/v and gate/up, backward of o and down): the gathered input
+  [T, K] is this rank's shard repeated W times (a local copy of the same size as the gather's
+  output), then the same F.linear;
+- matmul_reduce_scatter (forward of o and down, backward of q/k/v and gate/up): the same full
+  GEMM [T, k] x [k, N], then this rank's W row blocks summed locally to [T/W, N] (the reduce's
+  local reading and writing, without any peer's data);
+- the plain collectives of fluxtp.nn (gradient all-reduces of the replicated norm weights and
+  row biases, re-gathers): nothing, or the same local repeat for a gather.
+So `no_comm` keeps every GEMM, attention, norm, elementwise op, memory copy of the output
+buffers and the optimizer step at their shapes, and drops every transfer between GPUs and
+every wait for a peer. Its time is what a step would take with communication perfectly hidden:
+    T_exposed_comm = T_nccl - T_no_comm,  ideal_speedup = T_nccl / (T_nccl - T_exposed_comm),
+    E_overlap[x]   = 1 - (T_x - T_no_comm) / T_exposed_comm  (fraction of the exposed time hidden).
+tokens_per_s counts the global batch*seq tokens of one step (the whole group's throughput).
+
+Before timing, each backend's forward output is compared with nccl's (a sanity check of the
+layer stack, loose enough for bfloat16 rounding through the layers: the ops scenario verifies
+each op tightly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from tqdm import tqdm
+
+from fluxtp import backends
+from fluxtp._dist import GroupInfo, resolve_group
+from fluxtp.bench import BenchError
+from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
+from fluxtp.bench.ops import (
+    BASELINE,
+    CANDIDATE_BACKENDS,
+    DEFAULT_DTYPE,
+    DTYPES,
+    parse_backends,
+    relative_error,
+)
+
+NO_COMM = "no_comm"
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """The sizes of one decoder layer (LLaMA 3: head_dim = hidden / heads = 128)."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+
+
+MODELS = {
+    "llama3-8b": LayerDims(hidden=4096, ffn=14336, heads=32, kv_heads=8),
+    "llama3-70b": LayerDims(hidden=8192, ffn=28672, heads=64, kv_heads=8),
+    # The CPU demo: the same code on sizes a 2-process gloo world runs in seconds.
+    "tiny": LayerDims(hidden=256, ffn=512, heads=8, kv_heads=4),
+}
+# On GPUs: two llama3-70b layers take about 3.4 GB per rank at TP=2 in bfloat16 (weights,
+# gradients, AdamW state), plus a few GB of activations per layer at 8192 tokens: far inside
+# one H200 (141 GB) or H100 (80 GB); --layers can go up where memory allows.
+DEFAULTS = {
+    "cuda": {"model": "llama3-70b", "layers": 2, "seq": (4096, 8192), "batch": 1},
+    "cpu": {"model": "tiny", "layers": 2, "seq": (64,), "batch": 2},
+}
+VOCAB = 128  # the model's embedding and head are built but not in the step
+# One step per sample: a step is tens of milliseconds at the GPU defaults.
+GPU_PROTOCOL = Protocol(rounds=20, warmup_rounds=3, calls_per_sample=1)
+CPU_PROTOCOL = Protocol(rounds=5, warmup_rounds=1, calls_per_sample=1)
+LEARNING_RATE = 1e-5  # small: the weights barely move over the run's steps
+# Forward output of the layer stack, max |out - ref| / max |ref| against nccl. Backends differ
+# in the order and precision of the reduce-scatter sums (an ulp per element per op), which the
+# layers carry to the output (~1e-2 in bfloat16 through a few layers); a misplaced or missing
+# tile, head or token changes the output by O(1) of its elements.
+VERIFY_TOLERANCE = {
+    torch.bfloat16: 0.1,
+    torch.float16: 0.05,
+    torch.float32: 1e-3,
+    torch.float64: 1e-9,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    dims: LayerDims
+    layers: int
+    seqs: tuple[int, ...]
+    batch: int
+    dtype: torch.dtype
+    backends: tuple[str, ...] | None  # None: every candidate usable here; else the baseline first
+    protocol: Protocol
+
+
+def add_arguments(group) -> None:
+    group.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        help="layer sizes: llama3-8b (hidden 4096, ffn 14336, 32 heads, 8 KV heads), llama3-70b (8192, 28672, "
+        "64, 8), tiny (256, 512, 8, 4) (default: llama3-70b on GPUs, tiny on CPU)",
+    )
+    group.add_argument("--layers", type=int, help="decoder layers in the stack (default: 2)")
+    group.add_argument(
+        "--seq",
+        metavar="S,...",
+        help="sequence lengths, one row each (default on GPUs: 4096,8192; on CPU: 64)",
+    )
+    group.add_argument("--batch", type=int, help="sequences per step (default: 1 on GPUs, 2 on CPU)")
+
+
+def _parse_seqs(text: str) -> tuple[int, ...]:
+    items = [s.strip() for s in text.split(",")]
+    if not items or not all(s.isdigit() and int(s) > 0 for s in items):
+        raise ValueError(f"--seq: {text!r} is not a comma list of positive integers (e.g. 4096,8192)")
+    return tuple(int(s) for s in items)
+
+
+def make_config(args: argparse.Namespace, world: int, device_type: str) -> TrainConfig:
+    defaults = DEFAULTS[device_type]
+    model = args.model or defaults["model"]
+    dims = MODELS[model]
+    layers = defaults["layers"] if args.layers is None else args.layers
+    batch = defaults["batch"] if args.batch is None else args.batch
+    seqs = _parse_seqs(args.seq) if args.seq else defaults["seq"]
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}")
+    if batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {batch}")
+    for what, n in (("attention heads", dims.heads), ("KV heads", dims.kv_heads)):
+        if n % world:
+            raise ValueError(f"--model {model}: its {n} {what} do not divide over the world size {world}")
+    for seq in seqs:
+        if batch * seq % world:
+            raise ValueError(
+                f"batch*seq = {batch}*{seq} tokens must be divisible by the world size {world} "
+                "(sequence parallelism shards the tokens)"
+            )
+    dtype_name = args.dtype or DEFAULT_DTYPE[device_type]
+    protocol = GPU_PROTOCOL if device_type == "cuda" else CPU_PROTOCOL
+    if args.rounds is not None:
+        protocol = Protocol(args.rounds, protocol.warmup_rounds, protocol.calls_per_sample)
+    return TrainConfig(
+        model,
+        dims,
+        layers,
+        seqs,
+        batch,
+        DTYPES[dtype_name],
+        parse_backends(args.backends),
+        protocol,
+    )
+
+
+# ---------------------------------------------------------------- communication removed
+
+
+def _local_all_gather_matmul(x_shard, weight, *, group=None, bias=None, backend="auto", return_gathered=False):
+    """all_gather_matmul's shapes and GEMM without the gather: this rank's rows repeated W times."""
+    x_gathered = x_shard.repeat(resolve_group(group).world_size, 1)
+    y = F.linear(x_gathered, weight, bias)
+    return (y, x_gathered) if return_gathered else y
+
+
+def _local_matmul_reduce_scatter(x, weight, *, group=None, bias=None, backend="auto"):
+    """matmul_reduce_scatter's shapes and GEMM without the exchange: the W row blocks of this
+    rank's own partial product summed locally."""
+    world = resolve_group(group).world_size
+    partial = F.linear(x, weight)
+    out = partial.view(world, partial.shape[0] // world, partial.shape[1]).sum(0)
+    return out if bias is None else out + bias
+
+
+def _local_gather_rows(x_shard, info: GroupInfo, async_op: bool = False):
+    x_gathered = x_shard.contiguous().repeat(info.world_size, *([1] * (x_shard.dim() - 1)))
+    return (x_gathered, None) if async_op else x_gathered
+
+
+def _local_all_reduce_sum(t, info: GroupInfo, async_op: bool = False):
+    return None  # the gradient stays this rank's partial sum
+
+
+# Module -> {name it imported: its local stand-in}: every communication fluxtp.nn issues goes
+# through one of these names (tests/test_bench_train.py checks that a no_comm step issues none).
+NO_COMM_REPLACES = {
+    "fluxtp.nn.linear": {
+        "all_gather_matmul": _local_all_gather_matmul,
+        "matmul_reduce_scatter": _local_matmul_reduce_scatter,
+        "gather_rows": _local_gather_rows,
+        "all_reduce_sum": _local_all_reduce_sum,
+    },
+    "fluxtp.nn.sequence": {
+        "gather_rows": _local_gather_rows,
+        "all_reduce_sum": _local_all_reduce_sum,
+    },
+}
+
+
+@contextlib.contextmanager
+def no_communication():
+    """Inside: fluxtp.nn's layers compute with local stand-ins of their collectives (see the
+    module docstring). Process-wide (autograd's backward threads see it too); not re-entrant."""
+    saved = []
+    try:
+        for module_name, replacements in NO_COMM_REPLACES.items():
+            module = importlib.import_module(module_name)
+            for name, local in replacements.items():
+                if not hasattr(module, name):
+                    raise RuntimeError(
+                        f"{module_name} no longer has {name!r}: update fluxtp.bench.train.NO_COMM_REPLACES "
+                        "to the collectives it calls now"
+                    )
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, local)
+        yield
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
+# ---------------------------------------------------------------- the model and one step
+
+
+def build_layers(config: TrainConfig, info: GroupInfo, device: torch.device):
+    """(model, its parallelized decoder layers): a LlamaForCausalLM of config.layers layers,
+    seeded alike on every rank, parallelized over info's group (backend nccl until switched)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fluxtp.nn import parallelize
+
+    dims = config.dims
+    llama = LlamaConfig(
+        hidden_size=dims.hidden,
+        intermediate_size=dims.ffn,
+        num_attention_heads=dims.heads,
+        num_key_value_heads=dims.kv_heads,
+        num_hidden_layers=config.layers,
+        vocab_size=VOCAB,
+        max_position_embeddings=max(config.seqs),
+        attn_implementation="sdpa",  # causal through is_causal, no mask tensor
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(20261122)  # the same weights on every rank
+    with torch.device(device):
+        model = LlamaForCausalLM(llama).to(config.dtype)
+    model.train()
+    parallelize(model, info.group, backend=BASELINE)
+    return model, list(model.model.layers)
+
+
+def set_backend(layers, backend: str) -> None:
+    """Every parallel linear of `layers` computes with `backend` from its next call on."""
+    from fluxtp.nn import ColumnParallelLinear, RowParallelLinear
+
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.backend = backend
+
+
+def run_layers(layers, hidden, position_ids, position_embeddings) -> torch.Tensor:
+    """The stack on full hidden states [batch, seq, H] -> this rank's output rows [T/W, H]."""
+    h = hidden
+    for layer in layers:
+        h = layer(
+            h,
+            attention_mask=None,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+        )
+        h = h[0] if isinstance(h, tuple) else h  # transformers < 5 returns a tuple
+    return h
+
+
+class Trainer:
+    """One model, one optimizer, one input; `step(variant)` is a whole training step."""
+
+    def __init__(self, config: TrainConfig, info: GroupInfo, device: torch.device):
+        self.model, self.layers = build_layers(config, info, device)
+        params = [p for layer in self.layers for p in layer.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.01)
+        self.backend = BASELINE
+        self.config, self.device = config, device
+        self.hidden = self.position_ids = self.position_embeddings = None
+
+    def set_input(self, seq: int) -> None:
+        """Random hidden states [batch, seq, H], the same on every rank (not zeros)."""
+        generator = torch.Generator(device=self.device).manual_seed(seq)
+        shape = (self.config.batch, seq, self.config.dims.hidden)
+        self.hidden = torch.randn(shape, generator=generator, device=self.device, dtype=self.config.dtype)
+        self.position_ids = torch.arange(seq, device=self.device).unsqueeze(0)
+        with torch.no_grad():
+            self.position_embeddings = self.model.model.rotary_emb(self.hidden, self.position_ids)
+
+    def _use(self, backend: str) -> None:
+        if backend != self.backend:
+            set_backend(self.layers, backend)
+            self.backend = backend
+
+    def forward(self, variant: str) -> torch.Tensor:
+        self._use(BASELINE if variant == NO_COMM else variant)
+        with no_communication() if variant == NO_COMM else contextlib.nullcontext():
+            return run_layers(self.layers, self.hidden, self.position_ids, self.position_embeddings)
+
+    def step(self, variant: str) -> None:
+        self._use(BASELINE if variant == NO_COMM else variant)
+        with no_communication() if variant == NO_COMM else contextlib.nullcontext():
+            out = run_layers(self.layers, self.hidden, self.position_ids, self.position_embeddings)
+            loss = out.float().square().mean()
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- run
+
+
+def _select_backends(config: TrainConfig, info: GroupInfo, device) -> tuple[list[str], dict[str, str]]:
+    """Backends to time (baseline first) and why the others were left out: a backend must run
+    both ops of the layers (small stand-in tensors with the layers' K and dtype)."""
+    dims, world = config.dims, info.world_size
+    probes = {
+        "all_gather_matmul": (
+            dims.hidden,
+            dims.hidden,
+        ),  # q/k/v, gate/up; backward of o, down
+        "matmul_reduce_scatter": (
+            dims.ffn // world,
+            dims.hidden,
+        ),  # down; backward: K = hidden * (1 + 2 kv/h) / W
+    }
+    chosen, skipped = [], {}
+    for name in config.backends or CANDIDATE_BACKENDS:
+        reason = None
+        if name != "auto":
+            for op, (k, n) in probes.items():
+                x = torch.empty(8 * world, k, dtype=config.dtype, device=device)
+                weight = torch.empty(n, k, dtype=config.dtype, device=device)
+                reason = reason or backends.unsupported_reason(op, name, x, weight, info)
+        if reason is None:
+            chosen.append(name)
+        elif config.backends is not None:
+            raise BenchError(f"backend {name!r} cannot run the layers with {config.dtype} on {device} here: {reason}")
+        else:
+            skipped[name] = reason
+    return chosen, skipped
+
+
+def verify(trainer: Trainer, names: list[str], info: GroupInfo, where: str) -> None:
+    """Each backend's forward output of the stack against nccl's; BenchError on every rank if one differs."""
+    tolerance = VERIFY_TOLERANCE[trainer.config.dtype]
+    with torch.no_grad():
+        ref = trainer.forward(BASELINE)
+        for name in names:
+            error = relative_error(trainer.forward(name), ref)  # the baseline: 0, or inf on NaN
+            worst = torch.tensor([error], dtype=torch.float64, device=ref.device)
+            if info.group is not None:
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
+            error = worst.item()
+            if not error <= tolerance:
+                what = "NaN or Inf in the output" if math.isinf(error) else f"max-norm relative error {error:.3g}"
+                raise BenchError(
+                    f"verification failed: backend {name!r} on {where}: {what} of the layers' forward output "
+                    f"against the nccl reference (worst rank), allowed {tolerance:.3g}; nothing was timed"
+                )
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def run(config: TrainConfig, info: GroupInfo, device: torch.device, show_progress: bool):
+    """Verify, then time a training step per backend for each sequence length; collective over
+    the ranks of `info`. Returns (rows, notes)."""
+    names, skipped = _select_backends(config, info, device)
+    trainer = Trainer(config, info, device)
+    rows = []
+    bar = tqdm(
+        total=len(config.seqs) * config.protocol.rounds,
+        disable=not show_progress,
+        unit="round",
+        leave=False,
+    )
+    try:
+        for seq in config.seqs:
+            where = f"{config.model} x{config.layers} layers, batch {config.batch}, seq {seq}"
+            bar.set_description(where)
+            trainer.set_input(seq)
+            verify(trainer, names, info, where)
+            variants = [Variant(v, ((lambda v=v: trainer.step(v)),)) for v in (*names, NO_COMM)]
+            ms = measure(variants, config.protocol, info, device, lambda: bar.update(1))
+            rows.append(_row(config, seq, names, ms))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the next length's activations are larger
+    finally:
+        bar.close()
+    notes = [f"backend {name!r} not timed: {reason}" for name, reason in skipped.items()]
+    return rows, notes
+
+
+def _row(config: TrainConfig, seq: int, names: list[str], ms: dict[str, float]) -> dict:
+    t_nccl, t_local = ms[BASELINE], ms[NO_COMM]
+    tokens = config.batch * seq
+    exposed = t_nccl - t_local
+    return {
+        "model": config.model,
+        "layers": config.layers,
+        "seq": seq,
+        "batch": config.batch,
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "ms": {k: round(v, 4) for k, v in ms.items()},
+        "tokens_per_s": {n: round(tokens / (ms[n] / 1e3), 1) for n in names},
+        "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
+        "T_exposed_comm": round(exposed, 4),
+        "ideal_speedup": _round(speedup(t_nccl, t_local), 4),
+        "E_overlap": {n: _round(overlap_efficiency(ms[n], t_local, t_nccl), 4) for n in names},
+    }
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Step time of every variant, throughput, speedup and the exposed communication per row."""
+    variants = list(dict.fromkeys(k for r in rows for k in r["ms"]))
+    backends_ = list(dict.fromkeys(k for r in rows for k in r["tokens_per_s"]))
+    compared = [b for b in backends_ if b != BASELINE]
+    headers = ["model", "layers", "seq", "batch"] + [f"{v} ms" for v in variants]
+    headers += [f"{b} tok/s" for b in backends_] + [f"speedup {b}" for b in compared]
+    headers += ["T_exposed_comm ms", "ideal_speedup"] + [f"E_overlap {b}" for b in compared]
+    body = []
+    for r in rows:
+        line = [r["model"], r["layers"], r["seq"], r["batch"]] + [_fmt(r["ms"].get(v)) for v in variants]
+        line += [_fmt(r["tokens_per_s"].get(b)) for b in backends_]
+        line += [_fmt(r["speedup_vs_nccl"].get(b)) for b in compared]
+        line += [_fmt(r["T_exposed_comm"]), _fmt(r["ideal_speedup"])] + [_fmt(r["E_overlap"].get(b)) for b in compared]
+        body.append(line)
+    title = (
+        f"train steps (forward + backward + AdamW; {rows[0]['dtype']}; {NO_COMM}: the nccl step with its "
+        "communication removed)"
+    )
+    return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Step time against sequence length per variant, and each backend's speedup beside the ideal."""
+    from fluxtp.bench.plot import _pyplot
+
+    plt = _pyplot()
+    rows = sorted(rows, key=lambda r: r["seq"])
+    seqs = [r["seq"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for variant in dict.fromkeys(k for r in rows for k in r["ms"]):
+        left.plot(seqs, [r["ms"].get(variant) for r in rows], marker="o", label=variant)
+    left.set_ylabel("ms per step (slowest rank)")
+    for backend in dict.fromkeys(k for r in rows for k in r["speedup_vs_nccl"]):
+        right.plot(
+            seqs,
+            [r["speedup_vs_nccl"].get(backend) for r in rows],
+            marker="o",
+            label=backend,
+        )
+    right.plot(
+        seqs,
+        [r["ideal_speedup"] for r in rows],
+        linestyle=":",
+        marker="x",
+        color="grey",
+        label="ideal",
+    )
+    right.set_ylabel("speedup against nccl")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqs, [str(s) for s in seqs])
+        ax.minorticks_off()
+        ax.set_xlabel(f"seq (batch {rows[0]['batch']}, {rows[0]['model']} x{rows[0]['layers']} layers)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

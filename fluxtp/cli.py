@@ -2,6 +2,8 @@
 
     fluxtp info                      versions, GPUs and their links, which backends run here
     fluxtp bench [ops] [options]     verify, then time the ops on every local GPU (a gloo demo on CPU)
+    fluxtp tune --op OP --shapes ... measure the fused kernels' configs, write the winners to the cache
+    fluxtp info --configs            which config each shape would use, and why (no GPU needed)
 
 `fluxtp bench` launches one process per local GPU itself, or joins a torchrun launch
 (`torchrun --nproc-per-node 2 -m fluxtp bench ...`) when RANK, WORLD_SIZE and LOCAL_RANK are set.
@@ -131,6 +133,12 @@ def _backend_rows(device_type: str, n_gpus: int) -> list[list[str]]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.configs:
+        from fluxtp import tune
+
+        return tune.cmd_info_configs(args)
+    if args.op is not None or args.shapes or args.gpu or args.world is not None:
+        args.parser.error("--op, --shapes, --gpu and --world go with --configs")
     device_type = local_device_type()
     n_gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     print(f"fluxtp    {fluxtp.__version__}")
@@ -224,6 +232,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_local(launch, world, device_type)
 
 
+# ---------------------------------------------------------------- fluxtp tune
+
+
+def _add_info_config_arguments(info) -> None:
+    configs = info.add_argument_group("--configs: the fused ops' launch configs (fluxtp/tune.py)")
+    configs.add_argument(
+        "--configs",
+        action="store_true",
+        help="show which config each shape would use and why (exact cache entry, nearest M bucket, heuristic)",
+    )
+    configs.add_argument("--op", choices=("all_gather_matmul", "matmul_reduce_scatter", "all"), help="default: both")
+    configs.add_argument("--shapes", metavar="MxNxK,...", help="global layer sizes (default: LLaMA-70B MLP dims)")
+    configs.add_argument("--gpu", help="GPU name to look up (default: torch.cuda's GPU 0, or 'cpu' without one)")
+    configs.add_argument("--world", type=int, help="group size (default: the local GPUs, at least 2)")
+    configs.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    info.set_defaults(parser=info)
+
+
+def _add_tune_parser(subparsers) -> None:
+    tune = subparsers.add_parser(
+        "tune",
+        help="measure the fused kernels' configs on the local GPUs and cache the fastest",
+        description="For each shape, verify every candidate config of the fused op against the nccl reference, "
+        "time it on every rank with fluxtp.bench.harness (the slowest rank counts), drop candidates slower than "
+        "1.3x the best so far, and write the winner (the same on every rank) to $FLUXTP_CACHE_DIR/configs.json, "
+        "which the op then uses for that GPU, world size, dtype, N, K and M bucket. Needs NVIDIA GPUs.",
+    )
+    tune.add_argument("--op", required=True, choices=("all_gather_matmul", "matmul_reduce_scatter"))
+    tune.add_argument("--shapes", required=True, metavar="MxNxK,...", help="global layer sizes, as for fluxtp bench")
+    tune.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    tune.add_argument(
+        "--budget-seconds", type=float, default=600.0, help="for all shapes together (default: 600), split evenly"
+    )
+    tune.add_argument("--nproc", type=int, help="processes to launch (default: one per local GPU)")
+    tune.set_defaults(func=cmd_tune, parser=tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from fluxtp import tune
+
+    return tune.cmd_tune(args)
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -235,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = subparsers.add_parser("info", help="versions, GPUs and their links, which backends are usable here")
     info.set_defaults(func=cmd_info)
+    _add_info_config_arguments(info)
     _add_bench_parser(subparsers)
+    _add_tune_parser(subparsers)
     return parser
 
 

@@ -26,11 +26,13 @@ from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
 from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
+from fluxtp.tune import tuned_config
 
 BARRIER_TIMEOUT_MS = 60_000
 # In-kernel spin bound: each spin is one atomic read of local memory (well under a microsecond),
 # so 2^27 spins is tens of seconds, far past any real wait and short of a hang.
 MAX_SPINS = 1 << 27
+_OP = "all_gather_matmul"
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,7 @@ def all_gather_matmul(
     rows_per_rank, k = x_shard.shape
     n = weight.shape[0]
     world, rank = info.world_size, info.rank
+    config = config or tuned_config(_OP, x_shard, weight, world)  # fluxtp tune's cache, else:
     config = config or AllGatherMatmulConfig.heuristic(rows_per_rank, n, k, world)
     chunk_rows = config.chunk_rows_for(rows_per_rank)
     chunks_per_rank = triton.cdiv(rows_per_rank, chunk_rows)
@@ -190,6 +193,7 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     x_shard, weight = tma_ready(x_shard), tma_ready(weight)
     rows_per_rank, k = x_shard.shape
     world = info.world_size
+    config = config or tuned_config(_OP, x_shard, weight, world)  # the same config as all_gather_matmul
     config = config or AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world)
     chunk_rows = config.chunk_rows_for(rows_per_rank)
     x_gathered = x_shard.repeat(world, 1)

@@ -35,6 +35,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
 from fluxtp.backends.fused._launch import num_sms, tma_ready
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
+from fluxtp.tune import tuned_config
 
 BARRIER_TIMEOUT_MS = 60_000
 # In-kernel spin bound. Each spin is one system-scope acquire read, of local memory (push) or
@@ -234,6 +235,7 @@ def _ready(x, weight, bias):
 def matmul_reduce_scatter(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
     """[M/W, n]: rows rank*M/W .. (rank+1)*M/W - 1 of sum over ranks of x @ weight^T, plus bias."""
     x, weight, bias = _ready(x, weight, bias)
+    config = config or tuned_config(_TAG, x, weight, info.world_size)  # fluxtp tune's cache; else prepare's heuristic
     return launch(prepare(x, weight, info, config), x, weight, bias)
 
 
@@ -249,6 +251,7 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     m_total, k = x.shape
     n = weight.shape[0]
     world, rank = info.world_size, info.rank
+    config = config or tuned_config(_TAG, x, weight, world)  # the same config as matmul_reduce_scatter
     config = config or MatmulReduceScatterConfig.heuristic(m_total, n, k, world)
     layout = Layout.of(m_total // world, n, x.element_size(), world, config)
     read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)

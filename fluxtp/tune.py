@@ -1,0 +1,861 @@
+"""Autotuning of the fused ops: search space, the on-disk config cache, call-time lookup, `fluxtp tune`.
+
+Search space (`search_space(op, m_total, n, k, world)`, shapes are the layer's global sizes as
+in `fluxtp bench --shapes`): tiles 128x128 / 128x256 / 256x128, block_k 64 / 128, 4 / 8 warps,
+3 / 4 / 5 stages, group_m 4 / 8 / 16, plus the op's own knobs: chunk_rows (all_gather_matmul:
+the rows per rank in 1, 2, 4 or 8 copy chunks) and push / pull and epilogue_split 1 / 2 / 4
+(matmul_reduce_scatter). Pruned before anything runs: what needs more shared memory than an
+H100/H200 block may have (`smem_bytes`), and tilings whose float32 accumulator would not fit
+the registers (more than 128 per thread; 64 with an unsplit reduce-scatter epilogue). The
+estimate is an estimate: a candidate the compiler still rejects is dropped on every rank.
+
+Cache: one JSON file, `$FLUXTP_CACHE_DIR/configs.json` (default `$XDG_CACHE_HOME/fluxtp`, else
+`~/.cache/fluxtp`):
+
+    {"schema": "fluxtp.tune/1",
+     "entries": [{"gpu": "NVIDIA H200", "world": 2, "dtype": "bfloat16",
+                  "op": "all_gather_matmul", "N": 28672, "K": 8192, "M_bucket": 4096,
+                  "config": {every field of the op's config dataclass},
+                  "measured": {"M": 4096, "ms": ..., "heuristic_ms": ..., ...}}]}
+
+The key is (gpu, world, dtype, op, N, K, M_bucket): the GPU name as torch.cuda reports it, the
+group size, the dtype, and the layer's global N and K; M_bucket is M (global tokens) rounded up
+to a power of two. Lookup (`choose`, and `tuned_config` on the launchers' hot path): the exact
+key, else the nearest M bucket of the same (gpu, world, dtype, op, N, K) (ties: the smaller),
+else None, and the launcher uses the op's heuristic. A file that cannot be read, is not valid
+JSON, has another schema version or a config field this version does not know (or lacks one)
+is ignored as a whole, with one warning per version of the file, never an exception.
+
+Every rank must launch the same config. The answer is a function of the file and of the call's
+shape, dtype, world and GPU name only, so the ranks of one host (one file) agree; on several
+hosts, give them the same file (copy it, or point FLUXTP_CACHE_DIR at shared storage). The
+loaded file is kept in memory keyed by its modification time, size and inode, so a rewritten
+file is picked up by the next call: do not run `fluxtp tune` into the cache a running job reads
+(its ranks could see the new file at different calls). Writes take a lock file, merge with
+the entries already there and replace the file atomically (temporary file + os.replace), so a
+reader never sees a half-written file.
+
+`fluxtp tune` (rank_tune, on every rank of a launch like `fluxtp bench`'s), per shape: draw
+random inputs, compute the nccl reference; for each candidate, the heuristic's first and then
+the others nearest to it first: compile it without communication (gemm_only) and verify the
+fused op's output against the reference (every rank agrees on the verdict), time one short
+sample with fluxtp.bench.harness (the slowest rank's time counts) and drop it at once if slower
+than PRUNE_RATIO times the best so far, else take SCREEN_ROUNDS more samples; when the shape's
+share of the budget (the total split evenly over the shapes left) is three-quarters spent,
+stop screening (the budget is checked between candidates). Then the best few survivors and the heuristic are timed together,
+interleaved, with the harness; rank 0 picks the fastest and broadcasts it, every rank checks
+it holds the same winner, and rank 0 writes the winners into the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import itertools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SCHEMA = "fluxtp.tune/1"
+CACHE_FILE = "configs.json"
+FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+TUNE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+KEY_FIELDS = ("gpu", "world", "dtype", "op", "N", "K", "M_bucket")
+
+# Shared memory per block on H100 and H200 (sm_90: 227 KiB opt-in); a little is left for the
+# pipeline's mbarriers and alignment.
+SMEM_LIMIT_BYTES = 227 * 1024
+SMEM_RESERVE_BYTES = 1024
+ELEMENT_BYTES = 2  # float16 / bfloat16 operands
+# float32 accumulator registers per thread (BM*BN / threads) a tiling may need; sm_90 has 255
+# registers per thread and the loop needs its own.
+MAX_ACC_REGISTERS = 128
+MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE = 64  # reduce-scatter epilogue in one slice: 128x256 spills
+
+TILES = ((128, 128), (128, 256), (256, 128))
+BLOCK_KS = (64, 128)
+WARPS = (4, 8)
+STAGES = (3, 4, 5)
+GROUP_MS = (4, 8, 16)
+AG_CHUNK_PIECES = (1, 2, 4, 8)
+RS_PUSH = (True, False)
+RS_EPILOGUE_SPLITS = (1, 2, 4)
+
+# Screening: one short sample per candidate; slower than PRUNE_RATIO x the best so far: dropped,
+# else SCREEN_ROUNDS more samples give its screening time (median, slowest rank).
+PRUNE_RATIO = 1.3
+SCREEN_ROUNDS = 3
+FINAL_CANDIDATES = 4  # the best survivors timed again, interleaved with the heuristic
+SCREEN_SHARE = 0.75  # of a shape's budget; the rest is the final measurement's
+
+
+class CacheWarning(UserWarning):
+    """The config cache file was ignored (unreadable, corrupt or stale)."""
+
+
+class CacheFileError(ValueError):
+    """Why a cache file's content cannot be used."""
+
+
+# ---------------------------------------------------------------- search space
+
+
+def config_class(op: str):
+    if op == "all_gather_matmul":
+        from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
+
+        return AllGatherMatmulConfig
+    if op == "matmul_reduce_scatter":
+        from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+
+        return MatmulReduceScatterConfig
+    raise ValueError(f"op {op!r} has no tunable fused kernel; choose one of {', '.join(FUSED_OPS)}")
+
+
+def heuristic(op: str, m_total: int, n: int, k: int, world: int):
+    """The config the launcher uses without a cache entry (global sizes, as the cache keys)."""
+    cls = config_class(op)
+    if op == "all_gather_matmul":
+        return cls.heuristic(m_total // world, n // world, k, world)
+    return cls.heuristic(m_total, n, k // world, world)
+
+
+def smem_bytes(op: str, config) -> int:
+    """Shared memory of one block: the operand pipeline plus the epilogue's staging tile.
+
+    Pipeline: num_stages x (BM x BK + BN x BK) operand elements. Epilogue: all_gather_matmul
+    stages the output tile for its TMA store (half of it when subtiled); matmul_reduce_scatter
+    converts one float32 column slice (BN / epilogue_split) of the accumulator's layout.
+    """
+    c = config
+    pipeline = c.num_stages * (c.block_m * c.block_k + c.block_n * c.block_k) * ELEMENT_BYTES
+    if op == "all_gather_matmul":
+        epilogue = 0 if not c.tma_store else c.block_m * c.block_n * ELEMENT_BYTES // (2 if c.epilogue_subtile else 1)
+    else:
+        epilogue = c.block_m * (c.block_n // c.epilogue_split) * 4
+    return pipeline + epilogue
+
+
+def fits(op: str, config) -> bool:
+    """Whether the candidate fits shared memory and its accumulator fits the registers."""
+    if smem_bytes(op, config) + SMEM_RESERVE_BYTES > SMEM_LIMIT_BYTES:
+        return False
+    acc = config.block_m * config.block_n // (32 * config.num_warps)
+    if acc > MAX_ACC_REGISTERS:
+        return False
+    unsplit = op == "matmul_reduce_scatter" and config.epilogue_split == 1
+    return not (unsplit and acc > MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE)
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _chunk_rows(rows_per_rank: int, pieces: int, block_m: int) -> int:
+    """Rows per copy chunk for `pieces` chunks per rank (the heuristic's own rounding)."""
+    return max(block_m, _ceil_to(-(-rows_per_rank // pieces), block_m))
+
+
+def candidates(op: str, m_total: int, n: int, k: int, world: int) -> list:
+    """Every config of the space that fits, in enumeration order, without duplicates."""
+    cls = config_class(op)
+    out = []
+    for (bm, bn), bk, warps, stages, group_m in itertools.product(TILES, BLOCK_KS, WARPS, STAGES, GROUP_MS):
+        tiling = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "group_m": group_m}
+        if op == "all_gather_matmul":
+            rows = m_total // world
+            chunks = dict.fromkeys(_chunk_rows(rows, p, bm) for p in AG_CHUNK_PIECES)
+            variants = [cls(**tiling, chunk_rows=c) for c in chunks]
+        else:
+            variants = [
+                cls(**tiling, push=push, epilogue_split=split)
+                for push, split in itertools.product(RS_PUSH, RS_EPILOGUE_SPLITS)
+            ]
+        out.extend(v for v in variants if fits(op, v))
+    return list(dict.fromkeys(out))
+
+
+def search_space(op: str, m_total: int, n: int, k: int, world: int) -> list:
+    """The candidates in the order the tuner tries them: the heuristic's config first, then by
+    how many fields differ from it (neighbours first), ties in enumeration order."""
+    base = heuristic(op, m_total, n, k, world)
+    space = candidates(op, m_total, n, k, world)
+    if base not in space:
+        space.insert(0, base)  # the baseline is always measured
+    fields = [f.name for f in dataclasses.fields(base)]
+
+    def distance(c) -> int:
+        return sum(getattr(c, f) != getattr(base, f) for f in fields)
+
+    order = {c: i for i, c in enumerate(space)}
+    return sorted(space, key=lambda c: (distance(c), order[c]))
+
+
+def describe(config) -> str:
+    """A short human form: 128x256x64 w8 s3 g8 plus the op's own knobs."""
+    c = config
+    text = f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
+    if hasattr(c, "chunk_rows"):
+        return text + f" chunk_rows={c.chunk_rows}"
+    return text + f" {'push' if c.push else 'pull'} epilogue_split={c.epilogue_split}"
+
+
+# ---------------------------------------------------------------- the cache file
+
+
+def cache_dir() -> Path:
+    """$FLUXTP_CACHE_DIR, else $XDG_CACHE_HOME/fluxtp, else ~/.cache/fluxtp."""
+    return Path(_cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))).parent
+
+
+def cache_path() -> Path:
+    return Path(_cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME")))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_file(env_dir: str | None, xdg: str | None) -> str:
+    if env_dir:
+        base = Path(env_dir).expanduser()
+    else:
+        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "fluxtp"
+    return str(base / CACHE_FILE)
+
+
+def m_bucket(m: int) -> int:
+    """M rounded up to a power of two (1, 2, 4, ...)."""
+    return 1 << max(0, int(m) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Key:
+    gpu: str
+    world: int
+    dtype: str
+    op: str
+    N: int
+    K: int
+    M_bucket: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: Key
+    config: object
+    measured: dict
+
+
+def config_to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(op: str, data) -> object:
+    """The op's config from a cache entry; CacheFileError on a missing, unknown or mistyped field."""
+    cls = config_class(op)
+    if not isinstance(data, dict):
+        raise CacheFileError(f"a config of {op} is not an object: {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown, missing = sorted(set(data) - set(fields)), sorted(set(fields) - set(data))
+    if unknown:
+        raise CacheFileError(f"unknown config field(s) {', '.join(unknown)} for {op} (written by another fluxtp?)")
+    if missing:
+        raise CacheFileError(f"config field(s) {', '.join(missing)} missing for {op} (written by another fluxtp?)")
+    defaults = cls()
+    for name, value in data.items():
+        want = type(getattr(defaults, name))
+        if type(value) is not want or (want is int and value <= 0):
+            raise CacheFileError(f"config field {name}={value!r} of {op} is not a positive {want.__name__}")
+    return cls(**data)
+
+
+def parse(text: str) -> dict[Key, Entry]:
+    """The entries of a cache file's text; CacheFileError says why it cannot be used."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise CacheFileError(f"not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        raise CacheFileError(f"schema {schema!r}, this fluxtp reads {SCHEMA!r}")
+    if not isinstance(data.get("entries"), list):
+        raise CacheFileError("no list of entries")
+    entries: dict[Key, Entry] = {}
+    for item in data["entries"]:
+        if not isinstance(item, dict) or not set(KEY_FIELDS) | {"config"} <= set(item):
+            raise CacheFileError(f"an entry lacks some of {', '.join(KEY_FIELDS)}, config: {item!r}")
+        key = Key(**{f: item[f] for f in KEY_FIELDS})
+        for f in ("world", "N", "K", "M_bucket"):
+            if type(getattr(key, f)) is not int or getattr(key, f) <= 0:
+                raise CacheFileError(f"entry {key}: {f} is not a positive integer")
+        if not all(isinstance(getattr(key, f), str) for f in ("gpu", "dtype", "op")):
+            raise CacheFileError(f"entry {key}: gpu, dtype and op must be strings")
+        if key.op not in FUSED_OPS:
+            raise CacheFileError(f"entry {key}: unknown op {key.op!r}")
+        if key in entries:
+            raise CacheFileError(f"two entries for {key}")
+        measured = item.get("measured", {})
+        entries[key] = Entry(key, config_from_dict(key.op, item["config"]), measured if isinstance(measured, dict) else {})
+    return entries
+
+
+def dumps(entries) -> str:
+    """A cache file's text for these entries (sorted, so rewrites diff well)."""
+    items = sorted(entries, key=lambda e: tuple(getattr(e.key, f) for f in KEY_FIELDS))
+    rows = [{**dataclasses.asdict(e.key), "config": config_to_dict(e.config), "measured": e.measured} for e in items]
+    return json.dumps({"schema": SCHEMA, "entries": rows}, indent=1) + "\n"
+
+
+def _signature(path: str):
+    """(mtime, size, inode) of the file, None when it does not exist or cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_version(path: str, signature) -> tuple[dict[Key, Entry], str | None]:
+    """The entries of one version of the file (the signature names the version), or ({}, why it
+    was ignored); the one warning per version is issued here, once."""
+    try:
+        text = Path(path).read_text()
+        return parse(text), None
+    except (OSError, UnicodeDecodeError, CacheFileError) as e:
+        problem = str(e) if isinstance(e, CacheFileError) else f"cannot read it ({e})"
+    warnings.warn(
+        f"fluxtp: ignoring the config cache {path}: {problem}; using the heuristic configs "
+        f"(rerun `fluxtp tune` or delete the file)",
+        CacheWarning,
+        stacklevel=2,
+    )
+    return {}, problem
+
+
+def load(path: str | os.PathLike | None = None) -> tuple[dict[Key, Entry], str | None]:
+    """(entries, None), or ({}, why the file was ignored); ({}, None) when there is no file."""
+    path = str(cache_path() if path is None else path)
+    signature = _signature(path)
+    if signature is None:
+        return {}, None
+    return _load_version(path, signature)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The config a call would use, and why."""
+
+    config: object
+    source: str  # "exact", "nearest" or "heuristic"
+    why: str
+    entry: Entry | None = None
+
+
+def _find(entries: dict[Key, Entry], key: Key) -> tuple[Entry | None, str]:
+    if key in entries:
+        return entries[key], "exact"
+    same = [e for k, e in entries.items() if dataclasses.replace(k, M_bucket=key.M_bucket) == key]
+    if not same:
+        return None, "heuristic"
+    target = math.log2(key.M_bucket)
+    best = min(same, key=lambda e: (abs(math.log2(e.key.M_bucket) - target), e.key.M_bucket))
+    return best, "nearest"
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_answer(path: str, signature, *key):
+    entries, _ = _load_version(path, signature)
+    entry, _ = _find(entries, Key(*key))
+    return None if entry is None else entry.config
+
+
+def choose(op, gpu, world, dtype, m_total, n, k, path=None) -> Choice:
+    """What a call of `op` with these global sizes would launch, and why (see the module doc)."""
+    dtype = str(dtype).removeprefix("torch.")
+    path = str(cache_path() if path is None else path)
+    entries, problem = load(path)
+    key = Key(gpu, world, dtype, op, n, k, m_bucket(m_total))
+    entry, source = _find(entries, key)
+    if entry is None:
+        if problem is not None:
+            why = f"heuristic: the cache file is ignored ({problem})"
+        elif _signature(path) is None:
+            why = f"heuristic: no cache file at {path}"
+        else:
+            why = f"heuristic: no tuned entry for {gpu} x{world} {dtype} {op} N={n} K={k}"
+        return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
+    if source == "exact":
+        return Choice(entry.config, source, f"cache: exact key (M bucket {key.M_bucket})", entry)
+    return Choice(
+        entry.config, source, f"cache: nearest M bucket {entry.key.M_bucket} (none for bucket {key.M_bucket})", entry
+    )
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@functools.lru_cache(maxsize=64)
+def _gpu_name(device_type: str, index: int | None) -> str:
+    if device_type != "cuda":
+        return device_type
+    return torch.cuda.get_device_name(index)
+
+
+def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
+    """The launchers' hot-path lookup: the cached config for this call, or None (use the
+    heuristic). x and weight are what the launcher holds: all_gather_matmul x_shard [M/W, K]
+    and weight [N/W, K]; matmul_reduce_scatter x [M, K/W] and weight [N, K/W]. Costs a stat of
+    the cache file and a dictionary lookup; never raises for a bad file (warns once)."""
+    path = _cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
+    signature = _signature(path)
+    if signature is None:
+        return None
+    if op == "all_gather_matmul":
+        m_total, n, k = x.shape[0] * world, weight.shape[0] * world, x.shape[1]
+    else:
+        m_total, n, k = x.shape[0], weight.shape[0], x.shape[1] * world
+    device = x.device
+    gpu = _gpu_name(device.type, device.index)
+    return _cached_answer(path, signature, gpu, world, _DTYPE_NAMES.get(x.dtype), op, n, k, m_bucket(m_total))
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on path + '.lock' (POSIX; elsewhere no lock: last writer wins)."""
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a+") as f:
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_entries(new_entries, path: str | os.PathLike | None = None) -> Path:
+    """Merge entries into the cache file (replacing equal keys) and replace it atomically.
+
+    An unusable existing file is replaced (with the warning load() gives). The new text goes
+    to a temporary file in the same folder, is flushed to disk, and os.replace()s the old one:
+    a reader sees the old file or the new one, never a mixture."""
+    path = Path(cache_path() if path is None else path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        entries, _ = load(path)
+        merged = dict(entries)
+        for entry in new_entries:
+            merged[entry.key] = entry
+        text = dumps(merged.values())
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    return path
+
+
+# ---------------------------------------------------------------- fluxtp tune
+
+
+class TuneError(RuntimeError):
+    """Tuning cannot go on; raised on every rank alike."""
+
+
+NO_GPU_MESSAGE = (
+    "fluxtp tune: tuning measures the fused Triton kernels, which need NVIDIA GPUs (CUDA); this host has none "
+    "(torch.cuda.is_available() is False). Nothing was tuned; run it on the GPU host that will use the configs."
+)
+
+
+@dataclass(frozen=True)
+class TuneJob:
+    op: str
+    shapes: tuple  # of fluxtp.bench.ops.Shape
+    dtype: torch.dtype
+    budget_s: float
+    path: str  # the cache file, resolved once by the launching process
+
+
+@dataclass
+class ShapeResult:
+    shape: object
+    winner: object
+    winner_ms: float
+    heuristic_ms: float
+    space: int
+    screened: int
+    pruned: int
+    failed: list  # (config, why): the compiler or the launch rejected it
+    wrong: list  # (config, why): it computed a wrong result (a kernel bug)
+
+
+def _agree_max(values, info, device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if info.group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.group)
+    return t.tolist()
+
+
+def _launchers(op: str):
+    """(the fused op's launcher as fn(x, w, info, config) -> (out, gathered or None), gemm_only)."""
+    if op == "all_gather_matmul":
+        from fluxtp.backends.fused import ag_gemm
+
+        def run(x, w, info, config):
+            return ag_gemm.all_gather_matmul(x, w, None, info, True, config=config)
+
+        return run, ag_gemm.gemm_only
+    from fluxtp.backends.fused import gemm_rs
+
+    def run(x, w, info, config):
+        return gemm_rs.matmul_reduce_scatter(x, w, None, info, config=config), None
+
+    return run, gemm_rs.gemm_only
+
+
+def _check(op, config, inputs, ref, ref_gathered, info, device) -> tuple[str | None, bool]:
+    """(why the candidate is dropped or None, whether it computed a wrong result), the same on
+    every rank: compile and run without communication first (a compiler rejection happens
+    before any collective is queued), then the fused op against the nccl reference."""
+    from fluxtp.bench.ops import VERIFY_TOLERANCE, relative_error
+
+    run, gemm_only = _launchers(op)
+    x, w = inputs[0]
+    reason = None
+    try:
+        gemm_only(x, w, None, info, config=config)()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001  OutOfResources and other compiler rejections: the same on every rank
+        reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200]
+    (failed,) = _agree_max([float(reason is not None)], info, device)
+    if failed:
+        return reason or "does not compile or launch on another rank", False
+    out, gathered = run(x, w, info, config)
+    shape_differs = tuple(out.shape) != tuple(ref.shape)
+    error = math.inf if shape_differs else relative_error(out, ref)
+    gathered_differs = gathered is not None and not torch.equal(gathered, ref_gathered)
+    error, gathered_differs = _agree_max([error, float(gathered_differs)], info, device)
+    if gathered_differs:
+        return "the gathered input differs from the nccl reference's", True
+    if not error <= VERIFY_TOLERANCE[x.dtype]:
+        return f"max-norm relative error {error:.3g} against the nccl reference", True
+    return None, False
+
+
+def _variant(op, name, config, inputs, info):
+    from fluxtp.bench.harness import Variant
+
+    run, _ = _launchers(op)
+    return Variant(name, tuple(functools.partial(run, x, w, info, config) for x, w in inputs))
+
+
+def _time_left(deadline: float, info, device) -> float:
+    """Seconds to the deadline, the smallest over the ranks (so every rank decides alike)."""
+    return -_agree_max([-(deadline - time.monotonic())], info, device)[0]
+
+
+def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progress=False) -> ShapeResult:
+    """Tune one shape on every rank of `info` (collective); returns the same result everywhere."""
+    from tqdm import tqdm
+
+    import fluxtp
+    from fluxtp.bench.harness import (
+        GPU_PROTOCOL,
+        Protocol,
+        cache_bytes,
+        input_copies,
+        measure,
+    )
+    from fluxtp.bench.ops import shard_shapes
+
+    world = info.world_size
+    x_shape, w_shape = shard_shapes(op, shape, world)
+    copies = input_copies((math.prod(x_shape) + math.prod(w_shape)) * ELEMENT_BYTES, cache_bytes(device))
+    inputs = [
+        (
+            torch.randn(x_shape, dtype=dtype, device=device, generator=generator),
+            torch.randn(w_shape, dtype=dtype, device=device, generator=generator).mul_(w_shape[1] ** -0.5),
+        )
+        for _ in range(copies)
+    ]
+    reference = getattr(fluxtp, op)
+    if op == "all_gather_matmul":
+        ref, ref_gathered = reference(*inputs[0], group=info.group, backend="nccl", return_gathered=True)
+    else:
+        ref, ref_gathered = reference(*inputs[0], group=info.group, backend="nccl"), None
+
+    space = search_space(op, shape.M, shape.N, shape.K, world)
+    base = space[0]
+    start = time.monotonic()
+    screen_end = start + SCREEN_SHARE * max(0.0, deadline - start)
+    first = Protocol(rounds=1, warmup_rounds=1, calls_per_sample=3)
+    screen = Protocol(rounds=SCREEN_ROUNDS, warmup_rounds=0, calls_per_sample=3)
+    times: dict[object, float] = {}
+    failed, wrong = [], []
+    screened = pruned = 0
+    bar = tqdm(total=len(space), disable=not show_progress, unit="config", desc=f"{op} {shape}", leave=False)
+    try:
+        for i, config in enumerate(space):
+            if i > 0 and _time_left(screen_end, info, device) <= 0:
+                break  # the heuristic (i = 0) is always measured
+            screened += 1
+            why, is_wrong = _check(op, config, inputs, ref, ref_gathered, info, device)
+            if why is not None:
+                (wrong if is_wrong else failed).append((config, why))
+            else:
+                variant = [_variant(op, "candidate", config, inputs, info)]
+                t = measure(variant, first, info, device)["candidate"]  # one short sample (slowest rank)
+                if times and t > PRUNE_RATIO * min(times.values()):
+                    pruned += 1  # hopeless: no more samples
+                else:
+                    times[config] = measure(variant, screen, info, device)["candidate"]
+            bar.update(1)
+            if times:
+                bar.set_postfix(best_ms=f"{min(times.values()):.4g}")
+    finally:
+        bar.close()
+    if base not in times:  # measured first, so never pruned: it failed
+        raise TuneError(f"{op} {shape}: the heuristic config {describe(base)} itself failed: {(failed + wrong)[0][1]}")
+    best = min(times.values())
+    survivors = sorted((c for c, t in times.items() if t <= PRUNE_RATIO * best), key=lambda c: (times[c], space.index(c)))
+    finalists = list(dict.fromkeys([*survivors[:FINAL_CANDIDATES], base]))
+    names = [f"c{space.index(c)}" for c in finalists]
+    # As many rounds as the rest of the budget allows (>= 3, <= the benchmark's), by the screen's times.
+    per_round_s = sum(times[c] for c in finalists) * GPU_PROTOCOL.calls_per_sample / 1e3 + 0.002 * len(finalists)
+    rounds = int(min(GPU_PROTOCOL.rounds, max(3, _time_left(deadline, info, device) / max(per_round_s, 1e-6))))
+    final = Protocol(rounds, GPU_PROTOCOL.warmup_rounds, GPU_PROTOCOL.calls_per_sample)
+    ms = measure([_variant(op, n, c, inputs, info) for n, c in zip(names, finalists)], final, info, device)
+    pick = [min(range(len(finalists)), key=lambda j: (ms[names[j]], j))]
+    if info.group is not None:
+        dist.broadcast_object_list(pick, src=dist.get_global_rank(info.group, 0), group=info.group)
+    winner = finalists[pick[0]]
+    mine = config_to_dict(winner)
+    everyone = [mine] * world
+    if info.group is not None:
+        dist.all_gather_object(everyone, mine, group=info.group)
+    if any(d != mine for d in everyone):
+        raise TuneError(f"{op} {shape}: the ranks hold different winners ({everyone}); nothing written")
+    return ShapeResult(
+        shape,
+        winner,
+        ms[names[pick[0]]],
+        ms[names[finalists.index(base)]],
+        len(space),
+        screened,
+        pruned + len(times) - len(survivors),
+        failed,
+        wrong,
+    )
+
+
+def rank_tune(rank: int, world: int, job: TuneJob) -> None:
+    """Every rank's body (inside an initialized default group, one GPU per rank)."""
+    from tabulate import tabulate
+
+    from fluxtp._dist import resolve_group
+    from fluxtp.bench.results import git_commit, triton_version
+
+    info = resolve_group(None)
+    device = torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name(device)
+    generator = torch.Generator(device=device).manual_seed(20261122 + info.rank)
+    dtype_name = str(job.dtype).removeprefix("torch.")
+    if info.group is not None:
+        dist.barrier(group=info.group)
+    deadline_total = time.monotonic() + job.budget_s
+    results, entries = [], []
+    for i, shape in enumerate(job.shapes):
+        left = _time_left(deadline_total, info, device)
+        deadline = time.monotonic() + max(0.0, left) / (len(job.shapes) - i)
+        try:
+            result = tune_shape(job.op, shape, job.dtype, deadline, info, device, generator, show_progress=rank == 0)
+        except TuneError as e:  # raised on every rank alike
+            if rank == 0:
+                print(f"fluxtp tune: {e}", file=sys.stderr, flush=True)
+            if info.group is not None:
+                dist.barrier(group=info.group)  # rank 0 has printed before any rank exits
+            raise SystemExit(1) from None
+        results.append(result)
+        key = Key(gpu, world, dtype_name, job.op, shape.N, shape.K, m_bucket(shape.M))
+        measured = {
+            "M": shape.M,
+            "ms": round(result.winner_ms, 5),
+            "heuristic_ms": round(result.heuristic_ms, 5),
+            "candidates": result.space,
+            "screened": result.screened,
+            "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__,
+            "triton": triton_version(),
+            "commit": git_commit(),
+        }
+        entries.append(Entry(key, result.winner, measured))
+        torch.cuda.empty_cache()
+    if rank == 0:
+        rows = [
+            [
+                str(r.shape),
+                f"{r.screened}/{r.space}",
+                r.pruned,
+                len(r.failed) + len(r.wrong),
+                f"{r.heuristic_ms:.4g}",
+                f"{r.winner_ms:.4g}",
+                f"{r.heuristic_ms / r.winner_ms:.3f}",
+                describe(r.winner),
+            ]
+            for r in results
+        ]
+        headers = ["MxNxK", "screened", "pruned", "failed", "heuristic ms", "tuned ms", "speedup", "config"]
+        print(f"{job.op} on {gpu} x{world}, {dtype_name}:", flush=True)
+        print(tabulate(rows, headers=headers, disable_numparse=True), flush=True)
+        for r in results:
+            for config, why in r.failed:
+                print(f"  {r.shape}: dropped {describe(config)}: {why}", flush=True)
+        print(f"wrote {len(entries)} entries to {write_entries(entries, job.path)}", flush=True)
+    wrong = [(r.shape, c, why) for r in results for c, why in r.wrong]
+    if info.group is not None:
+        dist.barrier(group=info.group)  # rank 0 has written before any rank reports or exits
+    if wrong:
+        if rank == 0:
+            for shape, config, why in wrong:
+                print(f"fluxtp tune: {shape}: {describe(config)} computed a WRONG result ({why}): a kernel bug", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+def _run_torchrun(job: TuneJob) -> int:
+    from fluxtp.bench.launch import LAUNCH_TIMEOUT_S
+    from fluxtp.testing import MULTICAST_OFF
+
+    os.environ.update(MULTICAST_OFF)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    timeout = datetime.timedelta(seconds=LAUNCH_TIMEOUT_S / 2)
+    dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
+    try:
+        rank_tune(rank, world, job)
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _run_local(job: TuneJob, nproc: int) -> int:
+    import torch.multiprocessing as mp
+
+    from fluxtp.bench.launch import LAUNCH_TIMEOUT_S
+    from fluxtp.testing import MULTICAST_OFF, run_on_ranks
+
+    os.environ.update(MULTICAST_OFF)
+    try:
+        run_on_ranks(rank_tune, nproc, job, backend="nccl", timeout_s=max(LAUNCH_TIMEOUT_S, 2 * job.budget_s + 600))
+    except mp.ProcessExitedException as e:
+        if e.signal_name or e.exit_code != 1:
+            print(f"fluxtp tune failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (mp.ProcessRaisedException, TimeoutError) as e:
+        print(f"fluxtp tune failed:\n{e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def cmd_tune(args) -> int:
+    """`fluxtp tune`: checks the options, then launches like `fluxtp bench` (spawn or torchrun)."""
+    from fluxtp.bench.launch import local_device_type, under_torchrun
+    from fluxtp.bench.ops import parse_shapes, shard_shapes
+
+    parser = args.parser
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.budget_seconds <= 0:
+        parser.error(f"--budget-seconds must be positive, got {args.budget_seconds}")
+    if local_device_type() != "cuda":
+        print(NO_GPU_MESSAGE, file=sys.stderr, flush=True)
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("fluxtp tune: triton is not installed; the fused kernels need it", file=sys.stderr, flush=True)
+        return 2
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+    else:
+        world = args.nproc if args.nproc is not None else torch.cuda.device_count()
+        if world > torch.cuda.device_count():
+            parser.error(f"--nproc {world}: this host has only {torch.cuda.device_count()} CUDA GPUs (one per process)")
+    if world < 2:
+        print(f"fluxtp tune: the fused kernels run on groups of 2 or more GPUs, got {world}", file=sys.stderr)
+        return 2
+    try:
+        for shape in shapes:
+            shard_shapes(args.op, shape, world)
+    except ValueError as e:
+        parser.error(str(e))
+    job = TuneJob(args.op, shapes, TUNE_DTYPES[args.dtype], float(args.budget_seconds), str(cache_path()))
+    if under_torchrun():
+        return _run_torchrun(job)
+    return _run_local(job, world)
+
+
+# ---------------------------------------------------------------- fluxtp info --configs
+
+
+def cmd_info_configs(args) -> int:
+    """`fluxtp info --configs`: which config each shape would get, and why (no GPU needed)."""
+    from tabulate import tabulate
+
+    from fluxtp.bench.ops import DEFAULT_SHAPES, parse_shapes, shard_shapes
+
+    parser = args.parser
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu = args.gpu or (torch.cuda.get_device_name(0) if gpus else "cpu")
+    world = args.world if args.world is not None else max(2, gpus)
+    if world < 2:
+        parser.error(f"--world must be at least 2 (the fused kernels run on groups of 2 or more), got {world}")
+    ops = FUSED_OPS if args.op in (None, "all") else (args.op,)
+    try:
+        shapes = parse_shapes(args.shapes) if args.shapes else None
+        cases = [(op, s) for op in ops for s in (shapes or DEFAULT_SHAPES["cuda"][op])]
+        for op, s in cases:
+            shard_shapes(op, s, world)
+    except ValueError as e:
+        parser.error(str(e))
+    path = cache_path()
+    entries, problem = load(path)
+    if problem is not None:
+        state = f"ignored: {problem}"
+    elif _signature(str(path)) is None:
+        state = "no file yet (`fluxtp tune` writes it)"
+    else:
+        state = f"{len(entries)} entries"
+    print(f"config cache: {path} ({state})")
+    print(f"lookup for: {gpu}, world {world}, {args.dtype}")
+    rows = []
+    for op, s in cases:
+        choice = choose(op, gpu, world, args.dtype, s.M, s.N, s.K, path=path)
+        rows.append([op, str(s), m_bucket(s.M), choice.source, describe(choice.config), choice.why])
+    print(tabulate(rows, headers=["op", "MxNxK", "M bucket", "source", "config", "why"], disable_numparse=True))
+    return 0

@@ -1,0 +1,502 @@
+"""fluxtp/tune.py on CPU: the search space, the config cache (format, keys, nearest bucket,
+corrupt and stale files, atomic writes), the same choice on every rank of a gloo world, the
+tuner's control flow (verify, prune, budget, one winner) with CPU stand-ins for the kernels,
+and the `fluxtp tune` / `fluxtp info --configs` commands."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("triton")  # the fused configs live beside the Triton launchers
+
+from fluxtp import cli, tune
+from fluxtp._dist import resolve_group
+from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
+from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+from fluxtp.bench.ops import Shape
+from fluxtp.testing import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+H200 = "NVIDIA H200"
+# (op, M, N, K) global sizes: LLaMA-70B MLP dims at small and large M, a ragged M, a small layer.
+SHAPES = [
+    (AG, 1024, 28672, 8192),
+    (AG, 16384, 28672, 8192),
+    (AG, 3000, 14336, 4096),
+    (RS, 1024, 8192, 28672),
+    (RS, 8192, 8192, 28672),
+    (RS, 256, 4096, 1024),
+]
+
+
+def expected_smem(op, c) -> int:
+    """Written out independently of tune.smem_bytes: bf16 operand stages + the epilogue tile."""
+    operands = c.num_stages * (c.block_m + c.block_n) * c.block_k * 2
+    if op == AG:
+        return operands + c.block_m * (c.block_n // 2) * 2  # half-tile TMA store, bf16
+    return operands + c.block_m * (c.block_n // c.epilogue_split) * 4  # fp32 epilogue slice
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty FLUXTP_CACHE_DIR; the cache file's path."""
+    monkeypatch.setenv("FLUXTP_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / tune.CACHE_FILE
+
+
+def entry(op=AG, gpu=H200, world=2, dtype="bfloat16", n=28672, k=8192, m=4096, **fields):
+    base = AllGatherMatmulConfig() if op == AG else MatmulReduceScatterConfig()
+    key = tune.Key(gpu, world, dtype, op, n, k, tune.m_bucket(m))
+    return tune.Entry(key, dataclasses.replace(base, **fields), {"M": m, "ms": 1.0})
+
+
+# ---------------------------------------------------------------- search space
+
+
+@pytest.mark.parametrize("op, M, N, K", SHAPES)
+def test_search_space_fits_shared_memory_without_duplicates(op, M, N, K):
+    space = tune.search_space(op, M, N, K, 2)
+    assert len(space) == len(set(space)) > 20
+    assert set(space) == set(tune.candidates(op, M, N, K, 2))
+    for c in space:
+        assert expected_smem(op, c) == tune.smem_bytes(op, c)
+        assert expected_smem(op, c) + tune.SMEM_RESERVE_BYTES <= 227 * 1024, tune.describe(c)
+        assert c.block_m * c.block_n // (32 * c.num_warps) <= 128, tune.describe(c)  # accumulator registers
+        if op == AG:
+            assert c.chunk_rows % c.block_m == 0 and c.chunk_rows >= c.block_m
+    # every axis of the space is explored where it fits
+    assert {(c.block_m, c.block_n) for c in space} == {(128, 128), (128, 256), (256, 128)}
+    assert {c.block_k for c in space} == {64, 128}
+    assert {c.num_stages for c in space} == {3, 4, 5}
+    assert {c.num_warps for c in space} == {4, 8}
+    assert {c.group_m for c in space} == {4, 8, 16}
+    if op == RS:
+        assert {c.push for c in space} == {True, False}
+        assert {c.epilogue_split for c in space} == {1, 2, 4}
+    else:
+        assert len({c.chunk_rows for c in space}) >= 2
+
+
+@pytest.mark.parametrize("op, M, N, K", SHAPES)
+def test_heuristic_config_is_in_the_space_and_tried_first(op, M, N, K):
+    h = tune.heuristic(op, M, N, K, 2)
+    if op == AG:
+        assert h == AllGatherMatmulConfig.heuristic(M // 2, N // 2, K, 2)
+    else:
+        assert h == MatmulReduceScatterConfig.heuristic(M, N, K // 2, 2)
+    assert h in tune.candidates(op, M, N, K, 2)  # enumerated, not only prepended
+    space = tune.search_space(op, M, N, K, 2)
+    assert space[0] == h
+    # then the neighbours: one field away from the heuristic before anything two fields away
+    fields = [f.name for f in dataclasses.fields(h)]
+    distances = [sum(getattr(c, f) != getattr(h, f) for f in fields) for c in space]
+    assert distances == sorted(distances)
+
+
+def test_what_does_not_fit_is_pruned():
+    space = set(tune.candidates(AG, 8192, 28672, 8192, 2))
+    shapes = {(c.block_m, c.block_n, c.block_k, c.num_stages, c.num_warps) for c in space}
+    assert (128, 256, 64, 4, 8) in shapes  # 192 KiB operands + 32 KiB half tile: fits 227 KiB
+    assert (128, 256, 64, 5, 8) not in shapes  # 240 KiB of operands alone
+    assert (128, 128, 128, 4, 8) not in shapes  # 256 KiB
+    assert not any(bk == 128 and max(bm, bn) == 256 for bm, bn, bk, _, _ in shapes)
+    assert (128, 256, 64, 3, 4) not in shapes  # 256 accumulator registers a thread
+    rs = set(tune.candidates(RS, 8192, 8192, 28672, 2))
+    assert not any(c.block_n == 256 and c.epilogue_split == 1 for c in rs)  # spills (gemm_rs note)
+    assert any(c.block_n == 128 and c.num_warps == 8 and c.epilogue_split == 1 for c in rs)
+    assert tune.smem_bytes(AG, AllGatherMatmulConfig()) == 3 * (128 + 256) * 64 * 2 + 128 * 128 * 2
+
+
+def test_m_bucket_rounds_up_to_powers_of_two():
+    assert [tune.m_bucket(m) for m in (1, 2, 3, 1000, 1024, 1025, 16384)] == [1, 2, 4, 1024, 1024, 2048, 16384]
+
+
+# ---------------------------------------------------------------- the cache file
+
+
+def test_cache_round_trip(cache):
+    entries = [
+        entry(m=4096, block_n=128, num_stages=4, chunk_rows=1024),
+        entry(op=RS, n=8192, k=28672, m=8192, push=False, epilogue_split=2),
+    ]
+    assert tune.write_entries(entries) == cache
+    data = json.loads(cache.read_text())
+    assert data["schema"] == "fluxtp.tune/1"
+    first = data["entries"][0]
+    assert {k: first[k] for k in tune.KEY_FIELDS} == {
+        "gpu": H200, "world": 2, "dtype": "bfloat16", "op": AG, "N": 28672, "K": 8192, "M_bucket": 4096,
+    }  # fmt: skip
+    assert first["config"] == dataclasses.asdict(entries[0].config)
+    loaded, problem = tune.load()
+    assert problem is None
+    assert loaded == {e.key: e for e in entries}
+    assert tune.parse(tune.dumps(loaded.values())) == loaded
+
+
+def test_writes_merge_and_replace_equal_keys(cache):
+    tune.write_entries([entry(m=1024, block_n=128), entry(m=4096)])
+    tune.write_entries([entry(m=4096, group_m=16), entry(m=16384)])
+    loaded, _ = tune.load()
+    assert sorted(k.M_bucket for k in loaded) == [1024, 4096, 16384]
+    assert loaded[entry(m=4096).key].config.group_m == 16
+
+
+def test_lookup_exact_then_nearest_bucket_then_heuristic(cache):
+    tune.write_entries([entry(m=1024, block_n=128, chunk_rows=128), entry(m=16384, group_m=16)])
+    exact = tune.choose(AG, H200, 2, "bfloat16", 1000, 28672, 8192)  # bucket 1024
+    assert exact.source == "exact" and exact.config.chunk_rows == 128
+    assert "exact" in exact.why
+    near = tune.choose(AG, H200, 2, torch.bfloat16, 8192, 28672, 8192)  # 16384 is 1 bucket away, 1024 is 3
+    assert near.source == "nearest" and near.config.group_m == 16
+    assert "nearest M bucket 16384" in near.why
+    tie = tune.choose(AG, H200, 2, "bfloat16", 4096, 28672, 8192)  # 2 buckets from each: the smaller
+    assert tie.source == "nearest" and tie.config.chunk_rows == 128
+    for other in [
+        ("NVIDIA H100 80GB HBM3", 2, "bfloat16", 28672, 8192),
+        (H200, 4, "bfloat16", 28672, 8192),
+        (H200, 2, "float16", 28672, 8192),
+        (H200, 2, "bfloat16", 14336, 8192),
+        (H200, 2, "bfloat16", 28672, 4096),
+    ]:
+        gpu, world, dtype, n, k = other
+        choice = tune.choose(AG, gpu, world, dtype, 4096, n, k)
+        assert choice.source == "heuristic", other
+        assert choice.config == AllGatherMatmulConfig.heuristic(4096 // world, n // world, k, world)
+        assert "no tuned entry" in choice.why
+    assert tune.choose(RS, H200, 2, "bfloat16", 4096, 28672, 8192).source == "heuristic"  # another op
+
+
+def test_launcher_lookup_converts_local_shapes_to_the_global_key(cache):
+    # CPU tensors: the GPU name is "cpu". all_gather_matmul holds x_shard [M/W, K], w [N/W, K];
+    # matmul_reduce_scatter x [M, K/W], w [N, K/W]; the cache keys the layer's global M, N, K.
+    ag = entry(gpu="cpu", world=2, n=64, k=32, m=256, block_n=128, chunk_rows=256)
+    rs = entry(op=RS, gpu="cpu", world=2, n=64, k=32, m=256, push=False)
+    tune.write_entries([ag, rs])
+    x, w = torch.empty(128, 32, dtype=torch.bfloat16), torch.empty(32, 32, dtype=torch.bfloat16)
+    assert tune.tuned_config(AG, x, w, 2) == ag.config
+    x, w = torch.empty(256, 16, dtype=torch.bfloat16), torch.empty(64, 16, dtype=torch.bfloat16)
+    assert tune.tuned_config(RS, x, w, 2) == rs.config
+    assert tune.tuned_config(RS, x, w, 4) is None  # world 4: K = 64, no entry
+    assert tune.tuned_config(RS, x.half(), w.half(), 2) is None  # another dtype
+
+
+def test_no_cache_file_means_heuristic_and_no_warning(cache):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x, w = torch.empty(128, 32), torch.empty(32, 32)
+        assert tune.tuned_config(AG, x, w, 2) is None
+        choice = tune.choose(AG, H200, 2, "bfloat16", 4096, 28672, 8192)
+    assert choice.source == "heuristic" and "no cache file" in choice.why
+
+
+def _valid_file() -> dict:
+    return json.loads(tune.dumps([entry(gpu="cpu", n=64, k=32, m=256)]))
+
+
+def _stale_schema(d):
+    d["schema"] = "fluxtp.tune/0"
+
+
+def _unknown_field(d):
+    d["entries"][0]["config"]["swizzle"] = 3
+
+
+def _missing_field(d):
+    del d["entries"][0]["config"]["chunk_rows"]
+
+
+def _mistyped_field(d):
+    d["entries"][0]["config"]["block_m"] = "128"
+
+
+def _bool_for_int(d):
+    d["entries"][0]["config"]["num_warps"] = True
+
+
+def _missing_key(d):
+    del d["entries"][0]["N"]
+
+
+def _duplicate_key(d):
+    d["entries"].append(d["entries"][0])
+
+
+@pytest.mark.parametrize(
+    "spoil, reason",
+    [
+        ("{not json", "not valid JSON"),
+        ("", "not valid JSON"),
+        ("[]", "schema"),
+        (b"\xff\xfe\x00garbage", "cannot read"),
+        (_stale_schema, "schema 'fluxtp.tune/0'"),
+        (_unknown_field, "unknown config field(s) swizzle"),
+        (_missing_field, "chunk_rows missing"),
+        (_mistyped_field, "block_m='128'"),
+        (_bool_for_int, "num_warps=True"),
+        (_missing_key, "lacks"),
+        (_duplicate_key, "two entries"),
+    ],
+)
+def test_corrupt_or_stale_file_is_ignored_with_one_warning(cache, spoil, reason):
+    cache.parent.mkdir(parents=True)
+    if callable(spoil):
+        data = _valid_file()
+        spoil(data)
+        cache.write_text(json.dumps(data))
+    elif isinstance(spoil, bytes):
+        cache.write_bytes(spoil)
+    else:
+        cache.write_text(spoil)
+    x, w = torch.empty(128, 32, dtype=torch.bfloat16), torch.empty(32, 32, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert tune.tuned_config(AG, x, w, 2) is None  # the launcher then takes the heuristic
+        choice = tune.choose(AG, "cpu", 2, "bfloat16", 256, 64, 32)
+    ours = [w for w in caught if issubclass(w.category, tune.CacheWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert reason in str(ours[0].message) and str(cache) in str(ours[0].message)
+    assert choice.source == "heuristic" and reason in choice.why
+    assert choice.config == AllGatherMatmulConfig.heuristic(128, 32, 32, 2)
+    # a repaired file is used from the next call on (the memory copy is keyed by the file's version)
+    tune.write_entries([entry(gpu="cpu", n=64, k=32, m=256, group_m=4)])
+    assert tune.tuned_config(AG, x, w, 2).group_m == 4
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(cache, monkeypatch):
+    tune.write_entries([entry(m=1024)])
+    before = cache.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tune.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        tune.write_entries([entry(m=4096)])
+    assert cache.read_bytes() == before
+    assert sorted(p.name for p in cache.parent.iterdir()) == [tune.CACHE_FILE, tune.CACHE_FILE + ".lock"]
+
+
+def test_readers_never_see_a_half_written_file(cache):
+    # Large enough that writing it in place would take many write() calls.
+    many = [entry(m=1 << (i % 15), n=8 * (i + 1)) for i in range(600)]
+    tune.write_entries(many)
+    stop, seen, bad = threading.Event(), [0], []
+
+    def reader():
+        while not stop.is_set():
+            text = cache.read_text()
+            try:
+                assert len(tune.parse(text)) >= 600
+                seen[0] += 1
+            except Exception as e:  # noqa: BLE001  recorded, asserted below
+                bad.append(f"{type(e).__name__}: {e}"[:200])
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(40):
+            tune.write_entries([entry(m=4096, n=8 * (i + 1), group_m=4 if i % 2 else 16)])
+    finally:
+        stop.set()
+        t.join()
+    assert not bad, bad[:3]
+    assert seen[0] > 0
+
+
+# ---------------------------------------------------------------- every rank, the same choice
+
+
+def _choices_on_rank(rank, world, cache_dir):
+    os.environ["FLUXTP_CACHE_DIR"] = cache_dir
+    info = resolve_group(None)
+    answers = []
+    for m in (256, 512, 4096, 100):  # exact, exact, nearest (1024), nearest (256)
+        x, w = torch.empty(m // world, 32, dtype=torch.bfloat16), torch.empty(32, 32, dtype=torch.bfloat16)
+        config = tune.tuned_config(AG, x, w, info.world_size)
+        answers.append(None if config is None else dataclasses.asdict(config))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, answers)
+    assert all(a == answers for a in everyone), everyone
+    expected = [{"group_m": 4}, {"group_m": 16}, {"group_m": 16}, {"group_m": 4}]
+    assert [None if a is None else {"group_m": a["group_m"]} for a in answers] == expected
+
+
+def test_every_rank_chooses_the_same_config(tmp_path):
+    cache_dir = tmp_path / "shared"
+    tune.write_entries(
+        [entry(gpu="cpu", n=64, k=32, m=256, group_m=4), entry(gpu="cpu", n=64, k=32, m=512, group_m=16)],
+        cache_dir / tune.CACHE_FILE,
+    )
+    run_on_ranks(_choices_on_rank, 2, str(cache_dir), backend="gloo", timeout_s=120)
+
+
+# ---------------------------------------------------------------- the tuner's control flow
+
+
+SLOW = {"group_m": 16}  # stand-in cost model: these configs are 3x slower than the rest
+BEST = {"block_n": 128, "num_stages": 4, "group_m": 4}  # and this one the fastest
+
+
+def _fake_launchers(op):
+    """CPU stand-ins for the fused launchers: the nccl reference plus a sleep that depends on the
+    config; a 256x128 tile "does not compile", and num_warps=4 with 5 stages computes garbage."""
+    import fluxtp
+
+    def cost_s(config):
+        if all(getattr(config, k) == v for k, v in BEST.items()):
+            return 0.0005
+        return 0.006 if all(getattr(config, k) == v for k, v in SLOW.items()) else 0.002
+
+    def run(x, w, info, config):
+        out, gathered = fluxtp.all_gather_matmul(x, w, group=info.group, backend="nccl", return_gathered=True)
+        time.sleep(cost_s(config))
+        if config.num_warps == 4 and config.num_stages == 5:
+            out = out + 1
+        return out, gathered
+
+    def gemm_only(x, w, bias, info, config):
+        if config.block_m == 256:
+            raise RuntimeError("out of resource: shared memory (stand-in)")
+        return lambda: None
+
+    return run, gemm_only
+
+
+def _tune_on_rank(rank, world, budget_s, out_dir):
+    tune._launchers = _fake_launchers
+    info = resolve_group(None)
+    device = torch.device("cpu")
+    generator = torch.Generator().manual_seed(rank)
+    shape = Shape(4096, 64, 32)
+    start = time.monotonic()
+    result = tune.tune_shape(AG, shape, torch.float32, start + budget_s, info, device, generator)
+    elapsed = time.monotonic() - start
+    summary = {
+        "elapsed": elapsed,
+        "winner": dataclasses.asdict(result.winner),
+        "space": result.space,
+        "screened": result.screened,
+        "pruned": result.pruned,
+        "failed": [tune.describe(c) for c, _ in result.failed],
+        "wrong": [tune.describe(c) for c, _ in result.wrong],
+        "heuristic_ms": result.heuristic_ms,
+        "winner_ms": result.winner_ms,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
+
+
+def test_tuner_verifies_prunes_and_agrees_on_one_winner(tmp_path):
+    run_on_ranks(_tune_on_rank, 2, 600.0, str(tmp_path), backend="gloo", timeout_s=600)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["winner"] == r1["winner"]
+    assert r0["screened"] == r0["space"]  # a large budget: every candidate screened
+    assert {k: r0["winner"][k] for k in BEST} == BEST
+    assert r0["winner_ms"] < r0["heuristic_ms"]
+    assert r0["pruned"] > 0  # the 3x slower group_m=16 ones
+    assert r0["failed"] and all(d.startswith("256x") for d in r0["failed"])
+    assert r0["wrong"] and all(" w4 s5 " in d for d in r0["wrong"])
+
+
+def test_tuner_stops_at_its_budget(tmp_path):
+    run_on_ranks(_tune_on_rank, 2, 3.0, str(tmp_path), backend="gloo", timeout_s=300)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["winner"] == r1["winner"]
+    assert 1 <= r0["screened"] < r0["space"]
+    # the candidate in flight when the screening share ran out, and the final round, may overrun a little
+    assert r0["elapsed"] < 3.0 + 2.0, r0["elapsed"]
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def test_tune_without_cuda_exits_2_and_says_why(monkeypatch, capsys):
+    import fluxtp.bench.launch
+
+    monkeypatch.setattr(fluxtp.bench.launch, "local_device_type", lambda: "cpu")
+    assert cli.main(["tune", "--op", AG, "--shapes", "4096x28672x8192"]) == 2
+    err = capsys.readouterr().err
+    assert "tuning measures the fused Triton kernels, which need NVIDIA GPUs" in err
+    assert "Nothing was tuned" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real no-GPU path needs a host without CUDA")
+def test_tune_command_on_a_cpu_host(tmp_path):
+    env = dict(os.environ, FLUXTP_CACHE_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-m", "fluxtp", "tune", "--op", RS, "--shapes", "1024x8192x28672", "--budget-seconds", "5"],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "need NVIDIA GPUs" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--op", AG, "--shapes", "64x64"), "'64x64' is not MxNxK"),
+        (("--op", AG, "--shapes", "64x64x64", "--budget-seconds", "0"), "--budget-seconds must be positive"),
+        (("--op", "matmul_all_reduce", "--shapes", "64x64x64"), "invalid choice"),
+        (("--shapes", "64x64x64",), "--op"),
+    ],
+)  # fmt: skip
+def test_tune_rejects_bad_options(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_info_configs_says_what_each_shape_uses_and_why(cache, capsys):
+    tune.write_entries([entry(m=4096, block_n=128, num_stages=4, chunk_rows=1024)])
+    shapes = "4096x28672x8192,16384x28672x8192,4096x14336x8192"
+    assert cli.main(["info", "--configs", "--op", AG, "--shapes", shapes, "--gpu", H200, "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"config cache: {cache} (1 entries)" in out
+    assert f"lookup for: {H200}, world 2, bfloat16" in out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(AG)}
+    assert " exact " in lines["4096x28672x8192"] and "128x128x64 w8 s4 g8 chunk_rows=1024" in lines["4096x28672x8192"]
+    assert " nearest " in lines["16384x28672x8192"] and "nearest M bucket 4096" in lines["16384x28672x8192"]
+    heuristic = tune.describe(AllGatherMatmulConfig.heuristic(2048, 7168, 8192, 2))
+    assert " heuristic " in lines["4096x14336x8192"] and heuristic in lines["4096x14336x8192"]
+    assert "no tuned entry" in lines["4096x14336x8192"]
+
+
+def test_info_configs_defaults_and_a_corrupt_cache(cache, capsys):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{broken")
+    with pytest.warns(tune.CacheWarning):
+        assert cli.main(["info", "--configs", "--gpu", H200]) == 0
+    out = capsys.readouterr().out
+    assert "ignored: not valid JSON" in out
+    rows = [line for line in out.splitlines() if line.startswith((AG, RS))]
+    assert {line.split()[0] for line in rows} == {AG, RS}  # both ops, the default LLaMA-70B shapes
+    assert all(" heuristic " in line and "cache file is ignored" in line for line in rows)
+
+
+def test_info_configs_needs_no_gpu_and_rejects_options_without_it(cache, capsys):
+    # no --gpu: torch.cuda's GPU 0, or "cpu" on a host without one
+    assert cli.main(["info", "--configs", "--op", RS, "--shapes", "8192x8192x28672"]) == 0
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    assert f"lookup for: {gpu}," in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--shapes", "64x64x64"])
+    assert e.value.code == 2
+    assert "go with --configs" in capsys.readouterr().err

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
-from fluxtp.backends.fused._launch import num_sms, tma_ready
+from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 from fluxtp.tune import tuned_config
 
@@ -161,8 +160,8 @@ def launch_kernel(
     if tiles <= 0:
         return
     report = _timeout_record(out.device) if report is None else report
-    a_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
-    b_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    a_desc = descriptor(x, [config.block_m, config.block_k])
+    b_desc = descriptor(weight, [config.block_n, config.block_k])
     matmul_reduce_scatter_kernel[(min(sms, tiles),)](
         a_desc,
         b_desc,

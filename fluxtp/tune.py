@@ -40,11 +40,13 @@ random inputs, compute the nccl reference; for each candidate, the heuristic's f
 the others nearest to it first: compile it without communication (gemm_only) and verify the
 fused op's output against the reference (every rank agrees on the verdict), time one short
 sample with fluxtp.bench.harness (the slowest rank's time counts) and drop it at once if slower
-than PRUNE_RATIO times the best so far, else take SCREEN_ROUNDS more samples; when the shape's
-share of the budget (the total split evenly over the shapes left) is three-quarters spent,
-stop screening (the budget is checked between candidates). Then the best few survivors and the heuristic are timed together,
-interleaved, with the harness; rank 0 picks the fastest and broadcasts it, every rank checks
-it holds the same winner, and rank 0 writes the winners into the cache.
+than PRUNE_RATIO times the best so far, else take SCREEN_ROUNDS more samples. When the shape's
+share of the budget (the rest split evenly over the shapes left) is three-quarters spent,
+screening stops (checked between candidates). Then the best few survivors and the heuristic
+are timed together, interleaved, with the harness; rank 0 picks the fastest and broadcasts it,
+every rank checks that it holds the same winner, and rank 0 writes the winners into the cache.
+A candidate that computes a wrong result is never chosen and makes the command exit 1 (a
+kernel bug); one the compiler rejects is only listed.
 """
 
 from __future__ import annotations
@@ -609,9 +611,11 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     base = space[0]
     start = time.monotonic()
     screen_end = start + SCREEN_SHARE * max(0.0, deadline - start)
-    first = Protocol(rounds=1, warmup_rounds=1, calls_per_sample=3)
-    screen = Protocol(rounds=SCREEN_ROUNDS, warmup_rounds=0, calls_per_sample=3)
+    calls = GPU_PROTOCOL.calls_per_sample
+    first = Protocol(rounds=1, warmup_rounds=1, calls_per_sample=calls)
+    screen = Protocol(rounds=SCREEN_ROUNDS, warmup_rounds=0, calls_per_sample=calls)
     times: dict[object, float] = {}
+    sample_s: dict[object, float] = {}  # wall seconds one sample of the candidate took, barriers included
     failed, wrong = [], []
     screened = pruned = 0
     bar = tqdm(total=len(space), disable=not show_progress, unit="config", desc=f"{op} {shape}", leave=False)
@@ -625,7 +629,9 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
                 (wrong if is_wrong else failed).append((config, why))
             else:
                 variant = [_variant(op, "candidate", config, inputs, info)]
+                began = time.monotonic()
                 t = measure(variant, first, info, device)["candidate"]  # one short sample (slowest rank)
+                sample_s[config] = (time.monotonic() - began) / (first.warmup_rounds + first.rounds)
                 if times and t > PRUNE_RATIO * min(times.values()):
                     pruned += 1  # hopeless: no more samples
                 else:
@@ -641,10 +647,11 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     survivors = sorted((c for c, t in times.items() if t <= PRUNE_RATIO * best), key=lambda c: (times[c], space.index(c)))
     finalists = list(dict.fromkeys([*survivors[:FINAL_CANDIDATES], base]))
     names = [f"c{space.index(c)}" for c in finalists]
-    # As many rounds as the rest of the budget allows (>= 3, <= the benchmark's), by the screen's times.
-    per_round_s = sum(times[c] for c in finalists) * GPU_PROTOCOL.calls_per_sample / 1e3 + 0.002 * len(finalists)
-    rounds = int(min(GPU_PROTOCOL.rounds, max(3, _time_left(deadline, info, device) / max(per_round_s, 1e-6))))
-    final = Protocol(rounds, GPU_PROTOCOL.warmup_rounds, GPU_PROTOCOL.calls_per_sample)
+    # As many rounds as the rest of the budget allows (>= 3, <= the benchmark's), by the wall time
+    # the screening samples took; one warm-up round (every finalist has run already).
+    per_round_s = sum(sample_s[c] for c in finalists)
+    rounds = int(min(GPU_PROTOCOL.rounds, _time_left(deadline, info, device) / max(per_round_s, 1e-6) - 1))
+    final = Protocol(max(3, rounds), 1, calls)
     ms = measure([_variant(op, n, c, inputs, info) for n, c in zip(names, finalists)], final, info, device)
     pick = [min(range(len(finalists)), key=lambda j: (ms[names[j]], j))]
     if info.group is not None:
@@ -670,32 +677,31 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
 
 
 def rank_tune(rank: int, world: int, job: TuneJob) -> None:
-    """Every rank's body (inside an initialized default group, one GPU per rank)."""
+    """Every rank's body (inside an initialized default group, one GPU per rank; a gloo group
+    runs on CPU, which only tests use, with stand-ins for the kernels)."""
     from tabulate import tabulate
 
     from fluxtp._dist import resolve_group
     from fluxtp.bench.results import git_commit, triton_version
 
     info = resolve_group(None)
-    device = torch.device("cuda", torch.cuda.current_device())
-    gpu = torch.cuda.get_device_name(device)
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    gpu = _gpu_name(device.type, device.index)  # the name the launchers' lookup uses
     generator = torch.Generator(device=device).manual_seed(20261122 + info.rank)
     dtype_name = str(job.dtype).removeprefix("torch.")
     if info.group is not None:
         dist.barrier(group=info.group)
     deadline_total = time.monotonic() + job.budget_s
-    results, entries = [], []
+    results, entries, errors = [], [], []
     for i, shape in enumerate(job.shapes):
         left = _time_left(deadline_total, info, device)
         deadline = time.monotonic() + max(0.0, left) / (len(job.shapes) - i)
         try:
             result = tune_shape(job.op, shape, job.dtype, deadline, info, device, generator, show_progress=rank == 0)
-        except TuneError as e:  # raised on every rank alike
-            if rank == 0:
-                print(f"fluxtp tune: {e}", file=sys.stderr, flush=True)
-            if info.group is not None:
-                dist.barrier(group=info.group)  # rank 0 has printed before any rank exits
-            raise SystemExit(1) from None
+        except TuneError as e:  # raised on every rank alike; the shapes tuned so far are still written
+            errors.append(f"fluxtp tune: {e}")
+            break
         results.append(result)
         key = Key(gpu, world, dtype_name, job.op, shape.N, shape.K, m_bucket(shape.M))
         measured = {
@@ -710,7 +716,8 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
             "commit": git_commit(),
         }
         entries.append(Entry(key, result.winner, measured))
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()  # the next shape's inputs may be larger
     if rank == 0:
         rows = [
             [
@@ -731,14 +738,19 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         for r in results:
             for config, why in r.failed:
                 print(f"  {r.shape}: dropped {describe(config)}: {why}", flush=True)
-        print(f"wrote {len(entries)} entries to {write_entries(entries, job.path)}", flush=True)
-    wrong = [(r.shape, c, why) for r in results for c, why in r.wrong]
+        if entries:
+            print(f"wrote {len(entries)} entries to {write_entries(entries, job.path)}", flush=True)
+    errors += [
+        f"fluxtp tune: {r.shape}: {describe(c)} computed a WRONG result ({why}): a kernel bug"
+        for r in results
+        for c, why in r.wrong
+    ]
+    if rank == 0:
+        for line in errors:
+            print(line, file=sys.stderr, flush=True)
     if info.group is not None:
-        dist.barrier(group=info.group)  # rank 0 has written before any rank reports or exits
-    if wrong:
-        if rank == 0:
-            for shape, config, why in wrong:
-                print(f"fluxtp tune: {shape}: {describe(config)} computed a WRONG result ({why}): a kernel bug", file=sys.stderr, flush=True)
+        dist.barrier(group=info.group)  # rank 0 has written and printed before any rank exits
+    if errors:
         raise SystemExit(1)
 
 

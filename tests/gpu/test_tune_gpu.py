@@ -38,7 +38,7 @@ def _launched_configs(op: str) -> list:
         original = ag_gemm.launch_gemm
 
         def spy(*args, **kwargs):
-            seen.append(args[8])
+            seen.append(kwargs["config"] if "config" in kwargs else args[8])
             return original(*args, **kwargs)
 
         ag_gemm.launch_gemm = spy
@@ -46,7 +46,7 @@ def _launched_configs(op: str) -> list:
         original = gemm_rs.launch_kernel
 
         def spy(*args, **kwargs):
-            seen.append(args[8])
+            seen.append(kwargs["config"] if "config" in kwargs else args[8])
             return original(*args, **kwargs)
 
         gemm_rs.launch_kernel = spy

@@ -11,7 +11,10 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import tempfile
 import time
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, backend, timeout_s, args):
+def _entry(rank, fn, world_size, port, backend, timeout_s, args, done_dir):
     os.environ.update(MULTICAST_OFF)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -40,6 +43,8 @@ def _entry(rank, fn, world_size, port, backend, timeout_s, args):
     try:
         fn(rank, world_size, *args)
         dist.barrier()
+        # Every rank's body passed: what may still go wrong is teardown (see run_on_ranks).
+        Path(done_dir, f"rank{rank}.done").touch()
     finally:
         dist.destroy_process_group()
 
@@ -53,17 +58,27 @@ def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     port = free_port()
-    ctx = mp.start_processes(
-        _entry,
-        args=(fn, world_size, port, backend, max(30.0, timeout_s / 2), args),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s:.0f} s")
+    with tempfile.TemporaryDirectory(prefix="fluxtp-ranks-") as done_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, port, backend, max(30.0, timeout_s / 2), args, done_dir),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s:.0f} s")
+        except mp.ProcessExitedException as e:
+            # A rank killed by a signal after every rank's body passed and met at the final
+            # barrier died in teardown (gloo's threads at exit have aborted this way, rarely):
+            # the test itself passed. Any other death is a failure.
+            if all(Path(done_dir, f"rank{r}.done").exists() for r in range(world_size)):
+                warnings.warn(f"{fn.__name__}: a rank died after the test passed on every rank ({e})", stacklevel=2)
+                return
+            raise

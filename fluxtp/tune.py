@@ -754,47 +754,15 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         raise SystemExit(1)
 
 
-def _run_torchrun(job: TuneJob) -> int:
-    from fluxtp.bench.launch import LAUNCH_TIMEOUT_S
-    from fluxtp.testing import MULTICAST_OFF
-
-    os.environ.update(MULTICAST_OFF)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    timeout = datetime.timedelta(seconds=LAUNCH_TIMEOUT_S / 2)
-    dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_rank))
-    try:
-        rank_tune(rank, world, job)
-    except SystemExit as e:
-        return int(e.code or 0)
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-def _run_local(job: TuneJob, nproc: int) -> int:
-    import torch.multiprocessing as mp
-
-    from fluxtp.bench.launch import LAUNCH_TIMEOUT_S
-    from fluxtp.testing import MULTICAST_OFF, run_on_ranks
-
-    os.environ.update(MULTICAST_OFF)
-    try:
-        run_on_ranks(rank_tune, nproc, job, backend="nccl", timeout_s=max(LAUNCH_TIMEOUT_S, 2 * job.budget_s + 600))
-    except mp.ProcessExitedException as e:
-        if e.signal_name or e.exit_code != 1:
-            print(f"fluxtp tune failed: {e}", file=sys.stderr, flush=True)
-        return 1
-    except (mp.ProcessRaisedException, TimeoutError) as e:
-        print(f"fluxtp tune failed:\n{e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
 def cmd_tune(args) -> int:
     """`fluxtp tune`: checks the options, then launches like `fluxtp bench` (spawn or torchrun)."""
-    from fluxtp.bench.launch import local_device_type, under_torchrun
+    from fluxtp.bench.launch import (
+        LAUNCH_TIMEOUT_S,
+        local_device_type,
+        run_local,
+        run_torchrun,
+        under_torchrun,
+    )
     from fluxtp.bench.ops import parse_shapes, shard_shapes
 
     parser = args.parser
@@ -828,8 +796,10 @@ def cmd_tune(args) -> int:
         parser.error(str(e))
     job = TuneJob(args.op, shapes, TUNE_DTYPES[args.dtype], float(args.budget_seconds), str(cache_path()))
     if under_torchrun():
-        return _run_torchrun(job)
-    return _run_local(job, world)
+        return run_torchrun(job, rank_fn=rank_tune)
+    return run_local(
+        job, world, "cuda", rank_fn=rank_tune, command="fluxtp tune", timeout_s=max(LAUNCH_TIMEOUT_S, 2 * job.budget_s + 600)
+    )
 
 
 # ---------------------------------------------------------------- fluxtp info --configs

@@ -91,25 +91,27 @@ def rank_main(rank: int, world: int, launch: Launch) -> None:
         _report(launch, rows, notes, device, world)
 
 
-def run_local(launch: Launch, nproc: int, device_type: str) -> int:
-    """Spawn `nproc` ranks (NCCL, one GPU each; gloo without CUDA); the exit code of the run."""
+def run_local(
+    launch, nproc: int, device_type: str, rank_fn=rank_main, command: str = "fluxtp bench", timeout_s: float = LAUNCH_TIMEOUT_S
+) -> int:
+    """Spawn `nproc` ranks (NCCL, one GPU each; gloo without CUDA) running rank_fn(rank, world,
+    launch); the exit code of the run. `fluxtp tune` launches through here too."""
     os.environ.update(MULTICAST_OFF)  # inherited by the children from their start
     try:
-        run_on_ranks(
-            rank_main, nproc, launch, backend="nccl" if device_type == "cuda" else "gloo", timeout_s=LAUNCH_TIMEOUT_S
-        )
+        run_on_ranks(rank_fn, nproc, launch, backend="nccl" if device_type == "cuda" else "gloo", timeout_s=timeout_s)
     except mp.ProcessExitedException as e:
         if e.signal_name or e.exit_code != 1:  # a crash, not a rank stopping on purpose (rank 0 printed why)
-            print(f"fluxtp bench failed: {e}", file=sys.stderr, flush=True)
+            print(f"{command} failed: {e}", file=sys.stderr, flush=True)
         return 1
     except (mp.ProcessRaisedException, TimeoutError) as e:
-        print(f"fluxtp bench failed:\n{e}", file=sys.stderr, flush=True)
+        print(f"{command} failed:\n{e}", file=sys.stderr, flush=True)
         return 1
     return 0
 
 
-def run_torchrun(launch: Launch) -> int:
-    """This process is one rank of a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* set)."""
+def run_torchrun(launch, rank_fn=rank_main) -> int:
+    """This process is one rank of a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* set),
+    running rank_fn(rank, world, launch)."""
     os.environ.update(MULTICAST_OFF)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=LAUNCH_TIMEOUT_S / 2)
@@ -120,7 +122,7 @@ def run_torchrun(launch: Launch) -> int:
     else:
         dist.init_process_group("gloo", timeout=timeout)
     try:
-        rank_main(rank, world, launch)
+        rank_fn(rank, world, launch)
     except SystemExit as e:
         return int(e.code or 0)
     finally:

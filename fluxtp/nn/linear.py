@@ -145,7 +145,43 @@ def _uniform_like_linear_(t: torch.Tensor, fan_in: int) -> None:
         t.uniform_(-bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class _TensorParallelLinear(nn.Module):
+    """What both parallel linears share: the group, the backend, the parameters and how they are
+    initialized and copied from an nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, group, backend: str):
+        super().__init__()
+        check_backend(backend)
+        self.group = group
+        self._info = resolve_group(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.backend = backend
+
+    def _make_parameters(self, weight_shape, bias_features: int, bias: bool, device, dtype) -> None:
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(*weight_shape, **factory))
+        self.bias = nn.Parameter(torch.empty(bias_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # fan-in of the whole layer, so the shards together have nn.Linear's distribution.
+        _uniform_like_linear_(self.weight, self.in_features)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)  # as Megatron; a replicated bias must start equal on every rank
+
+    def _copy_from(self, linear: nn.Linear, weight_part: torch.Tensor, bias_part: torch.Tensor | None):
+        """Copy this rank's part of `linear`, keeping its requires_grad flags; returns self."""
+        with torch.no_grad():
+            self.weight.copy_(weight_part)
+            if bias_part is not None:
+                self.bias.copy_(bias_part)
+        self.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            self.bias.requires_grad_(linear.bias.requires_grad)
+        return self
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
     """y = all_gather(x_shard) @ weight^T + bias, the weight split by output features.
 
     Args:
@@ -179,22 +215,11 @@ class ColumnParallelLinear(nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
-        check_backend(backend)
-        self.group = group
-        self._info = resolve_group(group)
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, group, backend)
         self.out_features_local = _check_divides(self._info.world_size, out_features, "out_features")
-        self.backend, self.save_memory = backend, save_memory
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(self.out_features_local, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(self.out_features_local, **factory)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        _uniform_like_linear_(self.weight, self.in_features)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        self.save_memory = save_memory
+        n = self.out_features_local
+        self._make_parameters((n, in_features), n, bias, device, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto", save_memory: bool = False):
@@ -211,14 +236,7 @@ class ColumnParallelLinear(nn.Module):
             dtype=w.dtype,
         )
         rows = slice(layer._info.rank * layer.out_features_local, (layer._info.rank + 1) * layer.out_features_local)
-        with torch.no_grad():
-            layer.weight.copy_(w[rows])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        layer.weight.requires_grad_(w.requires_grad)
-        if linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
-        return layer
+        return layer._copy_from(linear, w[rows], None if linear.bias is None else linear.bias[rows])
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
         return column_parallel_linears(x_shard, [self])[0]
@@ -267,7 +285,7 @@ def column_parallel_linears(x_shard: torch.Tensor, layers) -> tuple[torch.Tensor
     return tuple(y.view(*lead, layer.out_features_local) for y, layer in zip(ys, layers))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TensorParallelLinear):
     """out = reduce_scatter(x @ weight^T) + bias, the weight split by input features.
 
     Args:
@@ -297,23 +315,10 @@ class RowParallelLinear(nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
-        check_backend(backend)
-        self.group = group
-        self._info = resolve_group(group)
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, group, backend)
         self.in_features_local = _check_divides(self._info.world_size, in_features, "in_features")
-        self.backend = backend
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_local, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        # fan-in of the whole layer, so the shards together have nn.Linear's distribution.
-        _uniform_like_linear_(self.weight, self.in_features)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)  # replicated: must start equal on every rank
+        # The bias is replicated (added once, after the sum): every rank holds all of it.
+        self._make_parameters((out_features, self.in_features_local), out_features, bias, device, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto"):
@@ -331,14 +336,7 @@ class RowParallelLinear(nn.Module):
         )
         k_local = layer.in_features_local
         cols = slice(layer._info.rank * k_local, (layer._info.rank + 1) * k_local)
-        with torch.no_grad():
-            layer.weight.copy_(w[:, cols])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        layer.weight.requires_grad_(w.requires_grad)
-        if linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
-        return layer
+        return layer._copy_from(linear, w[:, cols], linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_k = _flatten_rows(x, self.in_features_local, "x")

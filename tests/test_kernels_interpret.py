@@ -33,3 +33,7 @@ def test_all_gather_matmul_kernel():
 
 def test_matmul_reduce_scatter_kernel():
     run_interpreted("_interpret_gemm_rs.py")
+
+
+def test_all_gather_matmul_launcher_host_logic():
+    run_interpreted("_interpret_ag_launcher.py")

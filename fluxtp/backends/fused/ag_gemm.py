@@ -140,6 +140,14 @@ def _set_signal(signals: torch.Tensor, index: int) -> None:
     torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), index, 1)
 
 
+def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None) -> AllGatherMatmulConfig:
+    """The caller's config, else fluxtp tune's cached one for this shape, else the heuristic."""
+    rows_per_rank, k = x_shard.shape
+    return config or tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
+        rows_per_rank, weight.shape[0], k, world
+    )
+
+
 def all_gather_matmul(
     x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config: AllGatherMatmulConfig | None = None
 ):
@@ -147,8 +155,7 @@ def all_gather_matmul(
     rows_per_rank, k = x_shard.shape
     n = weight.shape[0]
     world, rank = info.world_size, info.rank
-    config = config or tuned_config(_OP, x_shard, weight, world)  # fluxtp tune's cache, else:
-    config = config or AllGatherMatmulConfig.heuristic(rows_per_rank, n, k, world)
+    config = _config_for(x_shard, weight, world, config)
     chunk_rows = config.chunk_rows_for(rows_per_rank)
     chunks_per_rank = triton.cdiv(rows_per_rank, chunk_rows)
     device = x_shard.device
@@ -161,23 +168,24 @@ def all_gather_matmul(
     copy = symm.copy_stream(device)
     ws.signals.zero_()
     copy.wait_stream(compute)
+
+    def copy_segment(segment: int, source: torch.Tensor) -> None:
+        """Rank `segment`'s rows of x_gathered from `source`, chunk by chunk, a signal after each."""
+        for c in range(chunks_per_rank):
+            r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
+            x_gathered[segment * rows_per_rank + r0 : segment * rows_per_rank + r1].copy_(source[r0:r1])
+            _set_signal(ws.signals, segment * chunks_per_rank + c)
+
     with torch.cuda.stream(copy):
         # Own rows first, chunk by chunk: the GEMM's first tiles wait for one chunk, not the whole
         # shard (between two calls the copy stream can only start once the previous GEMM is done).
-        for c in range(chunks_per_rank):
-            r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
-            x_gathered[rank * rows_per_rank + r0 : rank * rows_per_rank + r1].copy_(x_shard[r0:r1])
-            _set_signal(ws.signals, rank * chunks_per_rank + c)
+        copy_segment(rank, x_shard)
         shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
         shards[rank].copy_(x_shard)
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         for step in range(1, world):
             peer = (rank + step) % world
-            peer_shard = shards[peer]
-            for c in range(chunks_per_rank):
-                r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
-                x_gathered[peer * rows_per_rank + r0 : peer * rows_per_rank + r1].copy_(peer_shard[r0:r1])
-                _set_signal(ws.signals, peer * chunks_per_rank + c)
+            copy_segment(peer, shards[peer])
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     launch_gemm(x_gathered, weight, bias, y, ws.signals, rows_per_rank, chunk_rows, info, config)
     compute.wait_stream(copy)
@@ -191,10 +199,9 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     launches for these inputs, reading an already gathered input.
     """
     x_shard, weight = tma_ready(x_shard), tma_ready(weight)
-    rows_per_rank, k = x_shard.shape
+    rows_per_rank = x_shard.shape[0]
     world = info.world_size
-    config = config or tuned_config(_OP, x_shard, weight, world)  # the same config as all_gather_matmul
-    config = config or AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world)
+    config = _config_for(x_shard, weight, world, config)  # the same config as all_gather_matmul
     chunk_rows = config.chunk_rows_for(rows_per_rank)
     x_gathered = x_shard.repeat(world, 1)
     signals = torch.ones(world * triton.cdiv(rows_per_rank, chunk_rows), dtype=torch.int32, device=x_shard.device)

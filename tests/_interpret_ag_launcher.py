@@ -1,0 +1,68 @@
+"""Run under TRITON_INTERPRET=1 by tests/test_kernels_interpret.py: the fused AllGather+GEMM
+launcher's host logic (own rows, ring-order pulls, chunking and signals, then the kernel) on
+CPU, with the CUDA-only pieces (streams, the symmetric buffer and its barrier, stream writes)
+replaced by stand-ins. The peers' shards are already published, as the barrier guarantees.
+The gathered input must be an exact copy and the product within fp16 rounding, for every rank.
+"""
+
+import contextlib
+import os
+import sys
+import types
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+
+import torch
+
+import fluxtp.backends.fused.ag_gemm as ag
+from fluxtp._dist import GroupInfo
+
+TOL = 4 * 2**-11
+
+
+def main():
+    seed = int(sys.argv[1])
+    world, m, n, k = 3, 40, 24, 32  # ragged: 40 rows per rank in chunks of 16
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world * m, k, generator=g).half()
+    w = (torch.randn(n, k, generator=g) * k**-0.5).half()
+    published = [x[r * m : (r + 1) * m].clone() for r in range(world)]
+    signals_seen = []
+
+    class Workspace:
+        signals = torch.zeros(64, dtype=torch.int32)
+        shard = types.SimpleNamespace(handle=types.SimpleNamespace(barrier=lambda **kw: None))
+
+        def shard_views(self, dtype, shape, world):
+            return [s.clone() for s in published]
+
+    def set_signal(signals, index):
+        signals_seen.append(index)
+        signals[index] = 1
+
+    small = ag.AllGatherMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
+    stream = types.SimpleNamespace(wait_stream=lambda s: None)
+    ag._workspace = lambda *args: Workspace()
+    ag._set_signal = set_signal
+    ag.tuned_config = lambda *args: None
+    ag.symm.copy_stream = lambda device: stream
+    torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+
+    chunks = 3  # cdiv(40, 16)
+    for rank in range(world):
+        signals_seen.clear()
+        Workspace.signals.zero_()
+        y, xg = ag.all_gather_matmul(published[rank], w, None, GroupInfo(None, rank, world), True, config=small)
+        assert torch.equal(xg, x), f"rank {rank}: the gathered input is not an exact copy"
+        order = [(rank + s) % world for s in range(world)]  # own rows, then ring order rank+1, ...
+        expected = [seg * chunks + c for seg in order for c in range(chunks)]
+        assert signals_seen == expected, f"rank {rank}: signals {signals_seen}, expected {expected}"
+        ref = x.double() @ w.double().T
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL, f"rank {rank}: rel err {err:.2e}"
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

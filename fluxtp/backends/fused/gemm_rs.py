@@ -203,12 +203,18 @@ class Call:
     info: GroupInfo
 
 
+def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None) -> MatmulReduceScatterConfig:
+    """The caller's config, else fluxtp tune's cached one for this shape, else the heuristic."""
+    m_total, k = x.shape
+    return config or tuned_config(_TAG, x, weight, world) or MatmulReduceScatterConfig.heuristic(
+        m_total, weight.shape[0], k, world
+    )
+
+
 def prepare(x, weight, info: GroupInfo, config: MatmulReduceScatterConfig | None = None) -> Call:
     """Steps 1-2 on the current stream: zero this rank's flags, then barrier."""
-    m_total, k = x.shape
-    n = weight.shape[0]
-    config = config or MatmulReduceScatterConfig.heuristic(m_total, n, k, info.world_size)
-    layout = Layout.of(m_total // info.world_size, n, x.element_size(), info.world_size, config)
+    config = _config_for(x, weight, info.world_size, config)
+    layout = Layout.of(x.shape[0] // info.world_size, weight.shape[0], x.element_size(), info.world_size, config)
     ws = _workspace(info, x.device, layout.nbytes)
     ws.buffer.local(torch.int32, (layout.num_flags,), layout.flags_offset).zero_()
     ws.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
@@ -234,7 +240,6 @@ def _ready(x, weight, bias):
 def matmul_reduce_scatter(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
     """[M/W, n]: rows rank*M/W .. (rank+1)*M/W - 1 of sum over ranks of x @ weight^T, plus bias."""
     x, weight, bias = _ready(x, weight, bias)
-    config = config or tuned_config(_TAG, x, weight, info.world_size)  # fluxtp tune's cache; else prepare's heuristic
     return launch(prepare(x, weight, info, config), x, weight, bias)
 
 
@@ -247,11 +252,9 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     partials whose flags are preset. It returns this rank's rows of its own partial plus bias.
     """
     x, weight, bias = _ready(x, weight, bias)
-    m_total, k = x.shape
-    n = weight.shape[0]
+    m_total, n = x.shape[0], weight.shape[0]
     world, rank = info.world_size, info.rank
-    config = config or tuned_config(_TAG, x, weight, world)  # the same config as matmul_reduce_scatter
-    config = config or MatmulReduceScatterConfig.heuristic(m_total, n, k, world)
+    config = _config_for(x, weight, world, config)  # the same config as matmul_reduce_scatter
     layout = Layout.of(m_total // world, n, x.element_size(), world, config)
     read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
     read[layout.flags_offset :].view(torch.int32).fill_(1)

@@ -64,7 +64,25 @@ def check_matmul_reduce(op, rank, world, seed, m_total, n, k_local, dtype, devic
     assert err <= TOLERANCE[dtype], f"{op} {backend} {dtype} M={m_total} N={n} k={k_local}: rel err {err:.2e}"
 
 
-ALL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+def check_all_reduce(rank, world, seed, shape, dtype, device, backend, group=None):
+    """The sum of every rank's tensor within TOLERANCE of float64, x untouched, the same bits on every rank."""
+    import torch.distributed as dist
+
+    xs = [draw(seed + 100 * r, shape, dtype, "cpu") for r in range(world)]
+    x = xs[rank].to(device)
+    out = fluxtp.all_reduce(x, group=group, backend=backend)
+    assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
+    assert torch.equal(x.cpu(), xs[rank]), "all_reduce modified its input"
+    ref = sum(t.double() for t in xs)
+    err = rel_error(out.cpu(), ref)
+    assert err <= TOLERANCE[dtype], f"all_reduce {backend} {dtype} shape={shape}: rel err {err:.2e}"
+    if world > 1:
+        outs = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(outs, out.contiguous(), group=group)
+        assert all(torch.equal(o, out) for o in outs), f"all_reduce {backend}: ranks hold different sums"
+
+
+ALL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce")
 
 
 def sweep(rank, world, seed, device, backends, dtypes, group=None, ops=ALL_OPS):
@@ -82,4 +100,6 @@ def sweep(rank, world, seed, device, backends, dtypes, group=None, ops=ALL_OPS):
                     check_matmul_reduce("matmul_reduce_scatter", rank, world, s, m * world, n, k, dtype, device, backend, with_bias, group)
                 if "matmul_all_reduce" in ops:
                     check_matmul_reduce("matmul_all_reduce", rank, world, s, m, n, k, dtype, device, backend, not with_bias, group)
+                if "all_reduce" in ops:
+                    check_all_reduce(rank, world, s, (m, n, 3) if case % 2 else (m * n + k,), dtype, device, backend, group)
                 case += 1

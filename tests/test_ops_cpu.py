@@ -22,13 +22,14 @@ def test_reference_on_gloo(world):
 
 
 def _large_world_body(rank, world, seed):
-    from tests._cases import check_all_gather_matmul, check_matmul_reduce
+    from tests._cases import check_all_gather_matmul, check_all_reduce, check_matmul_reduce
 
     for i, (m, n, k) in enumerate([(3, 5, 16), (8, 2, 24)]):
         s = seed + 10 * i
         check_all_gather_matmul(rank, world, s, m, n, k, torch.float32, "cpu", "auto", i == 0)
         check_matmul_reduce("matmul_reduce_scatter", rank, world, s, m * world, n, k, torch.float32, "cpu", "auto", i == 1)
         check_matmul_reduce("matmul_all_reduce", rank, world, s, m, n, k, torch.float32, "cpu", "auto", i == 0)
+        check_all_reduce(rank, world, s, (m, n), torch.float32, "cpu", "auto")
 
 
 @pytest.mark.parametrize("world", [4, 8])
@@ -71,6 +72,10 @@ def _cpu_backend_errors(rank, world):
             fluxtp.all_gather_matmul(x, w, backend=backend)
         with pytest.raises(ValueError, match="CUDA"):
             fluxtp.matmul_reduce_scatter(x, w, backend=backend)
+        with pytest.raises(ValueError, match="CUDA"):
+            fluxtp.matmul_all_reduce(x, w, backend=backend)
+        with pytest.raises(ValueError, match="CUDA"):
+            fluxtp.all_reduce(x, backend=backend)
 
 
 def test_gpu_backends_refuse_cpu_tensors():

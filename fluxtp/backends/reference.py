@@ -41,3 +41,9 @@ def matmul_all_reduce(x, weight, bias, info: GroupInfo):
         y += bias
     return y
 
+
+
+def all_reduce(x, info: GroupInfo):
+    y = x.clone()
+    dist.all_reduce(y, group=info.group)
+    return y

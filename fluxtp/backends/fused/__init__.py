@@ -29,7 +29,7 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
         return f"it needs CUDA tensors (got {x.device})"
     if x.dtype not in FUSED_DTYPES:
         return f"it supports float16 and bfloat16, got {x.dtype}"
-    if x.shape[1] % 8:
+    if weight is not None and x.shape[1] % 8:
         return f"K={x.shape[1]} must be a multiple of 8 (16-byte rows for the TMA descriptors)"
     try:
         import triton  # noqa: F401

@@ -37,3 +37,7 @@ def test_matmul_reduce_scatter_kernel():
 
 def test_all_gather_matmul_launcher_host_logic():
     run_interpreted("_interpret_ag_launcher.py")
+
+
+def test_matmul_all_reduce_kernel():
+    run_interpreted("_interpret_gemm_ar.py")

@@ -8,7 +8,9 @@ the whole layer); the op decides what each of the W ranks holds:
   their bare GEMM is F.linear(x [M, K/W], weight [N, K/W]).
 Before anything is timed, every backend's output is compared with the "nccl" reference on the
 same inputs (the gathered input must be an exact copy); a disagreement stops the benchmark.
-Timing follows fluxtp.bench.harness.
+Timing follows fluxtp.bench.harness. With --cuda-graphs (GPU only; the decode setting, where
+launch overhead is a real part of a call) every variant, the bare GEMM included, is captured
+once per input copy into a CUDA graph after two warm-up calls, and a call is a graph replay.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class OpsConfig:
     dtype: torch.dtype
     backends: tuple[str, ...] | None  # None: every candidate that can run a case; else the baseline first
     protocol: Protocol
+    cuda_graphs: bool = False
 
 
 def add_arguments(group) -> None:
@@ -105,6 +108,11 @@ def add_arguments(group) -> None:
         metavar="MxNxK,...",
         help="global layer sizes: M tokens, N output and K input features of the whole layer "
         "(default on GPUs: LLaMA-70B MLP dims, M 1024..8192; on CPU: small demo shapes)",
+    )
+    group.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="time every variant as CUDA graph replays (GPU only; how decode steps run)",
     )
 
 
@@ -171,7 +179,10 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> OpsCo
     protocol = GPU_PROTOCOL if device_type == "cuda" else CPU_PROTOCOL
     if args.rounds is not None:
         protocol = Protocol(args.rounds, protocol.warmup_rounds, protocol.calls_per_sample)
-    return OpsConfig(cases, DTYPES[dtype_name], parse_backends(args.backends), protocol)
+    cuda_graphs = bool(getattr(args, "cuda_graphs", False))
+    if cuda_graphs and device_type != "cuda":
+        raise ValueError("--cuda-graphs needs CUDA GPUs")
+    return OpsConfig(cases, DTYPES[dtype_name], parse_backends(args.backends), protocol, cuda_graphs)
 
 
 def _random(shape, dtype, device, generator, scale=1.0) -> torch.Tensor:
@@ -252,6 +263,22 @@ def _gemm_only(backend: str):
     return fn if callable(fn) else None
 
 
+def _graphed(call):
+    """`call` captured in a CUDA graph after two warm-up calls (compiles, allocates workspaces)
+    on a side stream; returns the replay. Every rank captures the same variants in the same order
+    (captured NCCL collectives must match across ranks)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -289,6 +316,8 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         except (ValueError, NotImplementedError):
             continue  # no GEMM-only mode for this op (the same answer on every rank)
         variants.append(Variant(f"{name}_gemm_only", calls))
+    if config.cuda_graphs:
+        variants = [Variant(v.name, tuple(_graphed(call) for call in v.calls)) for v in variants]
     ms = measure(variants, config.protocol, info, device, on_round)
 
     t_gemm, t_nccl = ms["gemm"], ms[BASELINE]
@@ -298,6 +327,7 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         "N": case.shape.N,
         "K": case.shape.K,
         "dtype": str(dtype).removeprefix("torch."),
+        "cuda_graphs": config.cuda_graphs,
         "ms": {k: round(v, 5) for k, v in ms.items()},
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_gemm, t_nccl), 4) for n in names},
         "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},

@@ -34,19 +34,8 @@ call, even in a branch never taken, slowed a fused kernel here by 25% (docs/perf
 import triton
 import triton.language as tl
 
-from fluxtp.kernels._sync import set_flag, trap, wait_flag
+from fluxtp.kernels._sync import give_up, set_flag, wait_flag
 from fluxtp.kernels._tiles import grouped_tile
-
-
-@triton.jit
-def _give_up(report_ptr, flag_ptr, src, tile, RANK: tl.constexpr):
-    """Record which wait timed out where the host can read it after the trap, then trap."""
-    tl.store(report_ptr, src)
-    tl.store(report_ptr + 1, tile)
-    tl.store(report_ptr + 2, RANK)
-    tl.atomic_add(flag_ptr, 0, sem="release", scope="sys")  # its fence makes the record visible first
-    tl.debug_barrier()  # (one thread wrote it) no thread traps before that fence has completed
-    trap()
 
 
 @triton.jit
@@ -177,7 +166,7 @@ def matmul_reduce_scatter_kernel(
                     flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
                     flag_ptr = flags + slot * tiles_per_segment + tile
                     if not wait_flag(flag_ptr, 1, max_spins, "sys"):
-                        _give_up(report_ptr, flag_ptr, src, tile, RANK)
+                        give_up(report_ptr, flag_ptr, src, tile, RANK)
             tl.debug_barrier()
 
         if EPI_SPLIT == 1:

@@ -30,6 +30,32 @@ def wait_flag(flag_ptr, expected, max_spins, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def wait_flag_at_least(flag_ptr, target, max_spins, SCOPE: tl.constexpr):
+    """Spin until *flag_ptr has reached `target` (acquire), for flags that count calls (epochs).
+
+    Counters only grow, and a peer may already have moved on to a later call, so "reached" is
+    `flag - target >= 0` in wrapping int32 arithmetic: correct across the 2^32 wrap as long as
+    the two are less than 2^31 calls apart. Returns whether it arrived within max_spins."""
+    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while ((value - target) < 0) & (spins < max_spins):
+        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    return (value - target) >= 0
+
+
+@triton.jit
 def set_flag(flag_ptr, value, SCOPE: tl.constexpr):
     """Publish everything this program wrote before, then the flag (release)."""
     tl.atomic_xchg(flag_ptr, value, sem="release", scope=SCOPE)
+
+
+@triton.jit
+def give_up(report_ptr, flag_ptr, src, tile, RANK: tl.constexpr):
+    """Record which wait timed out where the host can read it after the trap, then trap."""
+    tl.store(report_ptr, src)
+    tl.store(report_ptr + 1, tile)
+    tl.store(report_ptr + 2, RANK)
+    tl.atomic_add(flag_ptr, 0, sem="release", scope="sys")  # its fence makes the record visible first
+    tl.debug_barrier()  # (one thread wrote it) no thread traps before that fence has completed
+    trap()

@@ -1,6 +1,6 @@
 """The "fused" backend: Flux-style persistent Triton GEMMs that wait for, or send, each tile's
 data themselves. One launcher module per op beside this one (ag_gemm: AllGather+GEMM,
-gemm_rs: GEMM+ReduceScatter); they import triton, so they are imported on first use, not when
+gemm_rs: GEMM+ReduceScatter, gemm_ar: GEMM+AllReduce and AllReduce); they import triton, so they are imported on first use, not when
 the backend is only considered."""
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ def matmul_reduce_scatter(x, weight, bias, info: GroupInfo):
     from fluxtp.backends.fused import gemm_rs
 
     return gemm_rs.matmul_reduce_scatter(x, weight, bias, info)
+
+
+def matmul_all_reduce(x, weight, bias, info: GroupInfo):
+    from fluxtp.backends.fused import gemm_ar
+
+    return gemm_ar.matmul_all_reduce(x, weight, bias, info)
+
+
+def all_reduce(x, info: GroupInfo):
+    from fluxtp.backends.fused import gemm_ar
+
+    return gemm_ar.all_reduce(x, info)
 
 
 _GEMM_ONLY_MODULES = {"all_gather_matmul": "ag_gemm", "matmul_reduce_scatter": "gemm_rs"}

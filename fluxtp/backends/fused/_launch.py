@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import sys
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -43,3 +45,36 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# int32 [3] per (op, device type), pinned for CUDA: (peer rank, tile, rank) of a wait that gave up.
+_reports: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def timeout_record(op: str, device: torch.device) -> torch.Tensor:
+    """Host memory op's kernels can write (pinned on CUDA), created on first use (outside capture)."""
+    key = (op, torch.device(device).type)
+    if key not in _reports:
+        if not _reports:
+            atexit.register(_print_timeout_reports)
+        _reports[key] = torch.full((3,), -1, dtype=torch.int32, pin_memory=key[1] == "cuda")
+    return _reports[key]
+
+
+def timeout_report(op: str) -> str | None:
+    """Which in-kernel wait of `op` gave up in this process, if one did (readable after the trap)."""
+    for (name, _), report in _reports.items():
+        src, tile, rank = report.tolist()
+        if name == op and src >= 0:
+            return (
+                f"fluxtp {op}: rank {rank} timed out waiting for rank {src}'s partial of tile {tile} "
+                "(the peer never signalled: it failed, hung, or called with another shape)"
+            )
+    return None
+
+
+def _print_timeout_reports() -> None:
+    for op in dict.fromkeys(name for name, _ in _reports):
+        report = timeout_report(op)
+        if report is not None:
+            print(report, file=sys.stderr)

@@ -22,8 +22,6 @@ surfaces at the next synchronization); timeout_report() and an exit hook name th
 
 from __future__ import annotations
 
-import atexit
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,7 @@ import triton
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
+from fluxtp.backends.fused import _launch
 from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 from fluxtp.tune import tuned_config
@@ -97,36 +96,9 @@ def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace
     return ws
 
 
-# int32 [3] per device type, pinned for CUDA: (peer rank, tile, rank) of a wait that gave up.
-_reports: dict[str, torch.Tensor] = {}
-
-
-def _timeout_record(device: torch.device) -> torch.Tensor:
-    """Host memory the kernel can write (pinned on CUDA), created on first use (outside capture)."""
-    kind = torch.device(device).type
-    if kind not in _reports:
-        if not _reports:
-            atexit.register(_print_timeout_report)
-        _reports[kind] = torch.full((3,), -1, dtype=torch.int32, pin_memory=kind == "cuda")
-    return _reports[kind]
-
-
 def timeout_report() -> str | None:
-    """Which in-kernel wait of this process gave up, if one did (readable after the trap)."""
-    for report in _reports.values():
-        src, tile, rank = report.tolist()
-        if src >= 0:
-            return (
-                f"fluxtp matmul_reduce_scatter: rank {rank} timed out waiting for rank {src}'s partial of "
-                f"tile {tile} (the peer never signalled: it failed, hung, or called with another shape)"
-            )
-    return None
-
-
-def _print_timeout_report() -> None:
-    report = timeout_report()
-    if report is not None:
-        print(report, file=sys.stderr)
+    """Which in-kernel wait of this op gave up in this process, if one did (readable after the trap)."""
+    return _launch.timeout_report(_TAG)
 
 
 def launch_kernel(
@@ -159,7 +131,7 @@ def launch_kernel(
     tiles = (last_step - first_step + 1) * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
     if tiles <= 0:
         return
-    report = _timeout_record(out.device) if report is None else report
+    report = _launch.timeout_record(_TAG, out.device) if report is None else report
     a_desc = descriptor(x, [config.block_m, config.block_k])
     b_desc = descriptor(weight, [config.block_n, config.block_k])
     matmul_reduce_scatter_kernel[(min(sms, tiles),)](

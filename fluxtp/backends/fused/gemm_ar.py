@@ -1,0 +1,245 @@
+"""Fused GEMM+AllReduce and AllReduce launchers: one persistent kernel pushes every tile to every
+rank and reduces it there (one-shot), for decode-size calls; larger calls take the two-shot path.
+
+One-shot (fluxtp/kernels/_matmul_all_reduce.py): one launch on the caller's stream, nothing
+else: no flag reset, no barrier, no host synchronization. The kernel's flags hold call counts
+(epochs) and its data alternates between two slot sets, so back-to-back calls and every replay
+of a captured CUDA graph are safe by themselves (the kernel docstring says why). The epoch
+lives in this rank's ordinary memory beside the workspace and is advanced by the kernel.
+What the host does per call: look up the cached workspace, build (cached) TMA descriptors,
+launch. The workspace is created, and its flags zeroed behind a barrier, on the first call and
+whenever a larger call outgrows it: do that outside CUDA graph capture (warm up at the largest
+shape), on every rank at the same call (SPMD).
+
+Two-shot, for calls whose one-shot workspace would be large (the GEMM has enough tiles to hide
+a reduce-scatter): the fused GEMM+ReduceScatter (gemm_rs), then an NCCL all-gather of the
+reduced rows. At W ranks one-shot moves (W-1)/W more data than reduce-scatter + all-gather but
+hides all of it behind the GEMM; which is faster at which M is measured (docs/perf-log.md).
+
+The output is fresh memory owned by the caller; the same sum, bit for bit, on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from fluxtp import symm
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused import _launch
+from fluxtp.backends.fused._config import GemmTiling
+from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
+from fluxtp.kernels._matmul_all_reduce import matmul_all_reduce_kernel
+
+BARRIER_TIMEOUT_MS = 60_000
+MAX_SPINS = 1 << 26  # as in gemm_rs: a minute or more of system-scope reads, far past any real wait
+# int32 flags at the start of every workspace, one per (tile, source rank) of a call.
+FLAG_CAPACITY = 1 << 16
+# One-shot while one rank's partial is at most this many bytes (the workspace holds 2 * W of them).
+ONE_SHOT_MAX_BYTES = 16 << 20
+_GEMM_TAG = "matmul_all_reduce"
+_SUM_TAG = "all_reduce"
+
+
+@dataclass(frozen=True)
+class MatmulAllReduceConfig(GemmTiling):
+    """How one one-shot GEMM+AllReduce call is launched; every rank must use the same one.
+
+    Decode GEMMs stream the weight once (M is tiny): narrow tiles give every SM its own columns,
+    and deep pipelines keep enough of the weight in flight."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    group_m: int = 1
+    num_stages: int = 6
+    num_warps: int = 4
+    swap_ab: bool = False  # the tile as (w @ x^T)^T, so that small M is the MMA's narrow side
+
+    @staticmethod
+    def heuristic(m: int, n: int, k: int, world: int) -> MatmulAllReduceConfig:
+        if m <= 16:
+            return MatmulAllReduceConfig()
+        # 8 warps from 64 rows on: 4 would hold the whole tile's pointers and values (ptxas for sm_90).
+        if m <= 64:
+            return MatmulAllReduceConfig(block_m=64, num_stages=5, num_warps=8)
+        return MatmulAllReduceConfig(block_m=128, block_n=64, block_k=64, num_stages=6, num_warps=8)
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Tiles of fluxtp.all_reduce's one-shot kernel over the tensor viewed as rows of block_n."""
+
+    block_m: int = 4
+    block_n: int = 1024
+    num_warps: int = 4  # 32 values a thread: 8x1024 spilled at 4 warps (ptxas for sm_90)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte layout of a workspace: FLAG_CAPACITY int32 flags, then 2 * W slots of slot_bytes."""
+
+    data_offset: int
+    slot_bytes: int
+    nbytes: int
+
+    @staticmethod
+    def of(numel: int, itemsize: int, world: int) -> Layout:
+        slot_bytes = triton.cdiv(numel * itemsize, 16) * 16
+        data_offset = 4 * FLAG_CAPACITY
+        return Layout(data_offset, slot_bytes, data_offset + 2 * world * slot_bytes)
+
+
+@dataclass
+class _Workspace:
+    buffer: symm.SymmBuffer
+    buffer_ptrs: torch.Tensor  # int64 [W], every rank's buffer base as this GPU addresses it
+    counters: torch.Tensor  # int32 [2] in this rank's memory: (epoch, programs done)
+
+
+_workspaces: dict[tuple[str, int, str], _Workspace] = {}
+
+
+def _workspace(info: GroupInfo, tag: str, device: torch.device, nbytes: int) -> _Workspace:
+    """The cached workspace; a new (or grown) buffer gets zero flags and epoch 0 on every rank."""
+    buf = symm.buffer(info, tag, nbytes, device)
+    key = (info.name, torch.device(device).index or 0, tag)
+    ws = _workspaces.get(key)
+    if ws is None or ws.buffer is not buf:
+        buf.local(torch.int32, (FLAG_CAPACITY,)).zero_()
+        # No peer may push a flag into this buffer before it is zeroed: all ranks create it at
+        # the same call, and each zeroes before this barrier and launches only after it.
+        buf.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        ptrs = [buf.peer(r, torch.uint8, (buf.nbytes,)).data_ptr() for r in range(info.world_size)]
+        ws = _Workspace(
+            buf,
+            torch.tensor(ptrs, dtype=torch.int64, device=device),
+            torch.zeros(2, dtype=torch.int32, device=device),
+        )
+        _workspaces[key] = ws
+    return ws
+
+
+def timeout_report() -> str | None:
+    """Which in-kernel wait of these ops gave up in this process, if one did."""
+    return _launch.timeout_report(_GEMM_TAG) or _launch.timeout_report(_SUM_TAG)
+
+
+def launch_kernel(
+    x,
+    weight,
+    bias,
+    out,
+    buffer_ptrs,
+    counters,
+    layout: Layout,
+    rank: int,
+    world: int,
+    config,
+    phases: int = 3,
+    max_spins: int = MAX_SPINS,
+    report: torch.Tensor | None = None,
+):
+    """The kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
+
+    GEMM mode (weight given): x [M, k], weight [N, k] TMA-ready, out [M, N], config a
+    MatmulAllReduceConfig. Sum mode (weight None): x and out contiguous with the same numel,
+    config an AllReduceConfig. buffer_ptrs int64 [W] of workspaces laid out as `layout`,
+    counters this rank's int32 (epoch, done). phases: 1 push, 2 reduce, 3 both.
+    """
+    tag = _SUM_TAG if weight is None else _GEMM_TAG
+    if weight is None:
+        numel = x.numel()
+        n = config.block_n
+        m, k = triton.cdiv(numel, n), 0
+        a_desc = b_desc = None
+    else:
+        (m, k), n = x.shape, weight.shape[0]
+        numel = m * n
+        a_desc = descriptor(x, [config.block_m, config.block_k])
+        b_desc = descriptor(weight, [config.block_n, config.block_k])
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    if tiles * world > FLAG_CAPACITY:
+        raise ValueError(f"{tag}: {tiles} tiles x {world} ranks exceed the {FLAG_CAPACITY} flags of the workspace")
+    if numel == 0:
+        return
+    sms = num_sms(out.device)
+    report = _launch.timeout_record(tag, out.device) if report is None else report
+    matmul_all_reduce_kernel[(min(sms, tiles),)](
+        a_desc,
+        b_desc,
+        x,
+        out,
+        out if bias is None else bias,
+        buffer_ptrs,
+        counters,
+        m,
+        n,
+        k,
+        numel,
+        layout.data_offset,
+        layout.slot_bytes,
+        max_spins,
+        report,
+        PHASES=phases,
+        RANK=rank,
+        WORLD=world,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=getattr(config, "block_k", 16),
+        GROUP_M=getattr(config, "group_m", 1),
+        NUM_SMS=sms,
+        HAS_GEMM=weight is not None,
+        HAS_BIAS=bias is not None,
+        SWAP_AB=getattr(config, "swap_ab", False),
+        NUM_STAGES=getattr(config, "num_stages", 1),
+        num_warps=config.num_warps,
+        num_stages=getattr(config, "num_stages", 1),
+    )
+
+
+def one_shot_fits(m: int, n: int, itemsize: int, world: int, config: MatmulAllReduceConfig) -> bool:
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    return m * n * itemsize <= ONE_SHOT_MAX_BYTES and tiles * world <= FLAG_CAPACITY
+
+
+def _one_shot(tag, x, weight, bias, info: GroupInfo, config, out_shape) -> torch.Tensor:
+    layout = Layout.of(x.numel() if weight is None else x.shape[0] * weight.shape[0], x.element_size(), info.world_size)
+    ws = _workspace(info, tag, x.device, layout.nbytes)
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    launch_kernel(x, weight, bias, out, ws.buffer_ptrs, ws.counters, layout, info.rank, info.world_size, config)
+    return out
+
+
+def matmul_all_reduce(x, weight, bias, info: GroupInfo, config: MatmulAllReduceConfig | None = None):
+    """[M, n]: sum over ranks of x @ weight^T, plus bias; bitwise the same on every rank."""
+    x, weight = tma_ready(x), tma_ready(weight)
+    bias = None if bias is None else bias.contiguous()
+    m, n = x.shape[0], weight.shape[0]
+    config = config or MatmulAllReduceConfig.heuristic(m, n, x.shape[1], info.world_size)
+    if one_shot_fits(m, n, x.element_size(), info.world_size, config) or m % info.world_size:
+        return _one_shot(_GEMM_TAG, x, weight, bias, info, config, (m, n))
+    from fluxtp.backends.fused import gemm_rs
+
+    rows = gemm_rs.matmul_reduce_scatter(x, weight, bias, info)
+    out = rows.new_empty(m, n)
+    dist.all_gather_into_tensor(out, rows, group=info.group)
+    return out
+
+
+def all_reduce(x, info: GroupInfo, config: AllReduceConfig | None = None):
+    """The sum of x over the ranks, a new tensor; bitwise the same on every rank.
+
+    One-shot up to ONE_SHOT_MAX_BYTES; a larger tensor is bandwidth-bound, where one-shot moves
+    W-1 times the data: it goes to NCCL's all-reduce instead (the same sum within rounding)."""
+    config = config or AllReduceConfig()
+    x = x.contiguous()
+    tiles = triton.cdiv(triton.cdiv(x.numel(), config.block_n), config.block_m)
+    if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES and tiles * info.world_size <= FLAG_CAPACITY:
+        return _one_shot(_SUM_TAG, x, None, None, info, config, x.shape)
+    out = x.clone()
+    dist.all_reduce(out, group=info.group)
+    return out

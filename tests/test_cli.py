@@ -119,6 +119,14 @@ def test_bench_rejects_bad_options_before_launching(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host can capture CUDA graphs")
+def test_bench_cuda_graphs_need_gpus(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--cuda-graphs"])
+    assert e.value.code == 2
+    assert "--cuda-graphs needs CUDA GPUs" in capsys.readouterr().err
+
+
 def test_bench_stops_with_a_message_when_a_named_backend_cannot_run():
     done = fluxtp_cli("bench", "--backends", "torch", "--op", "matmul_all_reduce", "--shapes", "8x8x8")
     assert done.returncode == 1, done.stdout + done.stderr

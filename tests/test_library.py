@@ -1,4 +1,4 @@
-"""The torch.library registration composes: opcheck on the three custom ops, and torch.compile
+"""The torch.library registration composes: opcheck on the four custom ops, and torch.compile
 of a function calling the public ops (the ops stay in the graph as single nodes and the result
 matches eager). All in one 2-rank gloo world (spawning a world costs seconds)."""
 
@@ -18,7 +18,7 @@ def _tp_block(x_shard, w_up, w_down):
     h = F.relu(fluxtp.all_gather_matmul(x_shard, w_up))  # [m*W, n]
     out = fluxtp.matmul_reduce_scatter(h, w_down)  # [m, K]
     total = fluxtp.matmul_all_reduce(h, w_down)  # [m*W, K]
-    return out, total
+    return out, fluxtp.all_reduce(total)
 
 
 def _library_body(rank, world, out_path):
@@ -33,6 +33,7 @@ def _library_body(rank, world, out_path):
         (torch.ops.fluxtp.all_gather_matmul.default, (x, w, b, group_name, "nccl", True)),
         (torch.ops.fluxtp.matmul_reduce_scatter.default, (x_rows, w, b, group_name, "nccl")),
         (torch.ops.fluxtp.matmul_all_reduce.default, (x, w, None, group_name, "nccl")),
+        (torch.ops.fluxtp.all_reduce.default, (x, group_name, "nccl")),
     ]
     report = {"opcheck": []}
     for op, args in checks:
@@ -64,7 +65,7 @@ def library_report(tmp_path_factory):
 
 def test_opcheck_passes_for_every_op(library_report):
     ops = {name for name, _ in library_report["opcheck"]}
-    assert ops == {f"fluxtp.{op}.default" for op in fluxtp.OPS}
+    assert ops == {f"fluxtp.{op}.default" for op in fluxtp.OPS + ("all_reduce",)}
     for name, results in library_report["opcheck"]:
         assert results, f"opcheck of {name} ran no check"
         for check, outcome in results.items():
@@ -75,5 +76,5 @@ def test_torch_compile_keeps_the_custom_ops_in_the_graph(library_report):
     # Same result as eager is asserted on the ranks; here: dynamo traced the public functions
     # down to the custom ops instead of breaking the graph around each call.
     targets = library_report["graph_targets"]
-    for op in fluxtp.OPS:
+    for op in fluxtp.OPS + ("all_reduce",):
         assert f"fluxtp.{op}.default" in targets, f"{op} is not in any compiled graph: {targets}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 
 # Later scenarios ("serve") add a line here.
-SCENARIOS = {"ops": "fluxtp.bench.ops", "train": "fluxtp.bench.train"}
+SCENARIOS = {"ops": "fluxtp.bench.ops", "train": "fluxtp.bench.train", "serve": "fluxtp.bench.serve"}
 
 
 class BenchError(RuntimeError):

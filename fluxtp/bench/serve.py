@@ -1,0 +1,431 @@
+"""The `serve` scenario: prefill latency and per-token decode latency of tensor-parallel inference.
+
+The model is fluxtp.inference.TPLlama (the vLLM layout: activations replicated, q/k/v and
+gate/up column-parallel without communication, o_proj and down_proj row-parallel through
+fluxtp.matmul_all_reduce, the lm_head vocab-parallel with a gather of the logits) with `--layers`
+decoder layers at `--model` dims, the whole 128256-token vocabulary and llama3 RoPE; random
+weights (TPLlama.random_init: normal(0, 0.02), the same on every rank). Every backend runs on
+the same model, cache and prompts; its backend is switched between samples and the variants are
+interleaved by fluxtp.bench.harness. One row per (phase, batch, prompt_len):
+
+- prefill: TPLlama.prefill of `batch` prompts of `prompt_len` tokens into an empty KV cache:
+  embedding, every layer (causal attention over the prompt), the final norm and the lm_head of
+  each prompt's last token with its logits gather. The time to the first token's logits; eager
+  (at these token counts launch costs do not matter). One prefill per sample.
+- decode: one decode step of `batch` sequences at context length `prompt_len`: the cache holds
+  the prompts' keys and values, the step writes the new token's at position prompt_len and
+  attends over prompt_len + 1 positions. It includes what one generated token costs a serving
+  user: embedding, every layer with its two all-reduces, the final norm, the vocab-parallel
+  lm_head, the logits gather and the greedy argmax. On GPUs a call is the replay of the step
+  captured in a CUDA graph (one graph per backend, captured after warm-up; the position does not
+  advance between replays, so each does the same work); on CPU the step runs eagerly.
+
+`ms` is the harness's number (median per rank, slowest rank); tokens_per_s counts the whole
+batch's tokens (prefill: batch * prompt_len per call; decode: batch per step).
+
+Before timing, each backend's prefill logits and decode-step logits (eager, and on GPUs the graph
+replay's) are compared with nccl's: max-norm relative error within train.VERIFY_TOLERANCE (bf16
+rounding carried through the layers; a wrong head, KV group or vocabulary block is off by O(1)),
+else the benchmark stops. The share of greedy tokens (argmax) equal to nccl's is reported in
+the notes; in bfloat16 a near-tie between two random-weight logits may flip one now and then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from tqdm import tqdm
+
+from fluxtp import backends
+from fluxtp._dist import GroupInfo
+from fluxtp.bench import BenchError
+from fluxtp.bench.harness import Protocol, Variant, measure, speedup
+from fluxtp.bench.ops import BASELINE, CANDIDATE_BACKENDS, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error
+from fluxtp.bench.train import MODELS as LAYER_DIMS
+from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims
+
+PHASES = ("prefill", "decode")
+VOCAB = {"llama3-8b": 128256, "llama3-70b": 128256, "tiny": 1024}
+# LLaMA 3's RoPE (rope_theta and the llama3 frequency scaling of 3.1+).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# On GPUs: a llama3-70b layer holds 0.43 G parameters per rank at TP=2 (0.86 GB in bfloat16), the
+# replicated embedding and the lm_head half 2.1 + 1.05 GB; the largest default prefill (64 x 2048
+# tokens) needs about 15 GB of activations. Each default row is seconds: --layers can go far up.
+DEFAULTS = {
+    "cuda": {"model": "llama3-70b", "layers": 2, "batch": (1, 8, 64), "prompt_len": (128, 2048)},
+    "cpu": {"model": "tiny", "layers": 2, "batch": (1, 4), "prompt_len": (16, 64)},
+}
+# A prefill is milliseconds to a second: one per sample. A decode replay is tens of
+# microseconds to a few milliseconds: several per sample.
+PROTOCOLS = {
+    "cuda": {"prefill": Protocol(rounds=10, warmup_rounds=2, calls_per_sample=1),
+             "decode": Protocol(rounds=20, warmup_rounds=3, calls_per_sample=10)},
+    "cpu": {"prefill": Protocol(rounds=5, warmup_rounds=1, calls_per_sample=1),
+            "decode": Protocol(rounds=5, warmup_rounds=1, calls_per_sample=3)},
+}
+SEED = 20261122
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    dims: LayerDims
+    vocab: int
+    layers: int
+    batches: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    phases: tuple[str, ...]
+    dtype: torch.dtype
+    backends: tuple[str, ...] | None  # None: every candidate usable here; else the baseline first
+    protocols: dict  # phase -> Protocol
+
+
+# ---------------------------------------------------------------- options
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    items = [s.strip() for s in str(text).split(",")]
+    if not items or not all(s.isdigit() and int(s) > 0 for s in items):
+        raise ValueError(f"{text!r} is not a comma list of positive integers (e.g. 1,8,64)")
+    return tuple(int(s) for s in items)
+
+
+def _batch_type(text: str):
+    """--batch: one size (an int, what train takes) or a comma list (a tuple, for serve)."""
+    try:
+        sizes = _sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
+def add_arguments(group) -> None:
+    """serve's options. `fluxtp bench` puts every scenario's options into one parser, and the train
+    scenario (registered before this one) already defines --model, --layers and --batch: serve
+    shares them (the same layer sizes and count), and widens --batch to take a comma list."""
+    existing = group._option_string_actions  # the parser's table, shared by its argument groups
+    group.description = "also --model, --layers (llama3-8b/70b layer sizes, vocabulary 128256) and --batch (a list)"
+    if "--model" not in existing:
+        group.add_argument("--model", choices=tuple(LAYER_DIMS), help="layer sizes (default: llama3-70b on GPUs)")
+    if "--layers" not in existing:
+        group.add_argument("--layers", type=int, help="decoder layers (default: 2)")
+    serve_batch = "serve: batch sizes, a row each (default: 1,8,64 on GPUs, 1,4 on CPU)"
+    if "--batch" in existing:
+        batch = existing["--batch"]
+        batch.type, batch.metavar = _batch_type, "B[,B...]"
+        batch.help = f"train: {batch.help}; {serve_batch}"
+    else:
+        group.add_argument("--batch", type=_batch_type, metavar="B[,B...]", help=serve_batch)
+    group.add_argument(
+        "--prompt-len",
+        metavar="S,...",
+        help="prompt lengths, a row each: prefill of S tokens per sequence, decode at context length S "
+        "(default on GPUs: 128,2048; on CPU: 16,64)",
+    )
+    group.add_argument(
+        "--phase", choices=("prefill", "decode", "both"), default="both", help="what to time (default: both)"
+    )
+
+
+def make_config(args: argparse.Namespace, world: int, device_type: str) -> ServeConfig:
+    defaults = DEFAULTS[device_type]
+    model = args.model or defaults["model"]
+    dims = LAYER_DIMS[model]
+    layers = defaults["layers"] if args.layers is None else args.layers
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}")
+    batch = args.batch if args.batch is not None else defaults["batch"]
+    batches = (batch,) if isinstance(batch, int) else tuple(batch)
+    try:
+        prompt_lens = _sizes(args.prompt_len) if args.prompt_len else defaults["prompt_len"]
+    except ValueError as e:
+        raise ValueError(f"--prompt-len: {e}") from None
+    for what, n in (("attention heads", dims.heads), ("KV heads", dims.kv_heads), ("FFN features", dims.ffn)):
+        if n % world:
+            raise ValueError(f"--model {model}: its {n} {what} do not divide over the world size {world}")
+    phases = PHASES if args.phase in (None, "both") else (args.phase,)
+    dtype_name = args.dtype or DEFAULT_DTYPE[device_type]
+    protocols = dict(PROTOCOLS[device_type])
+    if args.rounds is not None:
+        protocols = {k: Protocol(args.rounds, p.warmup_rounds, p.calls_per_sample) for k, p in protocols.items()}
+    return ServeConfig(
+        model,
+        dims,
+        VOCAB[model],
+        layers,
+        batches,
+        prompt_lens,
+        phases,
+        DTYPES[dtype_name],
+        parse_backends(args.backends),
+        protocols,
+    )
+
+
+# ---------------------------------------------------------------- the model
+
+
+def llama_config(config: ServeConfig):
+    """A transformers LlamaConfig of the benchmark's model (its layer count is config.layers)."""
+    from transformers import LlamaConfig
+
+    d = config.dims
+    return LlamaConfig(
+        hidden_size=d.hidden,
+        intermediate_size=d.ffn,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.kv_heads,
+        num_hidden_layers=config.layers,
+        vocab_size=config.vocab,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_ROPE,
+        tie_word_embeddings=False,
+    )
+
+
+def _select_backends(config: ServeConfig, info: GroupInfo, device) -> tuple[list[str], dict[str, str]]:
+    """Backends to time (baseline first) and why the others were left out: a backend must run
+    both row-parallel layers (o_proj: k = heads*head_dim/W, down_proj: k = ffn/W; N = hidden)."""
+    d, world = config.dims, info.world_size
+    head_dim = d.hidden // d.heads
+    chosen, skipped = [], {}
+    for name in config.backends or CANDIDATE_BACKENDS:
+        reason = None
+        if name != "auto":
+            for k in (d.heads * head_dim // world, d.ffn // world):
+                x = torch.empty(8, k, dtype=config.dtype, device=device)
+                weight = torch.empty(d.hidden, k, dtype=config.dtype, device=device)
+                reason = reason or backends.unsupported_reason("matmul_all_reduce", name, x, weight, info)
+        if reason is None:
+            chosen.append(name)
+        elif config.backends is not None:
+            raise BenchError(f"backend {name!r} cannot run the layers with {config.dtype} on {device} here: {reason}")
+        else:
+            skipped[name] = reason
+    return chosen, skipped
+
+
+# ---------------------------------------------------------------- verification
+
+
+class Agreement:
+    """Greedy tokens of each backend equal to nccl's, counted over every check of the run."""
+
+    def __init__(self):
+        self.counts: dict[str, list[int]] = {}
+
+    def add(self, name: str, logits: torch.Tensor, ref: torch.Tensor) -> None:
+        same = int((logits.argmax(-1) == ref.argmax(-1)).sum())
+        count = self.counts.setdefault(name, [0, 0])
+        count[0] += same
+        count[1] += ref.shape[0]
+
+    def note(self) -> str | None:
+        compared = {n: c for n, c in self.counts.items() if n != BASELINE}
+        if not compared:
+            return None
+        parts = [f"{n} {100 * same / total:.1f}% ({same}/{total})" for n, (same, total) in compared.items()]
+        return (
+            "every backend's logits agree with nccl's before timing (prefill and decode step); greedy tokens "
+            "equal to nccl's: " + ", ".join(parts)
+        )
+
+
+def _check(name: str, logits: torch.Tensor, ref: torch.Tensor, info: GroupInfo, where: str, what: str, tolerance) -> None:
+    """BenchError on every rank when `logits` is off nccl's `ref` by more than the tolerance."""
+    error = relative_error(logits, ref) if logits.shape == ref.shape else math.inf
+    worst = torch.tensor([error], dtype=torch.float64, device=ref.device)
+    if info.group is not None:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)  # every rank reaches the same verdict
+    error = worst.item()
+    if not error <= tolerance:
+        how = "NaN, Inf or a wrong shape" if math.isinf(error) else f"max-norm relative error {error:.3g}"
+        raise BenchError(
+            f"verification failed: backend {name!r} on {where}, {what}: {how} of the logits against the nccl "
+            f"reference (worst rank), allowed {tolerance:.3g}; nothing was timed"
+        )
+
+
+# ---------------------------------------------------------------- run
+
+
+def _prefill(model, backend: str, prompts: torch.Tensor) -> torch.Tensor:
+    model.backend = backend
+    return model.prefill(prompts)
+
+
+def _decode_eager(model, backend: str, tokens: torch.Tensor) -> torch.Tensor:
+    model.backend = backend
+    return model.decode_step(tokens, advance=False).argmax(-1)
+
+
+def _run_case(model, config: ServeConfig, names, batch: int, prompt_len: int, info, device, agreement, on_round):
+    """The rows of one (batch, prompt_len): verify, then time each phase."""
+    from fluxtp.inference import DecodeGraph
+
+    where = f"{config.model} x{config.layers} layers, batch {batch}, prompt_len {prompt_len}"
+    tolerance = VERIFY_TOLERANCE[config.dtype]
+    model.allocate_cache(batch, prompt_len + 1)
+    # The same prompts on every rank (activations are replicated): one seed for all.
+    generator = torch.Generator(device=device).manual_seed(SEED + 7919 * batch + prompt_len)
+    prompts = torch.randint(0, config.vocab, (batch, prompt_len), generator=generator, device=device)
+
+    first = {name: _prefill(model, name, prompts) for name in names}
+    for name in names:
+        _check(name, first[name], first[BASELINE], info, where, "prefill", tolerance)
+        agreement.add(name, first[name], first[BASELINE])
+    # Every decode check and sample runs on the cache the last prefill left (the same for all).
+    tokens = first[BASELINE].argmax(-1)
+    step = {}
+    for name in names:
+        model.backend = name
+        step[name] = model.decode_step(tokens, advance=False)
+    for name in names:
+        _check(name, step[name], step[BASELINE], info, where, "decode step", tolerance)
+        agreement.add(name, step[name], step[BASELINE])
+
+    rows = []
+    if "prefill" in config.phases:
+        variants = [Variant(name, (functools.partial(_prefill, model, name, prompts),)) for name in names]
+        ms = measure(variants, config.protocols["prefill"], info, device, on_round)
+        rows.append(_row("prefill", config, batch, prompt_len, names, ms))
+    if "decode" in config.phases:
+        graphs = {}
+        if device.type == "cuda":
+            for name in names:  # same order on every rank: the captures' warm-ups are collective
+                model.backend = name
+                graph = DecodeGraph(model, batch, advance=False)
+                graph.tokens.copy_(tokens)
+                graph.replay()
+                _check(name, graph.logits, step[BASELINE], info, where, "decode step replayed from a CUDA graph", tolerance)
+                graphs[name] = graph
+            if any(g.stale() for g in graphs.values()):  # the eager checks sized every workspace: never expected
+                raise BenchError(f"a symmetric workspace grew while the decode graphs were captured ({where})")
+            variants = [Variant(name, (graphs[name].graph.replay,)) for name in names]
+        else:
+            variants = [Variant(name, (functools.partial(_decode_eager, model, name, tokens),)) for name in names]
+        ms = measure(variants, config.protocols["decode"], info, device, on_round)
+        rows.append(_row("decode", config, batch, prompt_len, names, ms))
+        del graphs
+    return rows
+
+
+def run(config: ServeConfig, info: GroupInfo, device: torch.device, show_progress: bool):
+    """Verify, then time prefill and decode per backend for every (batch, prompt_len); collective
+    over the ranks of `info`. Returns (rows, notes)."""
+    from fluxtp.inference import TPLlama
+
+    names, skipped = _select_backends(config, info, device)
+    with torch.no_grad():
+        model = TPLlama.random_init(
+            llama_config(config), info.group, dtype=config.dtype, device=device, backend=BASELINE, seed=SEED
+        )
+        cases = [(b, s) for b in config.batches for s in config.prompt_lens]
+        rounds = sum(config.protocols[p].rounds for p in config.phases)
+        bar = tqdm(total=len(cases) * rounds, disable=not show_progress, unit="round", leave=False)
+        agreement, rows = Agreement(), []
+        try:
+            for batch, prompt_len in cases:
+                bar.set_description(f"batch {batch} prompt_len {prompt_len}")
+                rows += _run_case(model, config, names, batch, prompt_len, info, device, agreement, lambda: bar.update(1))
+                model.cache = None  # the next case's cache may be larger
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            bar.close()
+    notes = [note for note in (agreement.note(),) if note]
+    notes += [f"backend {name!r} not timed: {reason}" for name, reason in skipped.items()]
+    return rows, notes
+
+
+def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, ms: dict[str, float]) -> dict:
+    tokens = batch * prompt_len if phase == "prefill" else batch
+    return {
+        "phase": phase,
+        "model": config.model,
+        "layers": config.layers,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "ms": {n: round(ms[n], 5) for n in names},
+        "tokens_per_s": {n: round(tokens / (ms[n] / 1e3), 1) for n in names},
+        "speedup_vs_nccl": {n: None if (s := speedup(ms[BASELINE], ms[n])) is None else round(s, 4) for n in names},
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """One table per phase: ms per backend, tokens/s, speedup against nccl."""
+    parts = []
+    for phase in dict.fromkeys(r["phase"] for r in rows):
+        phase_rows = [r for r in rows if r["phase"] == phase]
+        names = list(dict.fromkeys(k for r in phase_rows for k in r["ms"]))
+        compared = [n for n in names if n != BASELINE]
+        headers = ["model", "layers", "batch", "prompt_len"] + [f"{n} ms" for n in names]
+        headers += [f"{n} tok/s" for n in names] + [f"speedup {n}" for n in compared]
+        body = []
+        for r in phase_rows:
+            line = [r["model"], r["layers"], r["batch"], r["prompt_len"]] + [_fmt(r["ms"].get(n)) for n in names]
+            line += [_fmt(r["tokens_per_s"].get(n)) for n in names]
+            line += [_fmt(r["speedup_vs_nccl"].get(n)) for n in compared]
+            body.append(line)
+        what = {
+            "prefill": "prefill latency: batch x prompt_len tokens from an empty cache to the last tokens' logits",
+            "decode": "decode latency per token: one step of the batch at context prompt_len, lm_head and argmax "
+            "included",
+        }[phase]
+        title = f"{what} ({phase_rows[0]['dtype']})"
+        parts.append(title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right"))
+    return "\n\n".join(parts)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Per phase: time per call of every backend (top) and each backend's speedup against nccl
+    (bottom), over the (batch, prompt_len) cases."""
+    from fluxtp.bench.plot import _pyplot
+
+    plt = _pyplot()
+    phases = list(dict.fromkeys(r["phase"] for r in rows))
+    fig, axes = plt.subplots(2, len(phases), figsize=(6 * len(phases), 7), squeeze=False)
+    for col, phase in enumerate(phases):
+        phase_rows = sorted((r for r in rows if r["phase"] == phase), key=lambda r: (r["prompt_len"], r["batch"]))
+        labels = [f"b{r['batch']}\ns{r['prompt_len']}" for r in phase_rows]
+        x = list(range(len(phase_rows)))
+        top, bottom = axes[0][col], axes[1][col]
+        for name in dict.fromkeys(k for r in phase_rows for k in r["ms"]):
+            top.plot(x, [r["ms"].get(name) for r in phase_rows], marker="o", label=name)
+            bottom.plot(x, [r["speedup_vs_nccl"].get(name) for r in phase_rows], marker="o", label=name)
+        top.set_yscale("log")
+        top.set_ylabel("ms per call (slowest rank)")
+        top.set_title(f"{phase} ({phase_rows[0]['model']} x{phase_rows[0]['layers']} layers)", fontsize=10)
+        bottom.axhline(1.0, color="grey", linewidth=0.8)
+        bottom.set_ylabel("speedup against nccl")
+        for ax in (top, bottom):
+            ax.set_xticks(x, labels, fontsize=8)
+            ax.set_xlabel("batch b, prompt_len s")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

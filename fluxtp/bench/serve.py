@@ -70,10 +70,14 @@ DEFAULTS = {
 # A prefill is milliseconds to a second: one per sample. A decode replay is tens of
 # microseconds to a few milliseconds: several per sample.
 PROTOCOLS = {
-    "cuda": {"prefill": Protocol(rounds=10, warmup_rounds=2, calls_per_sample=1),
-             "decode": Protocol(rounds=20, warmup_rounds=3, calls_per_sample=10)},
-    "cpu": {"prefill": Protocol(rounds=5, warmup_rounds=1, calls_per_sample=1),
-            "decode": Protocol(rounds=5, warmup_rounds=1, calls_per_sample=3)},
+    "cuda": {
+        "prefill": Protocol(rounds=10, warmup_rounds=2, calls_per_sample=1),
+        "decode": Protocol(rounds=20, warmup_rounds=3, calls_per_sample=10),
+    },
+    "cpu": {
+        "prefill": Protocol(rounds=5, warmup_rounds=1, calls_per_sample=1),
+        "decode": Protocol(rounds=5, warmup_rounds=1, calls_per_sample=3),
+    },
 }
 SEED = 20261122
 
@@ -245,7 +249,9 @@ class Agreement:
         )
 
 
-def _check(name: str, logits: torch.Tensor, ref: torch.Tensor, info: GroupInfo, where: str, what: str, tolerance) -> None:
+def _check(
+    name: str, logits: torch.Tensor, ref: torch.Tensor, info: GroupInfo, where: str, what: str, tolerance
+) -> None:
     """BenchError on every rank when `logits` is off nccl's `ref` by more than the tolerance."""
     error = relative_error(logits, ref) if logits.shape == ref.shape else math.inf
     worst = torch.tensor([error], dtype=torch.float64, device=ref.device)
@@ -311,7 +317,9 @@ def _run_case(model, config: ServeConfig, names, batch: int, prompt_len: int, in
                 graph = DecodeGraph(model, batch, advance=False)
                 graph.tokens.copy_(tokens)
                 graph.replay()
-                _check(name, graph.logits, step[BASELINE], info, where, "decode step replayed from a CUDA graph", tolerance)
+                _check(
+                    name, graph.logits, step[BASELINE], info, where, "decode step replayed from a CUDA graph", tolerance
+                )
                 graphs[name] = graph
             if any(g.stale() for g in graphs.values()):  # the eager checks sized every workspace: never expected
                 raise BenchError(f"a symmetric workspace grew while the decode graphs were captured ({where})")
@@ -341,7 +349,9 @@ def run(config: ServeConfig, info: GroupInfo, device: torch.device, show_progres
         try:
             for batch, prompt_len in cases:
                 bar.set_description(f"batch {batch} prompt_len {prompt_len}")
-                rows += _run_case(model, config, names, batch, prompt_len, info, device, agreement, lambda: bar.update(1))
+                rows += _run_case(
+                    model, config, names, batch, prompt_len, info, device, agreement, lambda: bar.update(1)
+                )
                 model.cache = None  # the next case's cache may be larger
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -31,8 +31,8 @@ rank). Then `allocate_cache`, `prefill`, `decode_step`, or `generate` (fluxtp/in
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -325,8 +325,12 @@ class TPLlama:
                     o_weight=take(attn + "o_proj.weight", cols=q_rows),
                     o_bias=take(attn + "o_proj.bias"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up_weight=cat(take(mlp + "gate_proj.weight", rows=ffn_rows), take(mlp + "up_proj.weight", rows=ffn_rows)),
-                    gate_up_bias=cat(take(mlp + "gate_proj.bias", rows=ffn_rows), take(mlp + "up_proj.bias", rows=ffn_rows)),
+                    gate_up_weight=cat(
+                        take(mlp + "gate_proj.weight", rows=ffn_rows), take(mlp + "up_proj.weight", rows=ffn_rows)
+                    ),
+                    gate_up_bias=cat(
+                        take(mlp + "gate_proj.bias", rows=ffn_rows), take(mlp + "up_proj.bias", rows=ffn_rows)
+                    ),
                     down_weight=take(mlp + "down_proj.weight", cols=ffn_rows),
                     down_bias=take(mlp + "down_proj.bias"),
                 )

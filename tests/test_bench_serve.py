@@ -13,7 +13,20 @@ from fluxtp.bench import serve
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA
 from tests.test_cli import fluxtp_cli
 
-ROW_KEYS = {"phase", "model", "layers", "batch", "prompt_len", "dtype", "ms", "tokens_per_s", "speedup_vs_nccl"}
+ROW_KEYS = {
+    "phase",
+    "model",
+    "layers",
+    "batch",
+    "prompt_len",
+    "dtype",
+    "ms",
+    "tokens_per_s",
+    "speedup_vs_nccl",
+    "T_exposed_comm",
+    "ideal_speedup",
+    "E_overlap",
+}
 
 
 def test_cpu_bench_serve_writes_every_row_key(tmp_path):
@@ -21,9 +34,11 @@ def test_cpu_bench_serve_writes_every_row_key(tmp_path):
     args = ("bench", "serve", "--batch", "1,3", "--prompt-len", "8,24", "--rounds", "2")
     done = fluxtp_cli(*args, "--out", str(out), "--plot", str(png))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"^prefill latency: .*\(float32\)$", done.stdout, re.MULTILINE), done.stdout
+    assert re.search(
+        r"^prefill latency: .*\(float32; no_comm: nccl with every collective removed\)$", done.stdout, re.MULTILINE
+    )
     assert re.search(r"^decode latency per token: .*lm_head and argmax included", done.stdout, re.MULTILINE)
-    assert re.search(r"model\s+layers\s+batch\s+prompt_len\s+nccl ms\s+nccl tok/s", done.stdout), done.stdout
+    assert re.search(r"model\s+layers\s+batch\s+prompt_len\s+nccl ms\s+no_comm ms\s+nccl tok/s", done.stdout)
     assert "the fused kernels need NVIDIA GPUs" in done.stdout
     data = json.loads(out.read_text())
     assert tuple(data) == ENVELOPE_KEYS and data["schema"] == SCHEMA
@@ -34,12 +49,15 @@ def test_cpu_bench_serve_writes_every_row_key(tmp_path):
     for row in data["rows"]:
         assert set(row) == ROW_KEYS, row
         assert (row["model"], row["layers"], row["dtype"]) == ("tiny", 2, "float32")
-        assert set(row["ms"]) == set(row["tokens_per_s"]) == set(row["speedup_vs_nccl"]) == {"nccl"}  # CPU: nccl only
+        assert set(row["ms"]) == {"nccl", "no_comm"}  # torch and fused need CUDA
+        assert set(row["tokens_per_s"]) == set(row["speedup_vs_nccl"]) == set(row["E_overlap"]) == {"nccl"}
+        for value in (*row["ms"].values(), row["ideal_speedup"]):
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, row
         ms = row["ms"]["nccl"]
-        assert isinstance(ms, float) and math.isfinite(ms) and ms > 0, row
+        assert math.isclose(row["T_exposed_comm"], ms - row["ms"]["no_comm"], abs_tol=2e-5)
         tokens = row["batch"] * (row["prompt_len"] if row["phase"] == "prefill" else 1)
         assert math.isclose(row["tokens_per_s"]["nccl"], tokens / ms * 1e3, rel_tol=1e-3)
-        assert row["speedup_vs_nccl"]["nccl"] == 1.0
+        assert row["speedup_vs_nccl"]["nccl"] == 1.0 and row["E_overlap"]["nccl"] in (0.0, None)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -104,11 +122,14 @@ def test_bench_serve_rejects_bad_options_before_launching(args, message, capsys)
 
 def test_row_arithmetic_and_table():
     config = _config("--model", "llama3-70b", device_type="cuda")
-    row = serve._row("decode", config, 8, 2048, ["nccl", "fused"], {"nccl": 2.0, "fused": 1.6})
+    row = serve._row("decode", config, 8, 2048, ["nccl", "fused"], {"nccl": 2.0, "fused": 1.6, "no_comm": 1.5})
     assert set(row) == ROW_KEYS and row["dtype"] == "bfloat16"
     assert row["speedup_vs_nccl"] == {"nccl": 1.0, "fused": 1.25}
     assert row["tokens_per_s"] == {"nccl": 4000.0, "fused": 5000.0}  # 8 tokens per step
-    prefill = serve._row("prefill", config, 8, 2048, ["nccl"], {"nccl": 100.0})
+    assert (row["T_exposed_comm"], row["ideal_speedup"]) == (0.5, round(2.0 / 1.5, 4))
+    assert row["E_overlap"] == {"nccl": 0.0, "fused": 0.8}  # 0.4 of the 0.5 exposed ms hidden
+    prefill = serve._row("prefill", config, 8, 2048, ["nccl"], {"nccl": 100.0, "no_comm": 90.0})
     assert prefill["tokens_per_s"] == {"nccl": 163840.0}  # 8 * 2048 tokens per call
     table = serve.format_table([prefill, row])
-    assert "speedup fused" in table and "prefill latency" in table and "decode latency per token" in table
+    assert "speedup fused" in table and "E_overlap fused" in table and "ideal_speedup" in table
+    assert "prefill latency" in table and "decode latency per token" in table

@@ -154,12 +154,40 @@ def check_from_pretrained(rank, model, checkpoint, seed):
     check_generation(tp, model, prompts_for(seed + 2, 2, 5, 128), "from_pretrained")
 
 
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "reduce_scatter_tensor")
+
+
+def check_communicate_false_issues_no_collective(model, seed):
+    """TPLlama.communicate=False (the benchmark's no_comm variant): the same shapes, no collective."""
+    tp = TPLlama.from_hf(model)
+    tp.allocate_cache(2, 8)
+    prompts = prompts_for(seed, 2, 6, 128)
+    calls, originals = [], {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    try:
+        for name, original in originals.items():
+            setattr(
+                dist, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or _original(*a, **k)
+            )
+        ref = tp.prefill(prompts), tp.decode_step(prompts[:, -1])
+        assert calls, "the counters see no collective of the communicating model"
+        calls.clear()
+        tp.communicate = False
+        local = tp.prefill(prompts), tp.decode_step(prompts[:, -1])
+        assert calls == [], f"communicate=False still called {calls}"
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    for out, want in zip(local, ref):
+        assert out.shape == want.shape and torch.isfinite(out).all()
+
+
 def _sharded_body(rank, world, seed, checkpoint):
     llama = check_llama_gqa(world, seed)
     check_qwen2_biases_tied_odd_vocab(world, seed + 10)
     check_heads_must_divide(world)
     check_random_init_is_one_model(rank, world, seed + 20)
     check_from_pretrained(rank, llama, checkpoint, seed)
+    check_communicate_false_issues_no_collective(llama, seed)
 
 
 def test_sharded_greedy_matches_hf(tmp_path):

@@ -20,6 +20,14 @@ interleaved by fluxtp.bench.harness. One row per (phase, batch, prompt_len):
   captured in a CUDA graph (one graph per backend, captured after warm-up; the position does not
   advance between replays, so each does the same work); on CPU the step runs eagerly.
 
+Variants: nccl (the baseline), torch, fused (those usable here, or --backends), and `no_comm`:
+the nccl model with every collective replaced by a local stand-in of the same shapes
+(TPLlama.communicate = False: the row-parallel layers skip the sum over ranks, the logits gather
+repeats this rank's block), so every GEMM, attention, norm and copy keeps its size and nothing
+crosses GPUs. Its time is the step with communication perfectly hidden, as in the train
+scenario: T_exposed_comm = T_nccl - T_no_comm, ideal_speedup = T_nccl / T_no_comm,
+E_overlap[x] = 1 - (T_x - T_no_comm) / T_exposed_comm (the share of the exposed time x hides).
+
 `ms` is the harness's number (median per rank, slowest rank); tokens_per_s counts the whole
 batch's tokens (prefill: batch * prompt_len per call; decode: batch per step).
 
@@ -45,12 +53,13 @@ from tqdm import tqdm
 from fluxtp import backends
 from fluxtp._dist import GroupInfo
 from fluxtp.bench import BenchError
-from fluxtp.bench.harness import Protocol, Variant, measure, speedup
+from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
 from fluxtp.bench.ops import BASELINE, CANDIDATE_BACKENDS, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error
 from fluxtp.bench.train import MODELS as LAYER_DIMS
 from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims
 
 PHASES = ("prefill", "decode")
+NO_COMM = "no_comm"
 VOCAB = {"llama3-8b": 128256, "llama3-70b": 128256, "tiny": 1024}
 # LLaMA 3's RoPE (rope_theta and the llama3 frequency scaling of 3.1+).
 LLAMA3_ROPE = {
@@ -269,66 +278,81 @@ def _check(
 # ---------------------------------------------------------------- run
 
 
-def _prefill(model, backend: str, prompts: torch.Tensor) -> torch.Tensor:
-    model.backend = backend
+def _use(model, variant: str) -> None:
+    """Switch the model to a variant: a backend, or NO_COMM (nccl with every collective removed)."""
+    model.backend = BASELINE if variant == NO_COMM else variant
+    model.communicate = variant != NO_COMM
+
+
+def _prefill(model, variant: str, prompts: torch.Tensor) -> torch.Tensor:
+    _use(model, variant)
     return model.prefill(prompts)
 
 
-def _decode_eager(model, backend: str, tokens: torch.Tensor) -> torch.Tensor:
-    model.backend = backend
+def _decode_eager(model, variant: str, tokens: torch.Tensor) -> torch.Tensor:
+    _use(model, variant)
     return model.decode_step(tokens, advance=False).argmax(-1)
 
 
-def _run_case(model, config: ServeConfig, names, batch: int, prompt_len: int, info, device, agreement, on_round):
-    """The rows of one (batch, prompt_len): verify, then time each phase."""
-    from fluxtp.inference import DecodeGraph
-
-    where = f"{config.model} x{config.layers} layers, batch {batch}, prompt_len {prompt_len}"
+def _time_prefill(model, config, names, prompts, info, device, agreement, where, on_round) -> dict[str, float]:
     tolerance = VERIFY_TOLERANCE[config.dtype]
-    model.allocate_cache(batch, prompt_len + 1)
-    # The same prompts on every rank (activations are replicated): one seed for all.
-    generator = torch.Generator(device=device).manual_seed(SEED + 7919 * batch + prompt_len)
-    prompts = torch.randint(0, config.vocab, (batch, prompt_len), generator=generator, device=device)
-
     first = {name: _prefill(model, name, prompts) for name in names}
     for name in names:
         _check(name, first[name], first[BASELINE], info, where, "prefill", tolerance)
         agreement.add(name, first[name], first[BASELINE])
-    # Every decode check and sample runs on the cache the last prefill left (the same for all).
-    tokens = first[BASELINE].argmax(-1)
+    variants = [Variant(v, (functools.partial(_prefill, model, v, prompts),)) for v in (*names, NO_COMM)]
+    return measure(variants, config.protocols["prefill"], info, device, on_round)
+
+
+def _time_decode(model, config, names, prompts, info, device, agreement, where, on_round) -> dict[str, float]:
+    """Decode steps at position prompt_len over the cache of an nccl prefill of the prompts
+    (every check and sample reads the same cache; a step rewrites only its own slot)."""
+    from fluxtp.inference import DecodeGraph
+
+    tolerance = VERIFY_TOLERANCE[config.dtype]
+    tokens = _prefill(model, BASELINE, prompts).argmax(-1)
     step = {}
     for name in names:
-        model.backend = name
+        _use(model, name)
         step[name] = model.decode_step(tokens, advance=False)
     for name in names:
         _check(name, step[name], step[BASELINE], info, where, "decode step", tolerance)
         agreement.add(name, step[name], step[BASELINE])
+    if device.type != "cuda":
+        variants = [Variant(v, (functools.partial(_decode_eager, model, v, tokens),)) for v in (*names, NO_COMM)]
+        return measure(variants, config.protocols["decode"], info, device, on_round)
+    graphs = {}
+    for variant in (*names, NO_COMM):  # the same order on every rank: the captures' warm-ups are collective
+        _use(model, variant)
+        graph = DecodeGraph(model, batch=tokens.shape[0], advance=False)
+        graph.tokens.copy_(tokens)
+        graph.replay()
+        if variant != NO_COMM:
+            _check(
+                variant, graph.logits, step[BASELINE], info, where, "decode step replayed from a CUDA graph", tolerance
+            )
+        graphs[variant] = graph
+    _use(model, BASELINE)
+    if any(g.stale() for g in graphs.values()):  # the eager checks sized every workspace: never expected
+        raise BenchError(f"a symmetric workspace grew while the decode graphs were captured ({where})")
+    variants = [Variant(v, (g.graph.replay,)) for v, g in graphs.items()]
+    return measure(variants, config.protocols["decode"], info, device, on_round)
 
+
+def _run_case(model, config: ServeConfig, names, batch: int, prompt_len: int, info, device, agreement, on_round):
+    """The rows of one (batch, prompt_len): for each phase, verify, then time."""
+    where = f"{config.model} x{config.layers} layers, batch {batch}, prompt_len {prompt_len}"
+    model.allocate_cache(batch, prompt_len + 1)
+    # The same prompts on every rank (activations are replicated): one seed for all.
+    generator = torch.Generator(device=device).manual_seed(SEED + 7919 * batch + prompt_len)
+    prompts = torch.randint(0, config.vocab, (batch, prompt_len), generator=generator, device=device)
     rows = []
-    if "prefill" in config.phases:
-        variants = [Variant(name, (functools.partial(_prefill, model, name, prompts),)) for name in names]
-        ms = measure(variants, config.protocols["prefill"], info, device, on_round)
-        rows.append(_row("prefill", config, batch, prompt_len, names, ms))
-    if "decode" in config.phases:
-        graphs = {}
-        if device.type == "cuda":
-            for name in names:  # same order on every rank: the captures' warm-ups are collective
-                model.backend = name
-                graph = DecodeGraph(model, batch, advance=False)
-                graph.tokens.copy_(tokens)
-                graph.replay()
-                _check(
-                    name, graph.logits, step[BASELINE], info, where, "decode step replayed from a CUDA graph", tolerance
-                )
-                graphs[name] = graph
-            if any(g.stale() for g in graphs.values()):  # the eager checks sized every workspace: never expected
-                raise BenchError(f"a symmetric workspace grew while the decode graphs were captured ({where})")
-            variants = [Variant(name, (graphs[name].graph.replay,)) for name in names]
-        else:
-            variants = [Variant(name, (functools.partial(_decode_eager, model, name, tokens),)) for name in names]
-        ms = measure(variants, config.protocols["decode"], info, device, on_round)
-        rows.append(_row("decode", config, batch, prompt_len, names, ms))
-        del graphs
+    for phase, timer in (("prefill", _time_prefill), ("decode", _time_decode)):
+        if phase in config.phases:
+            ms = timer(model, config, names, prompts, info, device, agreement, where, on_round)
+            rows.append(_row(phase, config, batch, prompt_len, names, ms))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the decode graphs' pools, prefill activations
     return rows
 
 
@@ -362,8 +386,13 @@ def run(config: ServeConfig, info: GroupInfo, device: torch.device, show_progres
     return rows, notes
 
 
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, ms: dict[str, float]) -> dict:
     tokens = batch * prompt_len if phase == "prefill" else batch
+    t_nccl, t_local = ms[BASELINE], ms[NO_COMM]
     return {
         "phase": phase,
         "model": config.model,
@@ -371,9 +400,12 @@ def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, ms
         "batch": batch,
         "prompt_len": prompt_len,
         "dtype": str(config.dtype).removeprefix("torch."),
-        "ms": {n: round(ms[n], 5) for n in names},
+        "ms": {k: round(v, 5) for k, v in ms.items()},
         "tokens_per_s": {n: round(tokens / (ms[n] / 1e3), 1) for n in names},
-        "speedup_vs_nccl": {n: None if (s := speedup(ms[BASELINE], ms[n])) is None else round(s, 4) for n in names},
+        "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
+        "T_exposed_comm": round(t_nccl - t_local, 5),
+        "ideal_speedup": _round(speedup(t_nccl, t_local), 4),
+        "E_overlap": {n: _round(overlap_efficiency(ms[n], t_local, t_nccl), 4) for n in names},
     }
 
 
@@ -385,33 +417,38 @@ def _fmt(value) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """One table per phase: ms per backend, tokens/s, speedup against nccl."""
+    """One table per phase: ms of every variant, tokens/s and speedup of each backend, the
+    exposed communication and how much of it each backend hides."""
     parts = []
     for phase in dict.fromkeys(r["phase"] for r in rows):
         phase_rows = [r for r in rows if r["phase"] == phase]
-        names = list(dict.fromkeys(k for r in phase_rows for k in r["ms"]))
+        variants = list(dict.fromkeys(k for r in phase_rows for k in r["ms"]))
+        names = list(dict.fromkeys(k for r in phase_rows for k in r["tokens_per_s"]))
         compared = [n for n in names if n != BASELINE]
-        headers = ["model", "layers", "batch", "prompt_len"] + [f"{n} ms" for n in names]
+        headers = ["model", "layers", "batch", "prompt_len"] + [f"{v} ms" for v in variants]
         headers += [f"{n} tok/s" for n in names] + [f"speedup {n}" for n in compared]
+        headers += ["T_exposed_comm ms", "ideal_speedup"] + [f"E_overlap {n}" for n in compared]
         body = []
         for r in phase_rows:
-            line = [r["model"], r["layers"], r["batch"], r["prompt_len"]] + [_fmt(r["ms"].get(n)) for n in names]
+            line = [r["model"], r["layers"], r["batch"], r["prompt_len"]] + [_fmt(r["ms"].get(v)) for v in variants]
             line += [_fmt(r["tokens_per_s"].get(n)) for n in names]
             line += [_fmt(r["speedup_vs_nccl"].get(n)) for n in compared]
+            line += [_fmt(r["T_exposed_comm"]), _fmt(r["ideal_speedup"])]
+            line += [_fmt(r["E_overlap"].get(n)) for n in compared]
             body.append(line)
         what = {
             "prefill": "prefill latency: batch x prompt_len tokens from an empty cache to the last tokens' logits",
             "decode": "decode latency per token: one step of the batch at context prompt_len, lm_head and argmax "
             "included",
         }[phase]
-        title = f"{what} ({phase_rows[0]['dtype']})"
+        title = f"{what} ({phase_rows[0]['dtype']}; {NO_COMM}: nccl with every collective removed)"
         parts.append(title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right"))
     return "\n\n".join(parts)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """Per phase: time per call of every backend (top) and each backend's speedup against nccl
-    (bottom), over the (batch, prompt_len) cases."""
+    """Per phase: time per call of every variant (top) and each backend's speedup against nccl
+    beside the ideal (bottom), over the (batch, prompt_len) cases."""
     from fluxtp.bench.plot import _pyplot
 
     plt = _pyplot()
@@ -422,12 +459,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         labels = [f"b{r['batch']}\ns{r['prompt_len']}" for r in phase_rows]
         x = list(range(len(phase_rows)))
         top, bottom = axes[0][col], axes[1][col]
-        for name in dict.fromkeys(k for r in phase_rows for k in r["ms"]):
-            top.plot(x, [r["ms"].get(name) for r in phase_rows], marker="o", label=name)
+        for variant in dict.fromkeys(k for r in phase_rows for k in r["ms"]):
+            top.plot(x, [r["ms"].get(variant) for r in phase_rows], marker="o", label=variant)
+        for name in dict.fromkeys(k for r in phase_rows for k in r["speedup_vs_nccl"]):
             bottom.plot(x, [r["speedup_vs_nccl"].get(name) for r in phase_rows], marker="o", label=name)
         top.set_yscale("log")
         top.set_ylabel("ms per call (slowest rank)")
         top.set_title(f"{phase} ({phase_rows[0]['model']} x{phase_rows[0]['layers']} layers)", fontsize=10)
+        bottom.plot(x, [r["ideal_speedup"] for r in phase_rows], linestyle=":", marker="x", color="grey", label="ideal")
         bottom.axhline(1.0, color="grey", linewidth=0.8)
         bottom.set_ylabel("speedup against nccl")
         for ax in (top, bottom):

@@ -151,12 +151,22 @@ class LayerShard:
     down_bias: torch.Tensor | None
 
 
+def _local_matmul(x, weight, *, group=None, bias=None, backend=None):
+    """matmul_all_reduce's GEMM and output shape without the sum over ranks (communicate=False)."""
+    return F.linear(x, weight, bias)
+
+
 class TPLlama:
     """A LLaMA-style causal LM sharded over a tensor-parallel group (see the module docstring).
 
-    Attributes a user may change: `backend` ("auto", "fused", "nccl" or "torch"), used by the
-    row-parallel layers from the next call on (a captured CUDA graph keeps the backend it was
-    captured with).
+    Attributes a user may change, used from the next call on (a captured CUDA graph keeps what
+    it was captured with):
+    - `backend` ("auto", "fused", "nccl" or "torch"): the row-parallel layers' backend;
+    - `communicate` (default True). False is for benchmarks only: every collective is replaced
+      by a local stand-in of the same shapes (the row-parallel layers skip the sum over ranks,
+      the logits gather repeats this rank's block), so every GEMM, attention and copy keeps its
+      size and nothing crosses GPUs: the time a step would take with communication perfectly
+      hidden. The outputs are wrong.
     """
 
     def __init__(
@@ -175,6 +185,7 @@ class TPLlama:
         self.info = resolve_group(group)
         self.dims = dims = model_dims(config, self.info.world_size, num_layers)
         self.config, self.dtype, self.device, self.backend = config, dtype, torch.device(device), backend
+        self.communicate = True
         self.eps = config.rms_norm_eps
         self.scaling = dims.head_dim**-0.5
         from transformers.activations import ACT2FN
@@ -393,6 +404,7 @@ class TPLlama:
         """h [batch*seq, H] through every layer; attend(layer, q, k, v) -> [B, heads_local, S, head_dim]
         with q [B, heads_local, S, d] and k, v [B, kv_heads_local, S, d] (RoPE applied)."""
         d, group = self.dims, self.info.group
+        row_parallel = fluxtp.matmul_all_reduce if self.communicate else _local_matmul
         q_size, kv_size = d.heads_local * d.head_dim, d.kv_heads_local * d.head_dim
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
@@ -405,10 +417,10 @@ class TPLlama:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             out = out.transpose(1, 2).reshape(batch * seq, q_size)
-            h = h + fluxtp.matmul_all_reduce(out, layer.o_weight, group=group, bias=layer.o_bias, backend=self.backend)
+            h = h + row_parallel(out, layer.o_weight, group=group, bias=layer.o_bias, backend=self.backend)
             x = rms_norm(h, layer.post_norm, self.eps)
             gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + fluxtp.matmul_all_reduce(
+            h = h + row_parallel(
                 self.act(gate) * up, layer.down_weight, group=group, bias=layer.down_bias, backend=self.backend
             )
         return h
@@ -419,9 +431,12 @@ class TPLlama:
         local = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [B, V_local]
         if d.world == 1:
             return local[:, : d.vocab]
-        gathered = local.new_empty(d.world * local.shape[0], d.vocab_local)
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
-        all_gather(gathered, local.contiguous(), group=self.info.group)
+        if self.communicate:
+            gathered = local.new_empty(d.world * local.shape[0], d.vocab_local)
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.12
+            all_gather(gathered, local.contiguous(), group=self.info.group)
+        else:
+            gathered = local.repeat(d.world, 1)
         # [W, B, V_local] (rank-major) -> [B, W * V_local]: rank r's block is vocab ids r*V_local...
         logits = gathered.view(d.world, -1, d.vocab_local).transpose(0, 1).reshape(-1, d.world * d.vocab_local)
         return logits[:, : d.vocab]

@@ -1,6 +1,7 @@
 """`fluxtp bench train` on CPU: the gloo demo end to end (table, JSON rows, plot), the
-"communication removed" variant (no collective at all, the same shapes), the row arithmetic and
-the option checks."""
+"communication removed" variant (no collective at all, the same shapes), the loss curves
+(--loss-steps: the same start and data per backend, the noise reference, rows and plot), the
+row arithmetic and the option checks."""
 
 import json
 import math
@@ -82,6 +83,119 @@ def test_cpu_bench_train_writes_every_row_key(tmp_path):
         )
         assert row["speedup_vs_nccl"]["nccl"] == 1.0 and row["E_overlap"]["nccl"] == 0.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+LOSS_ROW_KEYS = {
+    "phase",
+    "backend",
+    "model",
+    "layers",
+    "seq",
+    "batch",
+    "dtype",
+    "lr",
+    "warmup_steps",
+    "losses",
+    "max_rel_diff_vs_nccl",
+    "within_noise",
+}
+
+
+def test_cpu_loss_curves_through_the_cli(tmp_path):
+    out, png = tmp_path / "train.json", tmp_path / "train.png"
+    done = fluxtp_cli(
+        "bench", "train", "--seq", "128", "--rounds", "1", "--loss-steps", "5", "--backends", "nccl,auto",
+        "--out", str(out), "--plot", str(png),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    timing = [r for r in data["rows"] if "phase" not in r]
+    losses = [r for r in data["rows"] if r.get("phase") == "loss"]
+    assert len(timing) + len(losses) == len(data["rows"])
+    assert [r["seq"] for r in timing] == [128] and all(set(r) == ROW_KEYS for r in timing)  # as without curves
+    assert [r["backend"] for r in losses] == ["nccl", "auto", train.REORDERED]
+    curves = {r["backend"]: r["losses"] for r in losses}
+    for row in losses:
+        assert set(row) == LOSS_ROW_KEYS, row
+        assert (row["model"], row["layers"], row["seq"], row["batch"], row["dtype"]) == ("tiny", 2, 128, 2, "float32")
+        assert row["lr"] == train.LOSS_LEARNING_RATE["tiny"] and row["warmup_steps"] == train.LOSS_WARMUP_STEPS
+        curve = row["losses"]
+        assert len(curve) == 5 and all(isinstance(v, float) and math.isfinite(v) for v in curve), row
+        # next-token cross-entropy of an untrained model over 128 tokens starts near ln 128 = 4.85
+        assert 4.0 < curve[0] < 6.0, curve
+        assert curve[-1] < curve[0] - 0.05, curve  # it trains
+        assert row["max_rel_diff_vs_nccl"] == train._max_rel_diff(curve, curves["nccl"])
+    # auto is nccl on CPU: the very same computation, so the same curve to the bit; it would not
+    # be if a backend did not start from the saved weights with a fresh optimizer on the same data
+    assert curves["auto"] == curves["nccl"]
+    by_backend = {r["backend"]: r for r in losses}
+    assert by_backend["auto"]["within_noise"] is True
+    assert by_backend["nccl"]["within_noise"] is None and by_backend[train.REORDERED]["within_noise"] is None
+    # float32: the GEMMs summed in another order move the loss by a few float32 roundings at most
+    assert by_backend[train.REORDERED]["max_rel_diff_vs_nccl"] <= 1e-5
+    assert re.search(r"^loss curves \(5 steps, tiny x2 layers, seq 128, batch 2, float32, lr 0.001\)", done.stdout, re.M)
+    assert "loss curves against nccl's, max relative difference over the steps: auto 0; noise: nccl_reordered" in done.stdout
+    assert re.search(r"within noise \(<= max\(2 x noise, unit roundoff 5.96e-08\) = \S+\): auto yes", done.stdout)
+    assert "did not decrease" not in done.stdout
+    for picture in (png, tmp_path / "train-loss.png"):
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {tmp_path / 'train-loss.png'}" in done.stdout
+
+
+def test_loss_data_follows_the_chain_is_fixed_by_the_seed_and_new_every_step():
+    successors = train.markov_successors()
+    assert successors == train.markov_successors()
+    assert len(successors) == train.VOCAB
+    assert all(len(set(s)) == train.MARKOV_BRANCHES and all(0 <= t < train.VOCAB for t in s) for s in successors)
+    first = train.loss_batch(0, 2, 300, successors)
+    assert first.shape == (2, 300) and first.dtype == torch.long
+    assert torch.equal(first, train.loss_batch(0, 2, 300, successors))
+    assert not torch.equal(first, train.loss_batch(1, 2, 300, successors))
+    for row in first.tolist():
+        assert all(b in successors[a] for a, b in zip(row, row[1:]))
+        assert len(set(row)) > train.MARKOV_BRANCHES  # it wanders over the vocabulary
+
+
+def test_reordered_stand_ins_compute_the_ops_in_another_order():
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(64, 256), torch.randn(48, 256), torch.randn(48)
+    ref = x @ w.t() + bias
+    y, gathered = train._reordered_all_gather_matmul(x, w, bias=bias, return_gathered=True)
+    assert torch.equal(gathered, x)  # the gathered rows are the real ones (the weight gradient reads them)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(train._reordered_matmul_reduce_scatter(x, w, bias=bias), ref, rtol=1e-5, atol=1e-4)
+    # the layers' backward passes transposed views of the weights
+    w_t = torch.randn(256, 48).t()
+    assert torch.allclose(train._reordered_all_gather_matmul(x, w_t), x @ w_t.t(), rtol=1e-5, atol=1e-4)
+    x_swapped, w_swapped = train._k_swapped(x, w)
+    assert torch.equal(x_swapped[:, :128], x[:, 128:]) and torch.equal(w_swapped[:, 128:], w[:, :128])
+    with train.reordered_gemms():
+        import fluxtp.nn.linear as linear
+
+        assert linear.all_gather_matmul is train._reordered_all_gather_matmul
+    assert linear.all_gather_matmul is not train._reordered_all_gather_matmul
+
+
+def test_loss_rows_have_their_own_table_and_plot(tmp_path):
+    config = train.TrainConfig("tiny", train.MODELS["tiny"], 2, (64,), 2, torch.bfloat16, None, train.CPU_PROTOCOL)
+    common = {"phase": "loss", "model": "tiny", "layers": 2, "seq": 64, "batch": 2, "dtype": "bfloat16", "lr": 1e-3,
+              "warmup_steps": 8}  # fmt: skip
+    rows = [
+        train._row(config, 64, ["nccl"], {"nccl": 10.0, "no_comm": 8.0}),
+        {**common, "backend": "nccl", "losses": [5.0, 4.0, 3.0], "max_rel_diff_vs_nccl": 0.0, "within_noise": None},
+        {**common, "backend": "fused", "losses": [5.0, 4.01, None], "max_rel_diff_vs_nccl": None, "within_noise": False},
+        {**common, "backend": train.REORDERED, "losses": [5.0, 4.0, 3.003], "max_rel_diff_vs_nccl": 0.001,
+         "within_noise": None},
+    ]  # fmt: skip
+    table = train.format_table(rows)
+    assert "T_exposed_comm ms" in table and "loss curves (3 steps, tiny x2 layers" in table
+    assert re.search(r"fused\s+5\s+-\s+4.01\s+-\s+NO", table), table
+    assert train.loss_plot_path(str(tmp_path / "r.png")) == str(tmp_path / "r-loss.png")
+    assert train.loss_plot_path("plot") == "plot-loss.png"
+    train.plot(rows, str(tmp_path / "r.png"), "title")
+    assert (tmp_path / "r.png").exists() and (tmp_path / "r-loss.png").exists()
+    assert train._max_rel_diff([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
+    assert train._max_rel_diff([1.0, math.nan], [1.0, 2.0]) == math.inf
 
 
 # Every torch.distributed entry point a layer could communicate through.
@@ -197,6 +311,8 @@ def test_row_arithmetic():
         (("--seq", "64,x"), "'64,x' is not a comma list of positive integers"),
         (("--layers", "0"), "--layers must be at least 1"),
         (("--model", "llama2"), "invalid choice: 'llama2'"),
+        (("--loss-steps", "-1"), "--loss-steps must be 0 (no loss curves) or more, got -1"),
+        (("--loss-lr", "0"), "--loss-lr must be a positive number, got 0.0"),
     ],
 )
 def test_bench_train_rejects_bad_options_before_launching(args, message, capsys):
@@ -219,3 +335,7 @@ def test_gpu_defaults_are_llama3_70b_layers_at_4096_and_8192_tokens():
     assert config.dims == train.LayerDims(hidden=8192, ffn=28672, heads=64, kv_heads=8)
     assert train.MODELS["llama3-8b"] == train.LayerDims(hidden=4096, ffn=14336, heads=32, kv_heads=8)
     assert config.protocol.calls_per_sample == 1 and config.backends is None
+    assert config.loss_steps == 0 and config.loss_lr is None  # no loss curves unless asked
+    args = cli.build_parser().parse_args(["bench", "train", "--loss-steps", "50", "--seq", "4096"])
+    config = train.make_config(args, 2, "cuda")
+    assert (config.loss_steps, config.seqs, config.loss_lr) == (50, (4096,), None)

@@ -40,6 +40,38 @@ tokens_per_s counts the global batch*seq tokens of one step (the whole group's t
 Before timing, each backend's forward output is compared with nccl's (a sanity check of the
 layer stack, loose enough for bfloat16 rounding through the layers: the ops scenario verifies
 each op tightly).
+
+Loss curves (`--loss-steps N`, after the timing; `--rounds 1` keeps that short): does a
+backend train the same model as nccl? The whole LlamaForCausalLM (embedding, the layers, final
+norm, LM head; parallelize's layout: embedding and head replicated, so the loss is computed
+alike on every rank) is trained for N steps per backend, each from the same weights (the state
+when the phase starts, saved once and loaded before each backend) with a fresh AdamW, on the
+same data, at the first `--seq`:
+- objective: next-token cross-entropy (the mean over the batch's tokens: the full objective,
+  one number on every rank). The mean square of the layers' output that the timed step uses
+  does not train at llama3-70b sizes (CPU, one layer, bfloat16, 64 tokens a step: flat at
+  58.8 +- 0.5, the size of the layers' random output, over 8 steps at lr 1e-5 and 1e-4;
+  divergent at 1e-3).
+- data: sequences of a fixed random Markov chain over the model's VOCAB tokens, each token
+  followed by one of MARKOV_BRANCHES successors, uniformly; fresh sequences every step, drawn
+  from a seed and the step number (the same on every rank and for every backend). A model
+  that has learned the chain scores ln(MARKOV_BRANCHES) (1.386), the floor of the curve; the
+  untrained model starts near ln(VOCAB) (4.85) or above.
+- optimizer: AdamW (weight decay 0.01), learning rate `--loss-lr` (LOSS_LEARNING_RATE per
+  model) after a linear warm-up over the first LOSS_WARMUP_STEPS steps. The weights are
+  bfloat16 (no float32 master copy, as in the timed steps): a step smaller than half a
+  bfloat16 ulp of a weight leaves it unchanged, which bounds the learning rate from below.
+- noise reference: bfloat16 rounding makes two equivalent computations drift apart over the
+  steps (an ulp flipped in one step changes the next step's gradients). To tell that from a
+  real difference, nccl is trained a second time as `nccl_reordered`: the same function with
+  the GEMMs of the two ops (all_gather_matmul, matmul_reduce_scatter: the GEMMs the backends
+  replace) summed in another order (their K dim halves swapped, REORDER_REPLACES), so its
+  curve differs from nccl's by rounding alone. A backend's curve is "within noise" when its
+  largest relative difference from nccl's over the steps is at most
+  LOSS_NOISE_MARGIN x the reference's (or the dtype's unit roundoff, if larger).
+Rows: one per variant, {"phase": "loss", "backend", model, layers, seq, batch, dtype, lr,
+warmup_steps, "losses": [one per step], "max_rel_diff_vs_nccl", "within_noise"} after the
+timing rows (which have no "phase"); `--plot X.png` draws the curves to X-loss.png beside X.png.
 """
 
 from __future__ import annotations
@@ -49,6 +81,7 @@ import contextlib
 import importlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,6 +91,7 @@ from tqdm import tqdm
 
 from fluxtp import backends
 from fluxtp._dist import GroupInfo, resolve_group
+from fluxtp.backends import reference
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
 from fluxtp.bench.ops import (
@@ -68,8 +102,11 @@ from fluxtp.bench.ops import (
     parse_backends,
     relative_error,
 )
+from fluxtp.nn._collectives import gather_rows
 
 NO_COMM = "no_comm"
+REORDERED = "nccl_reordered"  # the loss curves' noise reference (module docstring)
+LOSS_PHASE = "loss"
 
 
 @dataclass(frozen=True)
@@ -113,6 +150,18 @@ VERIFY_TOLERANCE = {
     torch.float64: 1e-9,
 }
 
+# Loss curves (module docstring). The learning rate: AdamW's first steps move every weight by
+# about lr, coherently along a row, so a logit moves by about lr * sum|h| ~ lr * hidden: at
+# hidden 8192, 1e-3 and 3e-4 diverged within 3 steps (CPU, bfloat16, one llama3-70b layer);
+# below about 1e-4 most bfloat16 weights of the init's size (std 0.02, ulp 1.2e-4) do not move.
+LOSS_LEARNING_RATE = {"llama3-8b": 1e-4, "llama3-70b": 1e-4, "tiny": 1e-3}
+LOSS_WARMUP_STEPS = 8
+LOSS_WEIGHT_DECAY = 0.01
+MARKOV_BRANCHES = 4
+LOSS_DATA_SEED = 20261123
+LOSS_NOISE_MARGIN = 2.0
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -124,6 +173,8 @@ class TrainConfig:
     dtype: torch.dtype
     backends: tuple[str, ...] | None  # None: every candidate usable here; else the baseline first
     protocol: Protocol
+    loss_steps: int = 0  # 0: no loss curves
+    loss_lr: float | None = None  # None: LOSS_LEARNING_RATE[model]
 
 
 def add_arguments(group) -> None:
@@ -140,6 +191,21 @@ def add_arguments(group) -> None:
         help="sequence lengths, one row each (default on GPUs: 4096,8192; on CPU: 64)",
     )
     group.add_argument("--batch", type=int, help="sequences per step (default: 1 on GPUs, 2 on CPU)")
+    group.add_argument(
+        "--loss-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timing, train the whole model N steps per backend from the same weights on the same data "
+        "(next-token loss on a synthetic Markov chain, at the first --seq) and compare the loss curves with nccl's "
+        "(default: 0, none)",
+    )
+    group.add_argument(
+        "--loss-lr",
+        type=float,
+        metavar="LR",
+        help="peak AdamW learning rate of the loss curves (default: 1e-4 for llama3 sizes, 1e-3 for tiny)",
+    )
 
 
 def _parse_seqs(text: str) -> tuple[int, ...]:
@@ -169,6 +235,12 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> Train
                 f"batch*seq = {batch}*{seq} tokens must be divisible by the world size {world} "
                 "(sequence parallelism shards the tokens)"
             )
+    loss_steps = getattr(args, "loss_steps", 0) or 0
+    loss_lr = getattr(args, "loss_lr", None)
+    if loss_steps < 0:
+        raise ValueError(f"--loss-steps must be 0 (no loss curves) or more, got {loss_steps}")
+    if loss_lr is not None and not (loss_lr > 0 and math.isfinite(loss_lr)):
+        raise ValueError(f"--loss-lr must be a positive number, got {loss_lr}")
     dtype_name = args.dtype or DEFAULT_DTYPE[device_type]
     protocol = GPU_PROTOCOL if device_type == "cuda" else CPU_PROTOCOL
     if args.rounds is not None:
@@ -182,6 +254,8 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> Train
         DTYPES[dtype_name],
         parse_backends(args.backends),
         protocol,
+        loss_steps,
+        loss_lr,
     )
 
 
@@ -230,18 +304,16 @@ NO_COMM_REPLACES = {
 
 
 @contextlib.contextmanager
-def no_communication():
-    """Inside: fluxtp.nn's layers compute with local stand-ins of their collectives (see the
-    module docstring). Process-wide (autograd's backward threads see it too); not re-entrant."""
+def _replaced(replaces: dict[str, dict]):
     saved = []
     try:
-        for module_name, replacements in NO_COMM_REPLACES.items():
+        for module_name, replacements in replaces.items():
             module = importlib.import_module(module_name)
             for name, local in replacements.items():
                 if not hasattr(module, name):
                     raise RuntimeError(
-                        f"{module_name} no longer has {name!r}: update fluxtp.bench.train.NO_COMM_REPLACES "
-                        "to the collectives it calls now"
+                        f"{module_name} no longer has {name!r}: update fluxtp.bench.train's stand-ins to the "
+                        "collectives it calls now"
                     )
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, local)
@@ -249,6 +321,52 @@ def no_communication():
     finally:
         for module, name, original in reversed(saved):
             setattr(module, name, original)
+
+
+def no_communication():
+    """Inside: fluxtp.nn's layers compute with local stand-ins of their collectives (see the
+    module docstring). Process-wide (autograd's backward threads see it too); not re-entrant."""
+    return _replaced(NO_COMM_REPLACES)
+
+
+# ---------------------------------------------------------------- the same GEMMs summed in another order
+
+
+def _k_swapped(x, weight):
+    """x [.., K] and weight [N, K] with the two halves of K swapped in both: x @ weight^T is
+    the same sum of products, which a GEMM accumulates in another order (another rounding)."""
+    half = x.shape[-1] // 2
+    x_swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x_swapped, torch.cat((weight[:, half:], weight[:, :half]), dim=1)
+
+
+def _reordered_all_gather_matmul(x_shard, weight, *, group=None, bias=None, backend="auto", return_gathered=False):
+    """The nccl all_gather_matmul (the same gathered rows) with its GEMM summed in another order."""
+    x_gathered = gather_rows(x_shard, resolve_group(group))
+    y = F.linear(*_k_swapped(x_gathered, weight), bias)
+    return (y, x_gathered) if return_gathered else y
+
+
+def _reordered_matmul_reduce_scatter(x, weight, *, group=None, bias=None, backend="auto"):
+    """The nccl matmul_reduce_scatter with its GEMM summed in another order."""
+    info = resolve_group(group)
+    if info.world_size == 1:
+        return F.linear(*_k_swapped(x, weight), bias)
+    return reference.matmul_reduce_scatter(*_k_swapped(x, weight), bias, info)
+
+
+REORDER_REPLACES = {
+    "fluxtp.nn.linear": {
+        "all_gather_matmul": _reordered_all_gather_matmul,
+        "matmul_reduce_scatter": _reordered_matmul_reduce_scatter,
+    },
+}
+
+
+def reordered_gemms():
+    """Inside: fluxtp.nn's layers compute the two ops as nccl does, with each op's GEMM summed in
+    another order (REORDER_REPLACES). Process-wide, like no_communication; not re-entrant."""
+    return _replaced(REORDER_REPLACES)
 
 
 # ---------------------------------------------------------------- the model and one step
@@ -399,13 +517,145 @@ def verify(trainer: Trainer, names: list[str], info: GroupInfo, where: str) -> N
                 )
 
 
+# ---------------------------------------------------------------- loss curves (module docstring)
+
+
+def markov_successors(vocab: int = VOCAB, branches: int = MARKOV_BRANCHES, seed: int = LOSS_DATA_SEED):
+    """The chain of the loss curves' data: token t is followed by one of successors[t] (distinct tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randperm(vocab, generator=generator)[:branches].tolist() for _ in range(vocab)]
+
+
+def loss_batch(step: int, batch: int, seq: int, successors) -> torch.Tensor:
+    """Token ids [batch, seq] of one step: sequences of the chain from a random first token,
+    drawn on CPU from LOSS_DATA_SEED and the step (the same on every rank, new every step)."""
+    generator = torch.Generator().manual_seed(LOSS_DATA_SEED + 1 + step)
+    firsts = torch.randint(len(successors), (batch,), generator=generator).tolist()
+    picks = torch.randint(len(successors[0]), (batch, seq), generator=generator).tolist()
+    rows = []
+    for token, row_picks in zip(firsts, picks):
+        row = [token]
+        for pick in row_picks[1:]:
+            token = successors[token][pick]
+            row.append(token)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def train_losses(trainer: Trainer, variant: str, initial_state: dict, data, lr: float, progress=None) -> torch.Tensor:
+    """Load `initial_state`, then one AdamW step of the whole model per batch of `data` with
+    `variant`'s backend (nccl_reordered: nccl with the GEMMs summed in another order); the
+    loss of every step, float64 on the model's device (this rank's value)."""
+    model = trainer.model
+    model.load_state_dict(initial_state)
+    model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=LOSS_WEIGHT_DECAY)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / LOSS_WARMUP_STEPS))
+    trainer._use(BASELINE if variant == REORDERED else variant)
+    losses = []
+    with reordered_gemms() if variant == REORDERED else contextlib.nullcontext():
+        for ids in data:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            warmup.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach().double())
+            if progress is not None:
+                progress()
+    return torch.stack(losses)
+
+
+def _max_rel_diff(curve: list[float], ref: list[float]) -> float:
+    """max over the steps of |curve - ref| / |ref|; inf when either has NaN or Inf."""
+    if not all(math.isfinite(v) for v in (*curve, *ref)):
+        return math.inf
+    return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(curve, ref))
+
+
+def loss_curves(config: TrainConfig, trainer: Trainer, names: list[str], info: GroupInfo, device, show_progress: bool):
+    """Every backend of `names` and the nccl_reordered reference trained config.loss_steps steps
+    from the same weights on the same data (collective). Returns (rows, notes)."""
+    seq, steps = config.seqs[0], config.loss_steps
+    lr = config.loss_lr or LOSS_LEARNING_RATE[config.model]
+    successors = markov_successors()
+    data = [loss_batch(step, config.batch, seq, successors).to(device) for step in range(steps)]
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    variants = [*names, REORDERED]
+    curves, rank_spread = {}, 0.0
+    bar = tqdm(total=len(variants) * steps, disable=not show_progress, unit="step", leave=False)
+    try:
+        for variant in variants:
+            bar.set_description(f"loss curve {variant}")
+            values = train_losses(trainer, variant, initial, data, lr, lambda: bar.update(1))
+            low, high = values.clone(), values.clone()
+            if info.group is not None:
+                dist.all_reduce(low, op=dist.ReduceOp.MIN, group=info.group)
+                dist.all_reduce(high, op=dist.ReduceOp.MAX, group=info.group)
+            spread = (high - low).abs().nan_to_num(nan=math.inf).max().item()
+            rank_spread = max(rank_spread, spread)
+            curves[variant] = high.tolist()
+    finally:
+        bar.close()
+        del initial
+    ref = curves[BASELINE]
+    diffs = {v: _max_rel_diff(c, ref) for v, c in curves.items()}
+    noise = diffs[REORDERED]
+    tolerance = max(LOSS_NOISE_MARGIN * noise, UNIT_ROUNDOFF[config.dtype])
+    rows = [
+        {
+            "phase": LOSS_PHASE,
+            "backend": variant,
+            "model": config.model,
+            "layers": config.layers,
+            "seq": seq,
+            "batch": config.batch,
+            "dtype": str(config.dtype).removeprefix("torch."),
+            "lr": lr,
+            "warmup_steps": LOSS_WARMUP_STEPS,
+            "losses": [v if math.isfinite(v) else None for v in curve],
+            "max_rel_diff_vs_nccl": diffs[variant] if math.isfinite(diffs[variant]) else None,
+            "within_noise": None if variant in (BASELINE, REORDERED) else bool(diffs[variant] <= tolerance),
+        }
+        for variant, curve in curves.items()
+    ]
+    first, last = ref[0], ref[-1]
+    notes = [
+        f"loss curves: {steps} steps of the whole model per backend from the same weights and data (next-token "
+        f"cross-entropy on a {VOCAB}-token Markov chain, {MARKOV_BRANCHES} successors per token: floor "
+        f"ln {MARKOV_BRANCHES} = {math.log(MARKOV_BRANCHES):.3f}; seq {seq}, batch {config.batch}, AdamW lr {lr:g}, "
+        f"warmed up linearly over the first {LOSS_WARMUP_STEPS} steps): nccl {first:.4g} -> {last:.4g}"
+    ]
+    if not last < first:
+        notes.append(
+            "loss curves: the nccl loss did not decrease over the steps, so the curves compare little "
+            "(more --loss-steps, or a smaller --loss-lr if it rose)"
+        )
+    compared = [v for v in names if v != BASELINE]
+    verdicts = ", ".join(f"{v} {'yes' if diffs[v] <= tolerance else 'NO'}" for v in compared) or "no other backend ran"
+    notes.append(
+        "loss curves against nccl's, max relative difference over the steps: "
+        + ", ".join(f"{v} {diffs[v]:.3g}" for v in compared)
+        + ("; " if compared else "")
+        + f"noise: {REORDERED} (nccl with the ops' GEMMs summed in another order) {noise:.3g}; within noise "
+        f"(<= max({LOSS_NOISE_MARGIN:g} x noise, unit roundoff {UNIT_ROUNDOFF[config.dtype]:.3g}) = {tolerance:.3g}): "
+        + verdicts
+    )
+    if rank_spread > 0:
+        notes.append(
+            f"loss curves: the ranks' losses differ by up to {rank_spread:.3g} (the loss is computed alike on every "
+            "rank and should be identical); the curves are each step's largest over the ranks"
+        )
+    return rows, notes
+
+
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
 def run(config: TrainConfig, info: GroupInfo, device: torch.device, show_progress: bool):
-    """Verify, then time a training step per backend for each sequence length; collective over
-    the ranks of `info`. Returns (rows, notes)."""
+    """Verify, then time a training step per backend for each sequence length, then the loss
+    curves if asked; collective over the ranks of `info`. Returns (rows, notes)."""
     names, skipped = _select_backends(config, info, device)
     trainer = Trainer(config, info, device)
     rows = []
@@ -429,6 +679,10 @@ def run(config: TrainConfig, info: GroupInfo, device: torch.device, show_progres
     finally:
         bar.close()
     notes = [f"backend {name!r} not timed: {reason}" for name, reason in skipped.items()]
+    if config.loss_steps:
+        loss_rows, loss_notes = loss_curves(config, trainer, names, info, device, show_progress)
+        rows += loss_rows
+        notes += loss_notes
     return rows, notes
 
 
@@ -455,8 +709,50 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+def _timing_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "phase" not in r]
+
+
+def _loss_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("phase") == LOSS_PHASE]
+
+
 def format_table(rows: list[dict]) -> str:
-    """Step time of every variant, throughput, speedup and the exposed communication per row."""
+    """Step time of every variant, throughput, speedup and the exposed communication per row;
+    then the loss curves' summary, if any."""
+    loss_rows = _loss_rows(rows)
+    rows = _timing_rows(rows)
+    tables = [_format_timing(rows)] if rows else []
+    if loss_rows:
+        tables.append(_format_losses(loss_rows))
+    return "\n\n".join(tables)
+
+
+def _format_losses(rows: list[dict]) -> str:
+    body = []
+    for r in rows:
+        finite = [v for v in r["losses"] if v is not None]
+        within = r["within_noise"]
+        body.append(
+            [
+                r["backend"],
+                _fmt(r["losses"][0]),
+                _fmt(r["losses"][-1]),
+                _fmt(min(finite) if finite else None),
+                _fmt(r["max_rel_diff_vs_nccl"]),
+                "-" if within is None else ("yes" if within else "NO"),
+            ]
+        )
+    first = rows[0]
+    title = (
+        f"loss curves ({len(first['losses'])} steps, {first['model']} x{first['layers']} layers, seq {first['seq']}, "
+        f"batch {first['batch']}, {first['dtype']}, lr {first['lr']:g})"
+    )
+    headers = ["backend", "first loss", "last loss", "min loss", "max rel diff vs nccl", "within noise"]
+    return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")
+
+
+def _format_timing(rows: list[dict]) -> str:
     variants = list(dict.fromkeys(k for r in rows for k in r["ms"]))
     backends_ = list(dict.fromkeys(k for r in rows for k in r["tokens_per_s"]))
     compared = [b for b in backends_ if b != BASELINE]
@@ -477,8 +773,69 @@ def format_table(rows: list[dict]) -> str:
     return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")
 
 
+def loss_plot_path(path: str) -> str:
+    """Where plot() draws the loss curves: X.png -> X-loss.png."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-loss{p.suffix or '.png'}"))
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """Step time against sequence length per variant, and each backend's speedup beside the ideal."""
+    """Step time against sequence length per variant and each backend's speedup beside the
+    ideal, to `path`; the loss curves, if any, to loss_plot_path(path)."""
+    loss_rows = _loss_rows(rows)
+    rows = _timing_rows(rows)
+    if rows:
+        _plot_timing(rows, path, title)
+    if loss_rows:
+        loss_path = loss_plot_path(path)
+        _plot_losses(loss_rows, loss_path, title)
+        print(f"wrote {loss_path}", flush=True)
+
+
+def _plot_losses(rows: list[dict], path: str, title: str) -> None:
+    """Loss against step per variant (left) and each curve's relative difference from nccl's
+    (right, log scale; the within-noise bound dotted)."""
+    from fluxtp.bench.plot import _pyplot
+
+    plt = _pyplot()
+    ref = next(r for r in rows if r["backend"] == BASELINE)["losses"]
+    noise = next((r["max_rel_diff_vs_nccl"] for r in rows if r["backend"] == REORDERED), None)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    any_diff = False
+    for i, r in enumerate(rows):
+        steps = list(range(1, len(r["losses"]) + 1))
+        losses = [math.nan if v is None else v for v in r["losses"]]
+        style = {"linestyle": "--", "color": "grey"} if r["backend"] == REORDERED else {"color": f"C{i}"}
+        left.plot(steps, losses, label=r["backend"], linewidth=1.2, **style)
+        if r["backend"] == BASELINE:
+            continue
+        diff = [
+            math.nan if a is None or b is None or a == b else abs(a - b) / max(abs(b), 1e-30)
+            for a, b in zip(r["losses"], ref)
+        ]
+        any_diff = any_diff or any(math.isfinite(d) for d in diff)
+        right.plot(steps, diff, marker=".", linewidth=0.8, label=r["backend"], **style)
+    left.axhline(math.log(MARKOV_BRANCHES), color="grey", linewidth=0.8, linestyle=":", label="floor ln 4")
+    left.set_ylabel("loss (next-token cross-entropy)")
+    if noise is not None:
+        dtype = getattr(torch, rows[0]["dtype"])
+        bound = max(LOSS_NOISE_MARGIN * noise, UNIT_ROUNDOFF[dtype])
+        right.axhline(bound, color="grey", linewidth=0.8, linestyle=":", label=f"within noise <= {bound:.2g}")
+    if any_diff:
+        right.set_yscale("log")
+    right.set_ylabel("|loss - nccl's| / nccl's (equal: not drawn)")
+    first = rows[0]
+    for ax in (left, right):
+        ax.set_xlabel(f"step (seq {first['seq']}, batch {first['batch']}, {first['model']} x{first['layers']} layers)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title}\nloss curves, {first['dtype']}, AdamW lr {first['lr']:g}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_timing(rows: list[dict], path: str, title: str) -> None:
     from fluxtp.bench.plot import _pyplot
 
     plt = _pyplot()

@@ -29,5 +29,15 @@ def test_matmul_reduce_scatter_not_past_measured_widths():
     assert not fused.preferred("matmul_reduce_scatter", torch.empty(rows, 64), torch.empty(widest + 8, 64), TWO)
 
 
-def test_ops_without_a_fused_kernel_are_never_preferred():
-    assert not fused.preferred("matmul_all_reduce", torch.empty(1 << 20, 64), torch.empty(8, 64), TWO)
+def test_matmul_all_reduce_only_at_decode_rows():
+    w = torch.empty(8192, 64)
+    rows = fused.AUTO_MAX_ROWS["matmul_all_reduce"]
+    assert fused.preferred("matmul_all_reduce", torch.empty(1, 64), w, TWO)
+    assert fused.preferred("matmul_all_reduce", torch.empty(rows, 64), w, TWO)
+    assert not fused.preferred("matmul_all_reduce", torch.empty(rows + 1, 64), w, TWO)
+
+
+def test_all_reduce_up_to_measured_bytes():
+    most = fused.AUTO_MAX_BYTES["all_reduce"]
+    assert fused.preferred("all_reduce", torch.empty(most // 2, dtype=torch.bfloat16), None, TWO)
+    assert not fused.preferred("all_reduce", torch.empty(most // 2 + 1, dtype=torch.bfloat16), None, TWO)

@@ -21,7 +21,7 @@ from fluxtp.bench.harness import Protocol, Variant, input_copies, measure, overl
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_KEYS = {"op", "M", "N", "K", "dtype", "ms", "E_overlap", "speedup_vs_nccl"}
+ROW_KEYS = {"op", "M", "N", "K", "dtype", "cuda_graphs", "ms", "E_overlap", "speedup_vs_nccl"}
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 

@@ -19,9 +19,15 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # (1.01-1.06x at both model dims); reduce-scatter from 8192 tokens and only up to N = 8192
 # output features (1.06x at LLaMA-70B dims; at GPT-3 dims, N = 12288, the Triton GEMM alone is
 # 5-8% slower than cuBLAS and the op lost by 1%). Below: host launch cost and GEMM efficiency
-# lose to NCCL. Until tuned configs exist (issue 7) this is the whole policy.
+# lose to NCCL. GEMM+AllReduce: the one-shot decode kernel up to 128 rows (1.16-1.29x over
+# cuBLAS + NCCL under CUDA graphs at N 8192, k 14336, M 1-128); prefill sizes lost (0.64-0.997x,
+# M 512-8192: ops-h200-x2-2026-11-22-matmul_all_reduce-*.json). AllReduce: up to 8 MB (16 KB:
+# 8.9 vs 12.5 us, 1 MB: 11.8 vs 20.0, 8 MB: 50.6 vs 55.1; 16 MB lost, 106 vs 88:
+# all_reduce-h200-x2-2026-11-22.json).
 AUTO_MIN_TOKENS = {"all_gather_matmul": 4096, "matmul_reduce_scatter": 8192}
 AUTO_MAX_N = {"matmul_reduce_scatter": 8192}
+AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
+AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
 
 
 def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
@@ -40,6 +46,10 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
 
 def preferred(op: str, x, weight, info: GroupInfo) -> bool:
     """Whether "auto" should take the fused kernel for this call (see AUTO_MIN_TOKENS)."""
+    if op == "all_reduce":
+        return x.numel() * x.element_size() <= AUTO_MAX_BYTES[op]
+    if op == "matmul_all_reduce":
+        return x.shape[0] <= AUTO_MAX_ROWS[op]
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
     return tokens >= AUTO_MIN_TOKENS.get(op, float("inf")) and weight.shape[0] <= AUTO_MAX_N.get(op, weight.shape[0])
 

@@ -11,8 +11,8 @@ launch. The workspace is created, and its flags zeroed behind a barrier, on the 
 whenever a larger call outgrows it: do that outside CUDA graph capture (warm up at the largest
 shape), on every rank at the same call (SPMD).
 
-Two-shot, for calls whose one-shot workspace would be large (the GEMM has enough tiles to hide
-a reduce-scatter): the fused GEMM+ReduceScatter (gemm_rs), then an NCCL all-gather of the
+Two-shot, for calls of more than ONE_SHOT_MAX_ROWS rows (prefill: the GEMM has enough tiles to
+hide a reduce-scatter): the fused GEMM+ReduceScatter (gemm_rs), then an NCCL all-gather of the
 reduced rows. At W ranks one-shot moves (W-1)/W more data than reduce-scatter + all-gather but
 hides all of it behind the GEMM; which is faster at which M is measured (docs/perf-log.md).
 
@@ -38,8 +38,12 @@ BARRIER_TIMEOUT_MS = 60_000
 MAX_SPINS = 1 << 26  # as in gemm_rs: a minute or more of system-scope reads, far past any real wait
 # int32 flags at the start of every workspace, one per (tile, source rank) of a call.
 FLAG_CAPACITY = 1 << 16
-# One-shot while one rank's partial is at most this many bytes (the workspace holds 2 * W of them).
-ONE_SHOT_MAX_BYTES = 16 << 20
+# GEMM+AllReduce is one-shot up to this many rows (decode; its narrow tiles lost to cuBLAS + NCCL
+# at 512 and 1024 rows, 0.68x / 0.64x) and two-shot above when the rows divide over the ranks.
+ONE_SHOT_MAX_ROWS = 256
+# AllReduce is one-shot up to this many bytes (faster than NCCL up to 8 MB on 2x H200, slower at
+# 16 MB: docs/perf-log.md); the workspace holds 2 * W such slots.
+ONE_SHOT_MAX_BYTES = 8 << 20
 _GEMM_TAG = "matmul_all_reduce"
 _SUM_TAG = "all_reduce"
 
@@ -203,9 +207,9 @@ def launch_kernel(
     )
 
 
-def one_shot_fits(m: int, n: int, itemsize: int, world: int, config: MatmulAllReduceConfig) -> bool:
+def one_shot_fits(m: int, n: int, world: int, config: MatmulAllReduceConfig) -> bool:
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    return m * n * itemsize <= ONE_SHOT_MAX_BYTES and tiles * world <= FLAG_CAPACITY
+    return m <= ONE_SHOT_MAX_ROWS and tiles * world <= FLAG_CAPACITY
 
 
 def _one_shot(tag, x, weight, bias, info: GroupInfo, config, out_shape) -> torch.Tensor:
@@ -222,7 +226,7 @@ def matmul_all_reduce(x, weight, bias, info: GroupInfo, config: MatmulAllReduceC
     bias = None if bias is None else bias.contiguous()
     m, n = x.shape[0], weight.shape[0]
     config = config or MatmulAllReduceConfig.heuristic(m, n, x.shape[1], info.world_size)
-    if one_shot_fits(m, n, x.element_size(), info.world_size, config) or m % info.world_size:
+    if one_shot_fits(m, n, info.world_size, config) or m % info.world_size:
         return _one_shot(_GEMM_TAG, x, weight, bias, info, config, (m, n))
     from fluxtp.backends.fused import gemm_rs
 

@@ -95,6 +95,7 @@ LOSS_ROW_KEYS = {
     "dtype",
     "lr",
     "warmup_steps",
+    "final_lr_fraction",
     "losses",
     "max_rel_diff_vs_nccl",
     "within_noise",
@@ -119,6 +120,7 @@ def test_cpu_loss_curves_through_the_cli(tmp_path):
         assert set(row) == LOSS_ROW_KEYS, row
         assert (row["model"], row["layers"], row["seq"], row["batch"], row["dtype"]) == ("tiny", 2, 128, 2, "float32")
         assert row["lr"] == train.LOSS_LEARNING_RATE["tiny"] and row["warmup_steps"] == train.LOSS_WARMUP_STEPS
+        assert row["final_lr_fraction"] == train.LOSS_FINAL_LR_FRACTION
         curve = row["losses"]
         assert len(curve) == 5 and all(isinstance(v, float) and math.isfinite(v) for v in curve), row
         # next-token cross-entropy of an untrained model over 128 tokens starts near ln 128 = 4.85
@@ -140,6 +142,15 @@ def test_cpu_loss_curves_through_the_cli(tmp_path):
     for picture in (png, tmp_path / "train-loss.png"):
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {tmp_path / 'train-loss.png'}" in done.stdout
+
+
+def test_loss_learning_rate_warms_up_then_decays():
+    factors = [train.loss_lr_factor(step, 50) for step in range(50)]
+    warm = train.LOSS_WARMUP_STEPS
+    assert factors[:warm] == pytest.approx([(i + 1) / warm for i in range(warm)])
+    assert factors[warm - 1] == 1.0 and factors[-1] == pytest.approx(train.LOSS_FINAL_LR_FRACTION)
+    assert all(a > b for a, b in zip(factors[warm - 1 :], factors[warm:]))
+    assert [train.loss_lr_factor(step, 3) for step in range(3)] == pytest.approx([1 / warm, 2 / warm, 3 / warm])
 
 
 def test_loss_data_follows_the_chain_is_fixed_by_the_seed_and_new_every_step():
@@ -179,7 +190,7 @@ def test_reordered_stand_ins_compute_the_ops_in_another_order():
 def test_loss_rows_have_their_own_table_and_plot(tmp_path):
     config = train.TrainConfig("tiny", train.MODELS["tiny"], 2, (64,), 2, torch.bfloat16, None, train.CPU_PROTOCOL)
     common = {"phase": "loss", "model": "tiny", "layers": 2, "seq": 64, "batch": 2, "dtype": "bfloat16", "lr": 1e-3,
-              "warmup_steps": 8}  # fmt: skip
+              "warmup_steps": 8, "final_lr_fraction": 0.1}  # fmt: skip
     rows = [
         train._row(config, 64, ["nccl"], {"nccl": 10.0, "no_comm": 8.0}),
         {**common, "backend": "nccl", "losses": [5.0, 4.0, 3.0], "max_rel_diff_vs_nccl": 0.0, "within_noise": None},

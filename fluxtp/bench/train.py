@@ -57,10 +57,11 @@ same data, at the first `--seq`:
   from a seed and the step number (the same on every rank and for every backend). A model
   that has learned the chain scores ln(MARKOV_BRANCHES) (1.386), the floor of the curve; the
   untrained model starts near ln(VOCAB) (4.85) or above.
-- optimizer: AdamW (weight decay 0.01), learning rate `--loss-lr` (LOSS_LEARNING_RATE per
-  model) after a linear warm-up over the first LOSS_WARMUP_STEPS steps. The weights are
-  bfloat16 (no float32 master copy, as in the timed steps): a step smaller than half a
-  bfloat16 ulp of a weight leaves it unchanged, which bounds the learning rate from below.
+- optimizer: AdamW (weight decay 0.01), peak learning rate `--loss-lr` (LOSS_LEARNING_RATE
+  per model), reached by a linear warm-up over the first LOSS_WARMUP_STEPS steps, then
+  decayed linearly to LOSS_FINAL_LR_FRACTION of it at the last step. The weights are bfloat16
+  (no float32 master copy, as in the timed steps): a step smaller than half a bfloat16 ulp of
+  a weight leaves it unchanged, which bounds the learning rate from below.
 - noise reference: bfloat16 rounding makes two equivalent computations drift apart over the
   steps (an ulp flipped in one step changes the next step's gradients). To tell that from a
   real difference, nccl is trained a second time as `nccl_reordered`: the same function with
@@ -70,7 +71,8 @@ same data, at the first `--seq`:
   largest relative difference from nccl's over the steps is at most
   LOSS_NOISE_MARGIN x the reference's (or the dtype's unit roundoff, if larger).
 Rows: one per variant, {"phase": "loss", "backend", model, layers, seq, batch, dtype, lr,
-warmup_steps, "losses": [one per step], "max_rel_diff_vs_nccl", "within_noise"} after the
+warmup_steps, final_lr_fraction, "losses": [one per step], "max_rel_diff_vs_nccl",
+"within_noise"} after the
 timing rows (which have no "phase"); `--plot X.png` draws the curves to X-loss.png beside X.png.
 """
 
@@ -78,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -151,11 +154,15 @@ VERIFY_TOLERANCE = {
 }
 
 # Loss curves (module docstring). The learning rate: AdamW's first steps move every weight by
-# about lr, coherently along a row, so a logit moves by about lr * sum|h| ~ lr * hidden: at
-# hidden 8192, 1e-3 and 3e-4 diverged within 3 steps (CPU, bfloat16, one llama3-70b layer);
-# below about 1e-4 most bfloat16 weights of the init's size (std 0.02, ulp 1.2e-4) do not move.
+# about lr, coherently along a row, so a logit moves by about lr * sum|h| ~ lr * hidden; below
+# about 1e-4 most bfloat16 weights of the init's size (std 0.02, ulp 1.2e-4) do not move at all.
+# Measured on CPU, one llama3-70b layer, bfloat16 (initial loss 6.35): at 256 tokens a step,
+# 1e-3 and 3e-4 diverged (10 to 25 within 5 steps), 1e-4 fell to 4.2 in 16 steps (noisy) and to
+# 3.5 with the 8-step warm-up; at 1024 tokens, with the warm-up, to 3.1 by step 8, then it
+# stalled at 3.1-3.3 at the full rate; with the decay as well, to 2.7 by step 20 and falling.
 LOSS_LEARNING_RATE = {"llama3-8b": 1e-4, "llama3-70b": 1e-4, "tiny": 1e-3}
-LOSS_WARMUP_STEPS = 8
+LOSS_WARMUP_STEPS = 8  # linear warm-up to the peak rate ...
+LOSS_FINAL_LR_FRACTION = 0.1  # ... then a linear decay to this share of it at the last step
 LOSS_WEIGHT_DECAY = 0.01
 MARKOV_BRANCHES = 4
 LOSS_DATA_SEED = 20261123
@@ -542,6 +549,14 @@ def loss_batch(step: int, batch: int, seq: int, successors) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def loss_lr_factor(step: int, steps: int) -> float:
+    """The share of the peak learning rate that step `step` (0-based) of `steps` uses: a linear
+    warm-up over LOSS_WARMUP_STEPS steps, then a linear decay to LOSS_FINAL_LR_FRACTION."""
+    warm = (step + 1) / LOSS_WARMUP_STEPS
+    decay = 1.0 - (1.0 - LOSS_FINAL_LR_FRACTION) * max(0, step + 1 - LOSS_WARMUP_STEPS) / max(1, steps - LOSS_WARMUP_STEPS)
+    return min(warm, decay)
+
+
 def train_losses(trainer: Trainer, variant: str, initial_state: dict, data, lr: float, progress=None) -> torch.Tensor:
     """Load `initial_state`, then one AdamW step of the whole model per batch of `data` with
     `variant`'s backend (nccl_reordered: nccl with the GEMMs summed in another order); the
@@ -550,7 +565,7 @@ def train_losses(trainer: Trainer, variant: str, initial_state: dict, data, lr: 
     model.load_state_dict(initial_state)
     model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=LOSS_WEIGHT_DECAY)
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / LOSS_WARMUP_STEPS))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(loss_lr_factor, steps=len(data)))
     trainer._use(BASELINE if variant == REORDERED else variant)
     losses = []
     with reordered_gemms() if variant == REORDERED else contextlib.nullcontext():
@@ -558,7 +573,7 @@ def train_losses(trainer: Trainer, variant: str, initial_state: dict, data, lr: 
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             optimizer.step()
-            warmup.step()
+            schedule.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach().double())
             if progress is not None:
@@ -613,6 +628,7 @@ def loss_curves(config: TrainConfig, trainer: Trainer, names: list[str], info: G
             "dtype": str(config.dtype).removeprefix("torch."),
             "lr": lr,
             "warmup_steps": LOSS_WARMUP_STEPS,
+            "final_lr_fraction": LOSS_FINAL_LR_FRACTION,
             "losses": [v if math.isfinite(v) else None for v in curve],
             "max_rel_diff_vs_nccl": diffs[variant] if math.isfinite(diffs[variant]) else None,
             "within_noise": None if variant in (BASELINE, REORDERED) else bool(diffs[variant] <= tolerance),
@@ -623,8 +639,8 @@ def loss_curves(config: TrainConfig, trainer: Trainer, names: list[str], info: G
     notes = [
         f"loss curves: {steps} steps of the whole model per backend from the same weights and data (next-token "
         f"cross-entropy on a {VOCAB}-token Markov chain, {MARKOV_BRANCHES} successors per token: floor "
-        f"ln {MARKOV_BRANCHES} = {math.log(MARKOV_BRANCHES):.3f}; seq {seq}, batch {config.batch}, AdamW lr {lr:g}, "
-        f"warmed up linearly over the first {LOSS_WARMUP_STEPS} steps): nccl {first:.4g} -> {last:.4g}"
+        f"ln {MARKOV_BRANCHES} = {math.log(MARKOV_BRANCHES):.3f}; seq {seq}, batch {config.batch}; AdamW, lr up to "
+        f"{lr:g} over {LOSS_WARMUP_STEPS} steps, then down to {LOSS_FINAL_LR_FRACTION:g}x): nccl {first:.4g} -> {last:.4g}"
     ]
     if not last < first:
         notes.append(

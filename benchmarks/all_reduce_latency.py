@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fluxtp
-from fluxtp._dist import resolve_group
+from fluxtp._dist import destroy_process_group, resolve_group
 from fluxtp.bench.harness import Protocol, Variant, measure
 from fluxtp.bench.ops import _graphed
 from fluxtp.bench.results import envelope, write_json
@@ -71,7 +71,7 @@ def main() -> None:
             command=f"torchrun --nproc-per-node {info.world_size} benchmarks/all_reduce_latency.py " + shlex.join(sys.argv[1:]),
         )
         print("wrote", write_json(data, args.out))
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fluxtp._dist import destroy_process_group
 from fluxtp.inference import TPLlama
 
 
@@ -66,7 +67,7 @@ def main() -> None:
             f"{dist.get_world_size()} ranks, {dtype}, batch {args.batch}: prefill of {args.prompt_len} tokens and "
             f"{args.new_tokens} new tokens in {elapsed * 1e3:.1f} ms ({elapsed * 1e3 / args.new_tokens:.2f} ms per token)"
         )
-    dist.destroy_process_group()
+    destroy_process_group()  # frees the captured decode graphs first (a live one hung teardown)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -60,3 +62,16 @@ def backend_name(info: GroupInfo) -> str:
     if info.group is None:
         return "none"
     return str(dist.get_backend(info.group)).lower()
+
+
+def destroy_process_group() -> None:
+    """dist.destroy_process_group() after freeing what still holds captured collectives.
+
+    A CUDA graph that captured NCCL work (a decode step, a graphed benchmark variant) kept alive
+    past this point made destroy_process_group hang on 2x H200 (the ranks stayed in it until
+    killed); such graphs often sit in reference cycles (a model <-> its captured steps), which
+    only the cycle collector frees, so collect them first, and let queued work finish."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.destroy_process_group()

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fluxtp._dist import destroy_process_group
+
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -46,7 +48,7 @@ def _entry(rank, fn, world_size, port, backend, timeout_s, args, done_dir):
         # Every rank's body passed: what may still go wrong is teardown (see run_on_ranks).
         Path(done_dir, f"rank{rank}.done").touch()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 300.0) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fluxtp._dist import resolve_group
+from fluxtp._dist import destroy_process_group, resolve_group
 from fluxtp.bench import BenchError, scenario_module
 from fluxtp.bench.results import envelope, result_filename, write_json
 from fluxtp.testing import MULTICAST_OFF, run_on_ranks
@@ -126,5 +126,5 @@ def run_torchrun(launch, rank_fn=rank_main) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
     return 0

@@ -3,6 +3,7 @@
 (--loss-steps: the same start and data per backend, the noise reference, rows and plot), the
 row arithmetic and the option checks."""
 
+import itertools
 import json
 import math
 import re
@@ -135,7 +136,7 @@ def test_cpu_loss_curves_through_the_cli(tmp_path):
     assert by_backend["nccl"]["within_noise"] is None and by_backend[train.REORDERED]["within_noise"] is None
     # float32: the GEMMs summed in another order move the loss by a few float32 roundings at most
     assert by_backend[train.REORDERED]["max_rel_diff_vs_nccl"] <= 1e-5
-    assert re.search(r"^loss curves \(5 steps, tiny x2 layers, seq 128, batch 2, float32, lr 0.001\)", done.stdout, re.M)
+    assert re.search(r"^loss curves \(5 steps, tiny x2 layers, seq 128, batch 2, float32, lr 0.001\)", done.stdout, re.MULTILINE)
     assert "loss curves against nccl's, max relative difference over the steps: auto 0; noise: nccl_reordered" in done.stdout
     assert re.search(r"within noise \(<= max\(2 x noise, unit roundoff 5.96e-08\) = \S+\): auto yes", done.stdout)
     assert "did not decrease" not in done.stdout
@@ -163,7 +164,7 @@ def test_loss_data_follows_the_chain_is_fixed_by_the_seed_and_new_every_step():
     assert torch.equal(first, train.loss_batch(0, 2, 300, successors))
     assert not torch.equal(first, train.loss_batch(1, 2, 300, successors))
     for row in first.tolist():
-        assert all(b in successors[a] for a, b in zip(row, row[1:]))
+        assert all(b in successors[a] for a, b in itertools.pairwise(row))
         assert len(set(row)) > train.MARKOV_BRANCHES  # it wanders over the vocabulary
 
 
@@ -181,7 +182,7 @@ def test_reordered_stand_ins_compute_the_ops_in_another_order():
     x_swapped, w_swapped = train._k_swapped(x, w)
     assert torch.equal(x_swapped[:, :128], x[:, 128:]) and torch.equal(w_swapped[:, 128:], w[:, :128])
     with train.reordered_gemms():
-        import fluxtp.nn.linear as linear
+        from fluxtp.nn import linear
 
         assert linear.all_gather_matmul is train._reordered_all_gather_matmul
     assert linear.all_gather_matmul is not train._reordered_all_gather_matmul

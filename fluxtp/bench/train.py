@@ -637,10 +637,13 @@ def loss_curves(config: TrainConfig, trainer: Trainer, names: list[str], info: G
     ]
     first, last = ref[0], ref[-1]
     notes = [
-        f"loss curves: {steps} steps of the whole model per backend from the same weights and data (next-token "
-        f"cross-entropy on a {VOCAB}-token Markov chain, {MARKOV_BRANCHES} successors per token: floor "
-        f"ln {MARKOV_BRANCHES} = {math.log(MARKOV_BRANCHES):.3f}; seq {seq}, batch {config.batch}; AdamW, lr up to "
-        f"{lr:g} over {LOSS_WARMUP_STEPS} steps, then down to {LOSS_FINAL_LR_FRACTION:g}x): nccl {first:.4g} -> {last:.4g}"
+        (
+            f"loss curves: {steps} steps of the whole model per backend from the same weights and data (next-token "
+            f"cross-entropy on a {VOCAB}-token Markov chain, {MARKOV_BRANCHES} successors per token: floor "
+            f"ln {MARKOV_BRANCHES} = {math.log(MARKOV_BRANCHES):.3f}; seq {seq}, batch {config.batch}; AdamW, lr up "
+            f"to {lr:g} over {LOSS_WARMUP_STEPS} steps, then down to {LOSS_FINAL_LR_FRACTION:g}x): "
+            f"nccl {first:.4g} -> {last:.4g}"
+        )
     ]
     if not last < first:
         notes.append(

@@ -240,7 +240,8 @@ def _add_info_config_arguments(info) -> None:
     configs.add_argument(
         "--configs",
         action="store_true",
-        help="show which config each shape would use and why (exact cache entry, nearest M bucket, heuristic)",
+        help="show which config each shape would use and why (the user's cache, the table shipped with fluxtp, "
+        "or the heuristic; exact key or nearest M bucket)",
     )
     configs.add_argument("--op", choices=("all_gather_matmul", "matmul_reduce_scatter", "all"), help="default: both")
     configs.add_argument("--shapes", metavar="MxNxK,...", help="global layer sizes (default: LLaMA-70B MLP dims)")
@@ -266,6 +267,13 @@ def _add_tune_parser(subparsers) -> None:
         "--budget-seconds", type=float, default=600.0, help="for all shapes together (default: 600), split evenly"
     )
     tune.add_argument("--nproc", type=int, help="processes to launch (default: one per local GPU)")
+    tune.add_argument(
+        "--out",
+        metavar="FILE.json",
+        help="also write the tuned-vs-heuristic comparison per shape (ms of cuBLAS, nccl, heuristic, tuned; "
+        "E_overlap; schema fluxtp.bench/1, scenario tune) here; given a folder (e.g. benchmarks/results/), the file "
+        "is named tune-<gpu>-x<n>-<date>-<op>.json",
+    )
     tune.set_defaults(func=cmd_tune, parser=tune)
 
 

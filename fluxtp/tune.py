@@ -20,11 +20,16 @@ Cache: one JSON file, `$FLUXTP_CACHE_DIR/configs.json` (default `$XDG_CACHE_HOME
 
 The key is (gpu, world, dtype, op, N, K, M_bucket): the GPU name as torch.cuda reports it, the
 group size, the dtype, and the layer's global N and K; M_bucket is M (global tokens) rounded up
-to a power of two. Lookup (`choose`, and `tuned_config` on the launchers' hot path): the exact
-key, else the nearest M bucket of the same (gpu, world, dtype, op, N, K) (ties: the smaller),
-else None, and the launcher uses the op's heuristic. A file that cannot be read, is not valid
-JSON, has another schema version or a config field this version does not know (or lacks one)
-is ignored as a whole, with one warning per version of the file, never an exception.
+to a power of two. Lookup (`choose`, and `tuned_config` on the launchers' hot path), two tables
+in turn: the user's cache (above), then the table shipped with fluxtp (package data,
+fluxtp/configs/default.json, the same format: configs measured on our GPUs; see
+`merge_into_shipped`); in each, the exact key, else the nearest M bucket of the same (gpu,
+world, dtype, op, N, K) (ties: the smaller). The first table with an answer wins, so a user's
+own tuning beats the shipped one even where it only has a nearer bucket; with neither, None,
+and the launcher uses the op's heuristic. A file that cannot be read, is not valid JSON, has
+another schema version or a config field this version does not know (or lacks one) is ignored
+as a whole, with one warning per version of the file, never an exception (the shipped table
+too: the other table and the heuristic still answer).
 
 Every rank must launch the same config. The answer is a function of the file and of the call's
 shape, dtype, world and GPU name only, so the ranks of one host (one file) agree; on several
@@ -47,6 +52,18 @@ are timed together, interleaved, with the harness; rank 0 picks the fastest and 
 every rank checks that it holds the same winner, and rank 0 writes the winners into the cache.
 A candidate that computes a wrong result is never chosen and makes the command exit 1 (a
 kernel bug); one the compiler rejects is only listed.
+
+Tuned against heuristic: the final pick is made on the same samples that rank the finalists,
+which favours whichever got lucky; so the winner is then timed again against the heuristic in
+a fresh interleaved measurement (the confirmation), with the nccl reference (collective, then
+cuBLAS) and the plain cuBLAS GEMM of the same per-rank shape as `fluxtp bench` times them, and
+it replaces the heuristic only if it is faster there too. The confirmation's times are what
+the cache entry's "measured" and `fluxtp tune --out` record: heuristic and tuned ms, and each
+one's E_overlap = 1 - (T - T_gemm) / (T_nccl - T_gemm), all from one interleaved run.
+
+Shipping measured configs: `fluxtp tune` on the GPU machine into a cache of its own, then
+`python -m fluxtp.tune merge-defaults <that dir>/configs.json` merges its entries (measured
+ones only) into fluxtp/configs/default.json, to be committed.
 """
 
 from __future__ import annotations
@@ -71,6 +88,12 @@ import torch.distributed as dist
 
 SCHEMA = "fluxtp.tune/1"
 CACHE_FILE = "configs.json"
+# The shipped table: package data of fluxtp (pyproject.toml's package-data ships it).
+SHIPPED_RESOURCE = ("configs", "default.json")
+SHIPPED_TABLE: str | None = None  # another file instead of the package's (tests); None: the package's
+USER_CACHE, SHIPPED, HEURISTIC = "user cache", "shipped table", "heuristic"
+# What a shipped entry must record of its measurement (rank_tune writes all of these).
+SHIPPED_MEASURED_FIELDS = ("M", "ms", "heuristic_ms", "date", "torch", "triton", "commit")
 FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 TUNE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 KEY_FIELDS = ("gpu", "world", "dtype", "op", "N", "K", "M_bucket")
@@ -234,6 +257,21 @@ def _cache_file(env_dir: str | None, xdg: str | None) -> str:
     return str(base / CACHE_FILE)
 
 
+@functools.lru_cache(maxsize=1)
+def _package_table() -> str:
+    from importlib.resources import files
+
+    resource = files("fluxtp")
+    for part in SHIPPED_RESOURCE:
+        resource = resource / part
+    return str(resource)
+
+
+def shipped_path() -> Path:
+    """The shipped table: fluxtp/configs/default.json of the installed package (or SHIPPED_TABLE)."""
+    return Path(SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table())
+
+
 def m_bucket(m: int) -> int:
     """M rounded up to a power of two (1, 2, 4, ...)."""
     return 1 << max(0, int(m) - 1).bit_length()
@@ -327,7 +365,7 @@ def _signature(path: str):
 
 
 @functools.lru_cache(maxsize=8)
-def _load_version(path: str, signature) -> tuple[dict[Key, Entry], str | None]:
+def _load_version(path: str, signature, shipped: bool = False) -> tuple[dict[Key, Entry], str | None]:
     """The entries of one version of the file (the signature names the version), or ({}, why it
     was ignored); the one warning per version is issued here, once."""
     try:
@@ -335,22 +373,30 @@ def _load_version(path: str, signature) -> tuple[dict[Key, Entry], str | None]:
         return parse(text), None
     except (OSError, UnicodeDecodeError, CacheFileError) as e:
         problem = str(e) if isinstance(e, CacheFileError) else f"cannot read it ({e})"
-    warnings.warn(
-        f"fluxtp: ignoring the config cache {path}: {problem}; using the heuristic configs "
-        f"(rerun `fluxtp tune` or delete the file)",
-        CacheWarning,
-        stacklevel=2,
-    )
+    if shipped:
+        message = (
+            f"fluxtp: ignoring the config table shipped with fluxtp, {path}: {problem}; calls use the user's "
+            "cache or the heuristic configs (reinstall fluxtp)"
+        )
+    else:
+        message = (
+            f"fluxtp: ignoring the config cache {path}: {problem}; calls use the shipped table or the heuristic "
+            "configs (rerun `fluxtp tune` or delete the file)"
+        )
+    warnings.warn(message, CacheWarning, stacklevel=2)
     return {}, problem
 
 
-def load(path: str | os.PathLike | None = None) -> tuple[dict[Key, Entry], str | None]:
-    """(entries, None), or ({}, why the file was ignored); ({}, None) when there is no file."""
-    path = str(cache_path() if path is None else path)
+def load(path: str | os.PathLike | None = None, *, shipped: bool = False) -> tuple[dict[Key, Entry], str | None]:
+    """(entries, None), or ({}, why the file was ignored); ({}, None) when there is no file.
+    `path` defaults to the user's cache, or with shipped=True to the shipped table."""
+    if path is None:
+        path = shipped_path() if shipped else cache_path()
+    path = str(path)
     signature = _signature(path)
     if signature is None:
         return {}, None
-    return _load_version(path, signature)
+    return _load_version(path, signature, shipped)
 
 
 @dataclass(frozen=True)
@@ -358,9 +404,10 @@ class Choice:
     """The config a call would use, and why."""
 
     config: object
-    source: str  # "exact", "nearest" or "heuristic"
+    source: str  # how it was found: "exact", "nearest" or "heuristic"
     why: str
     entry: Entry | None = None
+    origin: str = HEURISTIC  # which table answered: USER_CACHE, SHIPPED or HEURISTIC
 
 
 def _find(entries: dict[Key, Entry], key: Key) -> tuple[Entry | None, str]:
@@ -375,32 +422,46 @@ def _find(entries: dict[Key, Entry], key: Key) -> tuple[Entry | None, str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_answer(path: str, signature, *key):
-    entries, _ = _load_version(path, signature)
-    entry, _ = _find(entries, Key(*key))
-    return None if entry is None else entry.config
+def _cached_answer(tables, *key):
+    """The first answer of the tables ((path, signature, shipped), ...) for the key, or None."""
+    for path, signature, shipped in tables:
+        if signature is None:
+            continue
+        entries, _ = _load_version(path, signature, shipped)
+        entry, _ = _find(entries, Key(*key))
+        if entry is not None:
+            return entry.config
+    return None
 
 
-def choose(op, gpu, world, dtype, m_total, n, k, path=None) -> Choice:
-    """What a call of `op` with these global sizes would launch, and why (see the module doc)."""
+def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None) -> Choice:
+    """What a call of `op` with these global sizes would launch, and why (see the module doc):
+    `path` is the user's cache (default: cache_path()), `shipped_table` the shipped table
+    (default: shipped_path())."""
     dtype = str(dtype).removeprefix("torch.")
-    path = str(cache_path() if path is None else path)
-    entries, problem = load(path)
     key = Key(gpu, world, dtype, op, n, k, m_bucket(m_total))
-    entry, source = _find(entries, key)
-    if entry is None:
-        if problem is not None:
-            why = f"heuristic: the cache file is ignored ({problem})"
-        elif _signature(path) is None:
-            why = f"heuristic: no cache file at {path}"
-        else:
-            why = f"heuristic: no tuned entry for {gpu} x{world} {dtype} {op} N={n} K={k}"
-        return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
-    if source == "exact":
-        return Choice(entry.config, source, f"cache: exact key (M bucket {key.M_bucket})", entry)
-    return Choice(
-        entry.config, source, f"cache: nearest M bucket {entry.key.M_bucket} (none for bucket {key.M_bucket})", entry
+    tables = (
+        (USER_CACHE, str(cache_path() if path is None else path), False),
+        (SHIPPED, str(shipped_path() if shipped_table is None else shipped_table), True),
     )
+    missing = []
+    for origin, table_path, shipped in tables:
+        entries, problem = load(table_path, shipped=shipped)
+        entry, source = _find(entries, key)
+        if entry is not None:
+            if source == "exact":
+                why = f"{origin}: exact key (M bucket {key.M_bucket})"
+            else:
+                why = f"{origin}: nearest M bucket {entry.key.M_bucket} (none for bucket {key.M_bucket})"
+            return Choice(entry.config, source, why, entry, origin)
+        if problem is not None:
+            missing.append(f"the {'shipped table' if shipped else 'cache file'} is ignored ({problem})")
+        elif _signature(table_path) is None:
+            missing.append(f"no {'shipped table' if shipped else 'cache file'} at {table_path}")
+        else:
+            missing.append(f"no tuned entry in the {origin}")
+    why = f"heuristic ({gpu} x{world} {dtype} N={n} K={k}): " + "; ".join(missing)
+    return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -414,13 +475,15 @@ def _gpu_name(device_type: str, index: int | None) -> str:
 
 
 def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
-    """The launchers' hot-path lookup: the cached config for this call, or None (use the
-    heuristic). x and weight are what the launcher holds: all_gather_matmul x_shard [M/W, K]
-    and weight [N/W, K]; matmul_reduce_scatter x [M, K/W] and weight [N, K/W]. Costs a stat of
-    the cache file and a dictionary lookup; never raises for a bad file (warns once)."""
+    """The launchers' hot-path lookup: the config of the user's cache or else of the shipped
+    table for this call, or None (use the heuristic). x and weight are what the launcher holds:
+    all_gather_matmul x_shard [M/W, K] and weight [N/W, K]; matmul_reduce_scatter x [M, K/W]
+    and weight [N, K/W]. Costs a stat of each of the two files and a dictionary lookup; never
+    raises for a bad file (warns once)."""
     path = _cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
-    signature = _signature(path)
-    if signature is None:
+    shipped = SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table()
+    tables = ((path, _signature(path), False), (shipped, _signature(shipped), True))
+    if tables[0][1] is None and tables[1][1] is None:
         return None
     if op == "all_gather_matmul":
         m_total, n, k = x.shape[0] * world, weight.shape[0] * world, x.shape[1]
@@ -428,7 +491,7 @@ def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
         m_total, n, k = x.shape[0], weight.shape[0], x.shape[1] * world
     device = x.device
     gpu = _gpu_name(device.type, device.index)
-    return _cached_answer(path, signature, gpu, world, _DTYPE_NAMES.get(x.dtype), op, n, k, m_bucket(m_total))
+    return _cached_answer(tables, gpu, world, _DTYPE_NAMES.get(x.dtype), op, n, k, m_bucket(m_total))
 
 
 @contextlib.contextmanager
@@ -461,19 +524,58 @@ def write_entries(new_entries, path: str | os.PathLike | None = None) -> Path:
         merged = dict(entries)
         for entry in new_entries:
             merged[entry.key] = entry
-        text = dumps(merged.values())
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        _replace_file(path, dumps(merged.values()))
     return path
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write text to a temporary file beside path, flush it to disk, os.replace() path with it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def merge_into_shipped(source: str | os.PathLike, target: str | os.PathLike | None = None) -> tuple[int, int]:
+    """Merge the entries of a `fluxtp tune` cache file into the shipped table (default: the
+    package's fluxtp/configs/default.json, in a source checkout the file to commit); equal keys
+    are replaced by the source's. Returns (entries added, entries replaced).
+
+    Only measured entries ship: each must record SHIPPED_MEASURED_FIELDS in "measured" (what
+    rank_tune writes). CacheFileError, and nothing written, when the source lacks them or
+    either file cannot be used (a corrupt shipped table is not overwritten silently)."""
+    source, target = Path(source), Path(shipped_path() if target is None else target)
+    try:
+        new = parse(source.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise CacheFileError(f"cannot read {source} ({e})") from None
+    except CacheFileError as e:
+        raise CacheFileError(f"{source}: {e}") from None
+    for entry in new.values():
+        lacking = [f for f in SHIPPED_MEASURED_FIELDS if f not in entry.measured]
+        if lacking:
+            raise CacheFileError(
+                f"{source}: entry {entry.key} lacks measured {', '.join(lacking)}: only configs measured by "
+                "`fluxtp tune` ship"
+            )
+    shipped: dict[Key, Entry] = {}
+    if target.exists():
+        try:
+            shipped = parse(target.read_text())
+        except (OSError, UnicodeDecodeError, CacheFileError) as e:
+            raise CacheFileError(f"the shipped table {target} cannot be used ({e}); fix or delete it first") from None
+    replaced = sum(key in shipped for key in new)
+    shipped.update(new)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _replace_file(target, dumps(shipped.values()))
+    return len(new) - replaced, replaced
 
 
 # ---------------------------------------------------------------- fluxtp tune
@@ -496,6 +598,8 @@ class TuneJob:
     dtype: torch.dtype
     budget_s: float
     path: str  # the cache file, resolved once by the launching process
+    out: str | None = None  # where rank 0 writes the tuned-vs-heuristic results (fluxtp.bench/1, scenario "tune")
+    command: str = "fluxtp tune"  # as typed, for the results
 
 
 @dataclass
@@ -509,6 +613,43 @@ class ShapeResult:
     pruned: int
     failed: list  # (config, why): the compiler or the launch rejected it
     wrong: list  # (config, why): it computed a wrong result (a kernel bug)
+    # The confirmation (module docstring): winner_ms and heuristic_ms above come from it, with these.
+    heuristic: object = None  # the heuristic's config
+    nccl_ms: float | None = None  # the collective, then cuBLAS
+    gemm_ms: float | None = None  # cuBLAS alone, the same per-rank GEMM
+    selected: object = None  # the fastest finalist, which the confirmation kept (= winner) or not
+    selection_ms: float | None = None  # its time among the finalists
+
+
+def _baseline_variants(op, shape, dtype, inputs, info, device, generator) -> list:
+    """The nccl reference on the tuner's inputs and cuBLAS alone on the same per-rank GEMM (as
+    `fluxtp bench` times them: `gemm` on its own inputs of fluxtp.bench.ops.gemm_shapes)."""
+    import torch.nn.functional as F
+
+    import fluxtp
+    from fluxtp.bench.harness import Variant
+    from fluxtp.bench.ops import gemm_shapes
+
+    op_fn = getattr(fluxtp, op)
+    gx_shape, gw_shape = gemm_shapes(op, shape, info.world_size)
+    gemm_inputs = [
+        (
+            torch.randn(gx_shape, dtype=dtype, device=device, generator=generator),
+            torch.randn(gw_shape, dtype=dtype, device=device, generator=generator).mul_(gw_shape[1] ** -0.5),
+        )
+        for _ in inputs
+    ]
+    return [
+        Variant("nccl", tuple(functools.partial(op_fn, x, w, group=info.group, backend="nccl") for x, w in inputs)),
+        Variant("gemm", tuple(functools.partial(F.linear, x, w) for x, w in gemm_inputs)),
+    ]
+
+
+def _same_on_every_rank(values: list, info) -> list:
+    """Rank 0's values, on every rank."""
+    if info.group is not None:
+        dist.broadcast_object_list(values, src=dist.get_global_rank(info.group, 0), group=info.group)
+    return values
 
 
 def _agree_max(values, info, device) -> list[float]:
@@ -614,6 +755,12 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     calls = GPU_PROTOCOL.calls_per_sample
     first = Protocol(rounds=1, warmup_rounds=1, calls_per_sample=calls)
     screen = Protocol(rounds=SCREEN_ROUNDS, warmup_rounds=0, calls_per_sample=calls)
+    # nccl and cuBLAS for the confirmation: one short sample now warms them up and gives the wall
+    # time a round of them takes (sizes the final measurements).
+    baselines = _baseline_variants(op, shape, dtype, inputs, info, device, generator)
+    began = time.monotonic()
+    measure(baselines, first, info, device)
+    baselines_round_s = (time.monotonic() - began) / (first.warmup_rounds + first.rounds)
     times: dict[object, float] = {}
     sample_s: dict[object, float] = {}  # wall seconds one sample of the candidate took, barriers included
     failed, wrong = [], []
@@ -647,16 +794,26 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     survivors = sorted((c for c, t in times.items() if t <= PRUNE_RATIO * best), key=lambda c: (times[c], space.index(c)))
     finalists = list(dict.fromkeys([*survivors[:FINAL_CANDIDATES], base]))
     names = [f"c{space.index(c)}" for c in finalists]
-    # As many rounds as the rest of the budget allows (>= 3, <= the benchmark's), by the wall time
-    # the screening samples took; one warm-up round (every finalist has run already).
+    # Two measurements of as many rounds as the rest of the budget allows (>= 3, <= the
+    # benchmark's), by the wall time the screening samples took, one warm-up round each (every
+    # variant has run already): the finalists, then the confirmation (heuristic, the selected
+    # finalist, nccl, cuBLAS).
+    # The wall times are each rank's own: the ranks agree on the smallest count (every rank must
+    # take the same number of samples).
     per_round_s = sum(sample_s[c] for c in finalists)
+    per_round_s += 2 * max(sample_s[c] for c in finalists) + baselines_round_s
     rounds = int(min(GPU_PROTOCOL.rounds, _time_left(deadline, info, device) / max(per_round_s, 1e-6) - 1))
+    rounds = int(-_agree_max([-float(rounds)], info, device)[0])
     final = Protocol(max(3, rounds), 1, calls)
     ms = measure([_variant(op, n, c, inputs, info) for n, c in zip(names, finalists)], final, info, device)
-    pick = [min(range(len(finalists)), key=lambda j: (ms[names[j]], j))]
-    if info.group is not None:
-        dist.broadcast_object_list(pick, src=dist.get_global_rank(info.group, 0), group=info.group)
-    winner = finalists[pick[0]]
+    (pick,) = _same_on_every_rank([min(range(len(finalists)), key=lambda j: (ms[names[j]], j))], info)
+    selected = finalists[pick]
+    confirm = [_variant(op, "heuristic", base, inputs, info)]
+    if selected != base:
+        confirm.append(_variant(op, "tuned", selected, inputs, info))
+    confirmed_ms = measure(confirm + baselines, final, info, device)
+    (keep,) = _same_on_every_rank([selected != base and confirmed_ms["tuned"] < confirmed_ms["heuristic"]], info)
+    winner = selected if keep else base
     mine = config_to_dict(winner)
     everyone = [mine] * world
     if info.group is not None:
@@ -666,21 +823,90 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     return ShapeResult(
         shape,
         winner,
-        ms[names[pick[0]]],
-        ms[names[finalists.index(base)]],
+        confirmed_ms["tuned" if keep else "heuristic"],
+        confirmed_ms["heuristic"],
         len(space),
         screened,
         pruned + len(times) - len(survivors),
         failed,
         wrong,
+        heuristic=base,
+        nccl_ms=confirmed_ms["nccl"],
+        gemm_ms=confirmed_ms["gemm"],
+        selected=selected,
+        selection_ms=ms[names[pick]],
     )
+
+
+def comparison_row(op: str, dtype_name: str, r: ShapeResult) -> dict:
+    """One shape's tuned-vs-heuristic row of `fluxtp tune --out` (the confirmation's times)."""
+    from fluxtp.bench.harness import overlap_efficiency, speedup
+
+    def rounded(value, digits=4):
+        return None if value is None else round(value, digits)
+
+    ms = {"gemm": r.gemm_ms, "nccl": r.nccl_ms, "heuristic": r.heuristic_ms, "tuned": r.winner_ms}
+    return {
+        "op": op,
+        "M": r.shape.M,
+        "N": r.shape.N,
+        "K": r.shape.K,
+        "dtype": dtype_name,
+        "ms": {k: round(v, 5) for k, v in ms.items()},
+        "E_overlap": {k: rounded(overlap_efficiency(ms[k], r.gemm_ms, r.nccl_ms)) for k in ("heuristic", "tuned")},
+        "speedup_vs_nccl": {k: rounded(speedup(r.nccl_ms, ms[k])) for k in ("heuristic", "tuned")},
+        "speedup_vs_heuristic": rounded(speedup(r.heuristic_ms, r.winner_ms)),
+        "tuned_config": config_to_dict(r.winner),
+        "heuristic_config": config_to_dict(r.heuristic),
+        "tuned_is_heuristic": r.winner == r.heuristic,
+        "candidates": r.space,
+        "screened": r.screened,
+        "pruned": r.pruned,
+        "failed": len(r.failed) + len(r.wrong),
+    }
+
+
+def format_comparison(rows: list[dict], title: str) -> str:
+    from tabulate import tabulate
+
+    def fmt(value) -> str:
+        return "-" if value is None else f"{value:.4g}"
+
+    body = [
+        [
+            f"{r['M']}x{r['N']}x{r['K']}",
+            f"{r['screened']}/{r['candidates']}",
+            r["pruned"],
+            r["failed"],
+            *(fmt(r["ms"][k]) for k in ("gemm", "nccl", "heuristic", "tuned")),
+            fmt(r["speedup_vs_heuristic"]),
+            fmt(r["E_overlap"]["heuristic"]),
+            fmt(r["E_overlap"]["tuned"]),
+            "= heuristic" if r["tuned_is_heuristic"] else describe(config_class(r["op"])(**r["tuned_config"])),
+        ]
+        for r in rows
+    ]
+    headers = ["MxNxK", "screened", "pruned", "failed", "gemm ms", "nccl ms", "heuristic ms", "tuned ms",
+               "speedup", "E_overlap heuristic", "E_overlap tuned", "tuned config"]  # fmt: skip
+    return f"{title}:\n" + tabulate(body, headers=headers, disable_numparse=True)
+
+
+def write_comparison(rows: list[dict], job: TuneJob, gpu: str, world: int, cuda: bool) -> Path:
+    """The rows in the results envelope (fluxtp.bench/1, scenario "tune") at job.out; a folder
+    gets tune-<gpu>-x<n>-<date>-<op>.json (benchmarks/results/ naming)."""
+    from fluxtp.bench.results import envelope, result_filename, write_json
+
+    data = envelope("tune", rows, device=gpu, gpus=world if cuda else 0, world=world, command=job.command)
+    out = Path(job.out)
+    if job.out.endswith(("/", os.sep)) or out.is_dir():
+        name = result_filename("tune", gpu, world, data["date"]).removesuffix(".json")
+        out = out / f"{name}-{job.op}.json"
+    return write_json(data, out)
 
 
 def rank_tune(rank: int, world: int, job: TuneJob) -> None:
     """Every rank's body (inside an initialized default group, one GPU per rank; a gloo group
     runs on CPU, which only tests use, with stand-ins for the kernels)."""
-    from tabulate import tabulate
-
     from fluxtp._dist import resolve_group
     from fluxtp.bench.results import git_commit, triton_version
 
@@ -708,6 +934,8 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
             "M": shape.M,
             "ms": round(result.winner_ms, 5),
             "heuristic_ms": round(result.heuristic_ms, 5),
+            "nccl_ms": round(result.nccl_ms, 5),
+            "gemm_ms": round(result.gemm_ms, 5),
             "candidates": result.space,
             "screened": result.screened,
             "date": datetime.date.today().isoformat(),
@@ -719,27 +947,21 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         if cuda:
             torch.cuda.empty_cache()  # the next shape's inputs may be larger
     if rank == 0:
-        rows = [
-            [
-                str(r.shape),
-                f"{r.screened}/{r.space}",
-                r.pruned,
-                len(r.failed) + len(r.wrong),
-                f"{r.heuristic_ms:.4g}",
-                f"{r.winner_ms:.4g}",
-                f"{r.heuristic_ms / r.winner_ms:.3f}",
-                describe(r.winner),
-            ]
-            for r in results
-        ]
-        headers = ["MxNxK", "screened", "pruned", "failed", "heuristic ms", "tuned ms", "speedup", "config"]
-        print(f"{job.op} on {gpu} x{world}, {dtype_name}:", flush=True)
-        print(tabulate(rows, headers=headers, disable_numparse=True), flush=True)
+        rows = [comparison_row(job.op, dtype_name, r) for r in results]
+        print(format_comparison(rows, f"{job.op} on {gpu} x{world}, {dtype_name}"), flush=True)
         for r in results:
+            if r.selected != r.winner:
+                print(
+                    f"  {r.shape}: {describe(r.selected)} was the fastest finalist ({r.selection_ms:.4g} ms) but not "
+                    f"faster than the heuristic when timed again: the heuristic is kept",
+                    flush=True,
+                )
             for config, why in r.failed:
                 print(f"  {r.shape}: dropped {describe(config)}: {why}", flush=True)
         if entries:
             print(f"wrote {len(entries)} entries to {write_entries(entries, job.path)}", flush=True)
+        if job.out and rows:
+            print(f"wrote {write_comparison(rows, job, gpu, world, cuda)}", flush=True)
     errors += [
         f"fluxtp tune: {r.shape}: {describe(c)} computed a WRONG result ({why}): a kernel bug"
         for r in results
@@ -794,7 +1016,15 @@ def cmd_tune(args) -> int:
             shard_shapes(args.op, shape, world)
     except ValueError as e:
         parser.error(str(e))
-    job = TuneJob(args.op, shapes, TUNE_DTYPES[args.dtype], float(args.budget_seconds), str(cache_path()))
+    job = TuneJob(
+        args.op,
+        shapes,
+        TUNE_DTYPES[args.dtype],
+        float(args.budget_seconds),
+        str(cache_path()),
+        getattr(args, "out", None),
+        getattr(args, "command_line", "fluxtp tune"),
+    )
     if under_torchrun():
         return run_torchrun(job, rank_fn=rank_tune)
     return run_local(
@@ -825,19 +1055,62 @@ def cmd_info_configs(args) -> int:
             shard_shapes(op, s, world)
     except ValueError as e:
         parser.error(str(e))
-    path = cache_path()
-    entries, problem = load(path)
-    if problem is not None:
-        state = f"ignored: {problem}"
-    elif _signature(str(path)) is None:
-        state = "no file yet (`fluxtp tune` writes it)"
-    else:
-        state = f"{len(entries)} entries"
-    print(f"config cache: {path} ({state})")
-    print(f"lookup for: {gpu}, world {world}, {args.dtype}")
+    path, shipped = cache_path(), shipped_path()
+    for label, table, is_shipped, absent in (
+        ("config cache", path, False, "no file yet (`fluxtp tune` writes it)"),
+        ("shipped table", shipped, True, "not found in this installation"),
+    ):
+        entries, problem = load(table, shipped=is_shipped)
+        if problem is not None:
+            state = f"ignored: {problem}"
+        elif _signature(str(table)) is None:
+            state = absent
+        else:
+            state = f"{len(entries)} entries"
+        print(f"{label}: {table} ({state})")
+    print(f"lookup for: {gpu}, world {world}, {args.dtype} (the user's cache, then the shipped table, then the heuristic)")
     rows = []
     for op, s in cases:
-        choice = choose(op, gpu, world, args.dtype, s.M, s.N, s.K, path=path)
-        rows.append([op, str(s), m_bucket(s.M), choice.source, describe(choice.config), choice.why])
-    print(tabulate(rows, headers=["op", "MxNxK", "M bucket", "source", "config", "why"], disable_numparse=True))
+        choice = choose(op, gpu, world, args.dtype, s.M, s.N, s.K, path=path, shipped_table=shipped)
+        match = "-" if choice.source == "heuristic" else choice.source
+        rows.append([op, str(s), m_bucket(s.M), choice.origin, match, describe(choice.config), choice.why])
+    headers = ["op", "MxNxK", "M bucket", "source", "match", "config", "why"]
+    print(tabulate(rows, headers=headers, disable_numparse=True))
     return 0
+
+
+# ---------------------------------------------------------------- python -m fluxtp.tune merge-defaults
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fluxtp.tune merge-defaults FILE [--into PATH]`: a maintainer's step (see the module doc)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fluxtp.tune",
+        description="Maintenance of the config table shipped with fluxtp (fluxtp/configs/default.json).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    merge = commands.add_parser(
+        "merge-defaults",
+        help="merge a `fluxtp tune` cache file into the shipped table",
+        description="Merge the measured entries of a `fluxtp tune` cache file (FLUXTP_CACHE_DIR=D fluxtp tune ... "
+        "writes D/configs.json) into the shipped table; entries with the same key are replaced.",
+    )
+    merge.add_argument("file", help="the cache file to merge (schema fluxtp.tune/1)")
+    merge.add_argument("--into", metavar="PATH", help="the table to merge into (default: the package's default.json)")
+    args = parser.parse_args(argv)
+    target = Path(args.into) if args.into else shipped_path()
+    try:
+        added, replaced = merge_into_shipped(args.file, target)
+    except CacheFileError as e:
+        print(f"python -m fluxtp.tune merge-defaults: {e}", file=sys.stderr)
+        return 2
+    total = len(parse(target.read_text()))
+    print(f"merged {added + replaced} entries from {args.file} into {target} ({added} new, {replaced} replaced; "
+          f"{total} in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

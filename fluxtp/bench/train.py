@@ -848,7 +848,13 @@ def _plot_losses(rows: list[dict], path: str, title: str) -> None:
         ax.set_xlabel(f"step (seq {first['seq']}, batch {first['batch']}, {first['model']} x{first['layers']} layers)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{title}\nloss curves, {first['dtype']}, AdamW lr {first['lr']:g}", fontsize=10)
+    schedule = f"AdamW lr {first['lr']:g}"
+    if first.get("final_lr_fraction") is not None:  # rows written before the decay have a constant rate
+        schedule = (
+            f"AdamW lr up to {first['lr']:g} over {first['warmup_steps']} steps, then down to "
+            f"{first['final_lr_fraction']:g}x"
+        )
+    fig.suptitle(f"{title}\nloss curves, {first['dtype']}, {schedule}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

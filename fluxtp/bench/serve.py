@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from tabulate import tabulate
 from tqdm import tqdm
 
 from fluxtp import backends
@@ -56,7 +55,7 @@ from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
 from fluxtp.bench.ops import BASELINE, CANDIDATE_BACKENDS, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error
 from fluxtp.bench.train import MODELS as LAYER_DIMS
-from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims
+from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims, step_table
 
 PHASES = ("prefill", "decode")
 NO_COMM = "no_comm"
@@ -412,37 +411,19 @@ def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, ms
 # ---------------------------------------------------------------- report
 
 
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
 def format_table(rows: list[dict]) -> str:
     """One table per phase: ms of every variant, tokens/s and speedup of each backend, the
     exposed communication and how much of it each backend hides."""
     parts = []
     for phase in dict.fromkeys(r["phase"] for r in rows):
         phase_rows = [r for r in rows if r["phase"] == phase]
-        variants = list(dict.fromkeys(k for r in phase_rows for k in r["ms"]))
-        names = list(dict.fromkeys(k for r in phase_rows for k in r["tokens_per_s"]))
-        compared = [n for n in names if n != BASELINE]
-        headers = ["model", "layers", "batch", "prompt_len"] + [f"{v} ms" for v in variants]
-        headers += [f"{n} tok/s" for n in names] + [f"speedup {n}" for n in compared]
-        headers += ["T_exposed_comm ms", "ideal_speedup"] + [f"E_overlap {n}" for n in compared]
-        body = []
-        for r in phase_rows:
-            line = [r["model"], r["layers"], r["batch"], r["prompt_len"]] + [_fmt(r["ms"].get(v)) for v in variants]
-            line += [_fmt(r["tokens_per_s"].get(n)) for n in names]
-            line += [_fmt(r["speedup_vs_nccl"].get(n)) for n in compared]
-            line += [_fmt(r["T_exposed_comm"]), _fmt(r["ideal_speedup"])]
-            line += [_fmt(r["E_overlap"].get(n)) for n in compared]
-            body.append(line)
         what = {
             "prefill": "prefill latency: batch x prompt_len tokens from an empty cache to the last tokens' logits",
             "decode": "decode latency per token: one step of the batch at context prompt_len, lm_head and argmax "
             "included",
         }[phase]
         title = f"{what} ({phase_rows[0]['dtype']}; {NO_COMM}: nccl with every collective removed)"
-        parts.append(title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right"))
+        parts.append(step_table(phase_rows, ["model", "layers", "batch", "prompt_len"], title))
     return "\n\n".join(parts)
 
 

@@ -771,25 +771,31 @@ def _format_losses(rows: list[dict]) -> str:
     return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")
 
 
-def _format_timing(rows: list[dict]) -> str:
+def step_table(rows: list[dict], key_columns: list[str], title: str) -> str:
+    """The timing table of the train and serve scenarios: key_columns, ms of every variant,
+    tokens/s and speedup of each backend, the exposed communication and the share each hides."""
     variants = list(dict.fromkeys(k for r in rows for k in r["ms"]))
     backends_ = list(dict.fromkeys(k for r in rows for k in r["tokens_per_s"]))
     compared = [b for b in backends_ if b != BASELINE]
-    headers = ["model", "layers", "seq", "batch"] + [f"{v} ms" for v in variants]
+    headers = list(key_columns) + [f"{v} ms" for v in variants]
     headers += [f"{b} tok/s" for b in backends_] + [f"speedup {b}" for b in compared]
     headers += ["T_exposed_comm ms", "ideal_speedup"] + [f"E_overlap {b}" for b in compared]
     body = []
     for r in rows:
-        line = [r["model"], r["layers"], r["seq"], r["batch"]] + [_fmt(r["ms"].get(v)) for v in variants]
+        line = [r[k] for k in key_columns] + [_fmt(r["ms"].get(v)) for v in variants]
         line += [_fmt(r["tokens_per_s"].get(b)) for b in backends_]
         line += [_fmt(r["speedup_vs_nccl"].get(b)) for b in compared]
         line += [_fmt(r["T_exposed_comm"]), _fmt(r["ideal_speedup"])] + [_fmt(r["E_overlap"].get(b)) for b in compared]
         body.append(line)
+    return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")
+
+
+def _format_timing(rows: list[dict]) -> str:
     title = (
         f"train steps (forward + backward + AdamW; {rows[0]['dtype']}; {NO_COMM}: the nccl step with its "
         "communication removed)"
     )
-    return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")
+    return step_table(rows, ["model", "layers", "seq", "batch"], title)
 
 
 def loss_plot_path(path: str) -> str:

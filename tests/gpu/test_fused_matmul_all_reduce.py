@@ -184,6 +184,7 @@ def test_two_groups_alternating():
 # must give up (trap: a CUDA error at the next synchronization) and name rank 1 and tile 0.
 _TIMEOUT_SCRIPT = """
 import torch
+from fluxtp.backends.fused import gemm_ar
 
 config = gemm_ar.MatmulAllReduceConfig()
 m, n, k = 1, 64, 128  # one tile: one program waits, one record

@@ -322,6 +322,7 @@ def test_row_arithmetic():
         (("--nproc", "3"), "its 8 attention heads do not divide over the world size 3"),
         (("--seq", "64,x"), "'64,x' is not a comma list of positive integers"),
         (("--layers", "0"), "--layers must be at least 1"),
+        (("--batch", "1,2"), "--batch: train takes one batch size, got 1,2"),
         (("--model", "llama2"), "invalid choice: 'llama2'"),
         (("--loss-steps", "-1"), "--loss-steps must be 0 (no loss curves) or more, got -1"),
         (("--loss-lr", "0"), "--loss-lr must be a positive number, got 0.0"),

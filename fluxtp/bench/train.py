@@ -228,6 +228,10 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> Train
     dims = MODELS[model]
     layers = defaults["layers"] if args.layers is None else args.layers
     batch = defaults["batch"] if args.batch is None else args.batch
+    if isinstance(batch, (tuple, list)):  # --batch is shared with serve, which takes a list
+        if len(batch) != 1:
+            raise ValueError(f"--batch: train takes one batch size, got {','.join(map(str, batch))}")
+        batch = batch[0]
     seqs = _parse_seqs(args.seq) if args.seq else defaults["seq"]
     if layers < 1:
         raise ValueError(f"--layers must be at least 1, got {layers}")

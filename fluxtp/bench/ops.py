@@ -189,15 +189,24 @@ def _random(shape, dtype, device, generator, scale=1.0) -> torch.Tensor:
     return torch.randn(shape, dtype=dtype, device=device, generator=generator).mul_(scale)
 
 
-def _select_backends(config: OpsConfig, op: str, x, weight, info: GroupInfo) -> tuple[list[str], dict[str, str]]:
-    """Backends to time on this case (baseline first) and why the others were left out."""
+def select_backends(
+    requested: tuple[str, ...] | None, probes, info: GroupInfo, what: str
+) -> tuple[list[str], dict[str, str]]:
+    """Backends to time (baseline first) and why the others were left out.
+
+    probes: (op, x, weight) calls a backend must be able to run to be timed. Without a request
+    (requested None) every candidate that can run them is taken; a requested one that cannot
+    stops the benchmark with a BenchError naming `what` (what the probes stand for)."""
     chosen, skipped = [], {}
-    for name in config.backends or CANDIDATE_BACKENDS:
-        reason = None if name == "auto" else backends.unsupported_reason(op, name, x, weight, info)
+    for name in requested or CANDIDATE_BACKENDS:
+        reason = None
+        if name != "auto":
+            for op, x, weight in probes:
+                reason = reason or backends.unsupported_reason(op, name, x, weight, info)
         if reason is None:
             chosen.append(name)
-        elif config.backends is not None:
-            raise BenchError(f"backend {name!r} cannot run {op} with {x.dtype} on {x.device} here: {reason}")
+        elif requested is not None:
+            raise BenchError(f"backend {name!r} cannot run {what} here: {reason}")
         else:
             skipped[name] = reason
     return chosen, skipped
@@ -298,7 +307,10 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         (_random(gx_shape, dtype, device, generator), _random(gw_shape, dtype, device, generator, w_scale))
         for _ in range(copies)
     ]
-    names, skipped = _select_backends(config, case.op, *inputs[0], info)
+    x0, w0 = inputs[0]
+    names, skipped = select_backends(
+        config.backends, [(case.op, x0, w0)], info, f"{case.op} with {x0.dtype} on {x0.device}"
+    )
     verify(case, names, *inputs[0], info)
 
     op_fn = getattr(fluxtp, case.op)

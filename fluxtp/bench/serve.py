@@ -49,11 +49,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fluxtp import backends
 from fluxtp._dist import GroupInfo
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
-from fluxtp.bench.ops import BASELINE, CANDIDATE_BACKENDS, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error
+from fluxtp.bench.ops import BASELINE, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error, select_backends
 from fluxtp.bench.train import MODELS as LAYER_DIMS
 from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims, step_table
 
@@ -214,21 +213,15 @@ def _select_backends(config: ServeConfig, info: GroupInfo, device) -> tuple[list
     both row-parallel layers (o_proj: k = heads*head_dim/W, down_proj: k = ffn/W; N = hidden)."""
     d, world = config.dims, info.world_size
     head_dim = d.hidden // d.heads
-    chosen, skipped = [], {}
-    for name in config.backends or CANDIDATE_BACKENDS:
-        reason = None
-        if name != "auto":
-            for k in (d.heads * head_dim // world, d.ffn // world):
-                x = torch.empty(8, k, dtype=config.dtype, device=device)
-                weight = torch.empty(d.hidden, k, dtype=config.dtype, device=device)
-                reason = reason or backends.unsupported_reason("matmul_all_reduce", name, x, weight, info)
-        if reason is None:
-            chosen.append(name)
-        elif config.backends is not None:
-            raise BenchError(f"backend {name!r} cannot run the layers with {config.dtype} on {device} here: {reason}")
-        else:
-            skipped[name] = reason
-    return chosen, skipped
+    stand_ins = [
+        (
+            "matmul_all_reduce",
+            torch.empty(8, k, dtype=config.dtype, device=device),
+            torch.empty(d.hidden, k, dtype=config.dtype, device=device),
+        )
+        for k in (d.heads * head_dim // world, d.ffn // world)
+    ]
+    return select_backends(config.backends, stand_ins, info, f"the layers with {config.dtype} on {device}")
 
 
 # ---------------------------------------------------------------- verification

@@ -92,18 +92,17 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from tqdm import tqdm
 
-from fluxtp import backends
 from fluxtp._dist import GroupInfo, resolve_group
 from fluxtp.backends import reference
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
 from fluxtp.bench.ops import (
     BASELINE,
-    CANDIDATE_BACKENDS,
     DEFAULT_DTYPE,
     DTYPES,
     parse_backends,
     relative_error,
+    select_backends,
 )
 from fluxtp.nn._collectives import gather_rows
 
@@ -492,21 +491,15 @@ def _select_backends(config: TrainConfig, info: GroupInfo, device) -> tuple[list
             dims.hidden,
         ),  # down; backward: K = hidden * (1 + 2 kv/h) / W
     }
-    chosen, skipped = [], {}
-    for name in config.backends or CANDIDATE_BACKENDS:
-        reason = None
-        if name != "auto":
-            for op, (k, n) in probes.items():
-                x = torch.empty(8 * world, k, dtype=config.dtype, device=device)
-                weight = torch.empty(n, k, dtype=config.dtype, device=device)
-                reason = reason or backends.unsupported_reason(op, name, x, weight, info)
-        if reason is None:
-            chosen.append(name)
-        elif config.backends is not None:
-            raise BenchError(f"backend {name!r} cannot run the layers with {config.dtype} on {device} here: {reason}")
-        else:
-            skipped[name] = reason
-    return chosen, skipped
+    stand_ins = [
+        (
+            op,
+            torch.empty(8 * world, k, dtype=config.dtype, device=device),
+            torch.empty(n, k, dtype=config.dtype, device=device),
+        )
+        for op, (k, n) in probes.items()
+    ]
+    return select_backends(config.backends, stand_ins, info, f"the layers with {config.dtype} on {device}")
 
 
 def verify(trainer: Trainer, names: list[str], info: GroupInfo, where: str) -> None:
@@ -557,7 +550,9 @@ def loss_lr_factor(step: int, steps: int) -> float:
     """The share of the peak learning rate that step `step` (0-based) of `steps` uses: a linear
     warm-up over LOSS_WARMUP_STEPS steps, then a linear decay to LOSS_FINAL_LR_FRACTION."""
     warm = (step + 1) / LOSS_WARMUP_STEPS
-    decay = 1.0 - (1.0 - LOSS_FINAL_LR_FRACTION) * max(0, step + 1 - LOSS_WARMUP_STEPS) / max(1, steps - LOSS_WARMUP_STEPS)
+    decay = 1.0 - (1.0 - LOSS_FINAL_LR_FRACTION) * max(0, step + 1 - LOSS_WARMUP_STEPS) / max(
+        1, steps - LOSS_WARMUP_STEPS
+    )
     return min(warm, decay)
 
 

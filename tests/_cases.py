@@ -29,14 +29,24 @@ def draw(seed: int, shape, dtype, device, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
 
 
-def check_all_gather_matmul(rank, world, seed, m, n_local, k, dtype, device, backend, with_bias, group=None):
-    """x_gathered must be exact; y within TOLERANCE of float64."""
+def _transposed_view(w: torch.Tensor) -> torch.Tensor:
+    """w's values with strides (1, rows): the W^T view ColumnParallelLinear's backward passes."""
+    return w.t().contiguous().t()
+
+
+def check_all_gather_matmul(
+    rank, world, seed, m, n_local, k, dtype, device, backend, with_bias, group=None, transposed_weight=False
+):
+    """x_gathered must be exact; y within TOLERANCE of float64. transposed_weight: the weight is
+    passed as a transposed view (the backward's layout)."""
     x = draw(seed, (m * world, k), dtype, "cpu")
     w = draw(seed + 1, (n_local * world, k), dtype, "cpu", scale=k**-0.5)
     b = draw(seed + 2, (n_local * world,), dtype, "cpu") if with_bias else None
     x_shard = x[rank * m : (rank + 1) * m].to(device)
     w_shard = w[rank * n_local : (rank + 1) * n_local].to(device)
     b_shard = b[rank * n_local : (rank + 1) * n_local].to(device) if with_bias else None
+    if transposed_weight:
+        w_shard = _transposed_view(w_shard)
     y, xg = fluxtp.all_gather_matmul(x_shard, w_shard, bias=b_shard, group=group, backend=backend, return_gathered=True)
     assert y.shape == (m * world, n_local) and y.dtype == dtype and y.device == x_shard.device
     assert torch.equal(xg.cpu(), x), "the gathered input is not an exact copy"
@@ -47,13 +57,18 @@ def check_all_gather_matmul(rank, world, seed, m, n_local, k, dtype, device, bac
     assert isinstance(y2, torch.Tensor) and y2.shape == y.shape
 
 
-def check_matmul_reduce(op, rank, world, seed, m_total, n, k_local, dtype, device, backend, with_bias, group=None):
-    """matmul_reduce_scatter ([M/W, N] rows of this rank) or matmul_all_reduce ([M, N])."""
+def check_matmul_reduce(
+    op, rank, world, seed, m_total, n, k_local, dtype, device, backend, with_bias, group=None, transposed_weight=False
+):
+    """matmul_reduce_scatter ([M/W, N] rows of this rank) or matmul_all_reduce ([M, N]);
+    transposed_weight: the weight is passed as a transposed view (the backward's layout)."""
     x = draw(seed, (m_total, k_local * world), dtype, "cpu")
     w = draw(seed + 1, (n, k_local * world), dtype, "cpu", scale=(k_local * world) ** -0.5)
     b = draw(seed + 2, (n,), dtype, "cpu") if with_bias else None
     cols = slice(rank * k_local, (rank + 1) * k_local)
     x_local, w_local = x[:, cols].contiguous().to(device), w[:, cols].contiguous().to(device)
+    if transposed_weight:
+        w_local = _transposed_view(w_local)
     out = getattr(fluxtp, op)(x_local, w_local, bias=None if b is None else b.to(device), group=group, backend=backend)
     ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
     if op == "matmul_reduce_scatter":

@@ -1,7 +1,8 @@
 """Run under TRITON_INTERPRET=1 by tests/test_kernels_interpret.py (a subprocess: the flag must
 be set before triton is imported). Checks the persistent AllGather+GEMM kernel body with its
-chunk signals preset: every output row of every segment, ragged rows per rank, bias, and that
-a missing signal stops the kernel instead of computing on stale rows.
+chunk signals preset: every output row of every segment, ragged rows per rank, bias, the weight
+as a transposed view (the backward's layout, read without a copy), and that a missing signal
+stops the kernel instead of computing on stale rows.
 
 float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
 """
@@ -15,15 +16,19 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch  # noqa: E402
 
 from fluxtp._dist import GroupInfo  # noqa: E402
+from fluxtp.backends.fused._launch import weight_operand  # noqa: E402
 from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig, launch_gemm  # noqa: E402
 
 TOL = 4 * 2**-11  # fp16 output rounding (u = 2^-11) plus fp32 accumulation, normwise
 
 
-def case(seed, world, rank, m, n, k, with_bias, cfg):
+def case(seed, world, rank, m, n, k, with_bias, cfg, transposed=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(world * m, k, generator=g).half()
     w = (torch.randn(n, k, generator=g) * k**-0.5).half()
+    if transposed:  # [n, k] with strides (1, n), as ColumnParallelLinear's backward passes W^T
+        w = w.t().contiguous().t()
+        assert weight_operand(w)[1], "a transposed view must take the kernel's [k, n] path"
     b = torch.randn(n, generator=g).half() if with_bias else None
     y = torch.full((world * m, n), float("nan"), dtype=torch.float16)  # poison: every element must be written
     chunk = cfg.chunk_rows_for(m)
@@ -54,14 +59,16 @@ def main():
     odd_chunks = AllGatherMatmulConfig(block_m=16, block_n=16, block_k=32, group_m=3, num_stages=1, num_warps=4, chunk_rows=40)
     flat = dataclasses.replace(small, flatten=True, tma_store=False)
     cases = [
-        (2, 0, 32, 64, 32, True, small),  # tile multiples: TMA-store epilogue
-        (2, 1, 40, 48, 48, False, small),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
-        (3, 2, 23, 20, 24, True, odd_chunks),  # three ranks, chunk not a tile multiple, K tail
-        (4, 1, 9, 16, 16, False, odd_chunks),  # fewer rows than a tile
-        (2, 1, 48, 40, 64, True, flat),  # flattened loop, pointer-store epilogue
+        (2, 0, 32, 64, 32, True, small, False),  # tile multiples: TMA-store epilogue
+        (2, 1, 40, 48, 48, False, small, False),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
+        (3, 2, 23, 20, 24, True, odd_chunks, False),  # three ranks, chunk not a tile multiple, K tail
+        (4, 1, 9, 16, 16, False, odd_chunks, False),  # fewer rows than a tile
+        (2, 1, 48, 40, 64, True, flat, False),  # flattened loop, pointer-store epilogue
+        (2, 0, 32, 64, 32, True, small, True),  # transposed weight view
+        (3, 1, 23, 40, 24, False, odd_chunks, True),  # transposed, ragged, N and K tails
     ]
-    for i, (world, rank, m, n, k, with_bias, cfg) in enumerate(cases):
-        case(seed + i, world, rank, m, n, k, with_bias, cfg)
+    for i, (world, rank, m, n, k, with_bias, cfg, transposed) in enumerate(cases):
+        case(seed + i, world, rank, m, n, k, with_bias, cfg, transposed)
     message = missing_signal_stops_kernel()
     print("ok;", message[:80])
 

@@ -3,8 +3,8 @@ be set before triton is imported). Checks the persistent GEMM+ReduceScatter kern
 ranks simulated in one process: the "symmetric buffers" are CPU tensors addressed through the
 same int64 address table the GPUs use; every rank runs its peer steps (push or pull stores and
 flags) first, then every rank its own-rows step (waits, fixed-order reduction, bias, output).
-Worlds of 2, 3 and 4, push and pull, ragged rows per rank, N and K not tile multiples, bias,
-poisoned outputs and buffers, determinism, the GEMM-only mode, and that a missing flag stops
+Worlds of 2, 3 and 4, push and pull, ragged rows per rank, N and K not tile multiples, bias, the
+weight as a transposed view (the backward's layout, read without a copy), poisoned outputs and buffers, determinism, the GEMM-only mode, and that a missing flag stops
 the kernel.
 
 float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
@@ -40,9 +40,11 @@ def draw(seed, world, m, n, k_local, with_bias):
     return x, w, b
 
 
-def shards(x, w, rank, k_local):
+def shards(x, w, rank, k_local, transposed=False):
     cols = slice(rank * k_local, (rank + 1) * k_local)
-    return x[:, cols].contiguous(), w[:, cols].contiguous()
+    # transposed: [n, k_local] with strides (1, n), as ColumnParallelLinear's backward passes W^T
+    wr = w[:, cols].t().contiguous().t() if transposed else w[:, cols].contiguous()
+    return x[:, cols].contiguous(), wr
 
 
 def make_buffers(world, layout, poison):
@@ -55,16 +57,16 @@ def make_buffers(world, layout, poison):
     return buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
 
 
-def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000):
+def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
     m, n = x.shape[0] // world, w.shape[0]
     layout = Layout.of(m, n, 2, world, cfg)
     buffers, ptrs = make_buffers(world, layout, poison)
     outs = [torch.full((m, n), float("nan"), dtype=torch.float16) for _ in range(world)]
     for r in range(world):  # peer steps 0..W-2 of every rank
-        xr, wr = shards(x, w, r, k_local)
+        xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
     for r in range(world):  # then every rank's own rows (step W-1)
-        xr, wr = shards(x, w, r, k_local)
+        xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
     flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
     return outs, flags
@@ -80,21 +82,21 @@ def check(out, ref, what):
     assert err < TOL, f"{what}: rel err {err:.2e}"
 
 
-def case(seed, world, m, n, k_local, with_bias, cfg):
+def case(seed, world, m, n, k_local, with_bias, cfg, transposed=False):
     x, w, b = draw(seed, world, m, n, k_local, with_bias)
     ref = reference(x, w, b)
-    what = f"world={world} m={m} n={n} k_local={k_local} push={cfg.push}"
-    outs, flags = simulate(x, w, b, world, k_local, cfg, float("nan"))
+    what = f"world={world} m={m} n={n} k_local={k_local} push={cfg.push} transposed={transposed}"
+    outs, flags = simulate(x, w, b, world, k_local, cfg, float("nan"), transposed=transposed)
     for r in range(world):
         check(outs[r], ref[r * m : (r + 1) * m], f"{what} rank={r}")
         assert bool((flags[r] == 1).all()), f"{what}: rank {r} has flags never set: {flags[r].tolist()}"
     # Determinism and no stale reads: other poison in the buffers, bitwise the same outputs.
-    again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0)
+    again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0, transposed=transposed)
     for r in range(world):
         assert torch.equal(outs[r], again[r]), f"{what} rank={r}: outputs differ between identical runs"
     # GEMM-only mode: the same kernel on local memory gives this rank's own partial plus bias.
     for r in range(world):
-        xr, wr = shards(x, w, r, k_local)
+        xr, wr = shards(x, w, r, k_local, transposed)
         own = gemm_only(xr, wr, b, GroupInfo(None, r, world), cfg)()
         part = reference(xr[r * m : (r + 1) * m], wr, b)
         check(own, part, f"{what} gemm_only rank={r}")
@@ -143,6 +145,8 @@ def main():
     ]
     for i, (world, m, n, k_local, with_bias, cfg) in enumerate(cases):
         case(seed + i, world, m, n, k_local, with_bias, cfg)
+    case(seed + len(cases), 2, 40, 48, 48, True, small, transposed=True)  # N not a tile multiple
+    case(seed + len(cases) + 1, 3, 17, 40, 24, False, odd_pull, transposed=True)  # K tail, pull
     messages = [missing_flag_stops_kernel(push) for push in (True, False)]
     print("ok;", messages[0][:80])
 

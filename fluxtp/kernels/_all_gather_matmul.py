@@ -34,7 +34,7 @@ def _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chu
 @triton.jit
 def all_gather_matmul_kernel(
     a_desc,  # TensorDescriptor over A_gathered [W*m, K], block [BLOCK_M, BLOCK_K]
-    b_desc,  # TensorDescriptor over B [n, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]
+    b_desc,  # over B [n, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]; with B_KN over B^T [K, n], block [BLOCK_K, BLOCK_N]
     c_desc,  # TensorDescriptor over C [W*m, n], block [BLOCK_M, BLOCK_N (/2 with EPILOGUE_SUBTILE)], or None
     c_ptr,  # C [W*m, n]
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
@@ -58,6 +58,7 @@ def all_gather_matmul_kernel(
     FLATTEN: tl.constexpr,
     TMA_STORE: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr,
+    B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, n] (backward: no copy)
 ):
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -92,8 +93,10 @@ def all_gather_matmul_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
             a = a_desc.load([row0, ki * BLOCK_K])
-            b = b_desc.load([col0, ki * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+            if B_KN:
+                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
+            else:
+                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
 
         tile_id_c += NUM_SMS
         segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD

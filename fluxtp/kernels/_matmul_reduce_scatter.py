@@ -105,7 +105,7 @@ def _epilogue(
 @triton.jit
 def matmul_reduce_scatter_kernel(
     a_desc,  # TensorDescriptor over x [M, K], block [BLOCK_M, BLOCK_K]
-    b_desc,  # TensorDescriptor over w [N, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]
+    b_desc,  # over w [N, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]; with B_KN over w^T [K, N], block [BLOCK_K, BLOCK_N]
     out_ptr,  # out [m, N], this rank's rows of the sum
     bias_ptr,  # [N] or a dummy when HAS_BIAS is False
     buffer_ptrs,  # int64 [W]: base address of every rank's workspace buffer
@@ -129,6 +129,7 @@ def matmul_reduce_scatter_kernel(
     PUSH: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     EPI_SPLIT: tl.constexpr,  # the epilogue works on 1, 2 or 4 column slices (fewer live registers)
+    B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -149,8 +150,10 @@ def matmul_reduce_scatter_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
             a = a_desc.load([owner * rows_per_rank + row_in_segment, ki * BLOCK_K])
-            b = b_desc.load([col0, ki * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+            if B_KN:
+                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
+            else:
+                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
 
         if own:
             # Every peer's partial of this tile has arrived (acquire), after the K loop (which

@@ -43,6 +43,12 @@ def _shapes_body(rank, world, seed):
     for dtype in DTYPES:
         for i, (m, n, k) in enumerate(shapes):
             check_all_gather_matmul(rank, world, seed + 10 * i, m, n, k, dtype, "cuda", "fused", i % 2 == 0)
+        # The weight as a transposed view ([k, n] read in place, the backward's layout): ragged,
+        # N and K tails, and the large config.
+        for i, (m, n, k) in enumerate([(1000, 384, 1024), (37, 4000, 520), (2048, 3584, 4096)]):
+            check_all_gather_matmul(
+                rank, world, seed + 100 + i, m, n, k, dtype, "cuda", "fused", i % 2 == 1, transposed_weight=True
+            )
 
 
 def test_shapes_and_dtypes():

@@ -24,7 +24,7 @@ from fluxtp._dist import resolve_group
 from fluxtp.backends import fused
 from fluxtp.backends.fused import gemm_rs
 from fluxtp.testing import run_on_ranks
-from tests._cases import TOLERANCE, draw, rel_error
+from tests._cases import TOLERANCE, check_matmul_reduce, draw, rel_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,6 +121,21 @@ def _shapes_body(rank, world, seed):
 def test_shapes_dtypes_push_and_pull():
     # Many kernel variants to compile (dtype, config, push/pull, bias, alignment): a longer deadline.
     run_on_ranks(_shapes_body, 2, random.randrange(1 << 30), backend="nccl", timeout_s=540)
+
+
+def _transposed_weight_body(rank, world, seed):
+    # The weight as a transposed view, read in place as [k, N] (the backward's layout); N = 1001
+    # makes the [k, N] rows unaligned, so it takes the copied path.
+    for d, dtype in enumerate(DTYPES):
+        for s, (m_total, n, k_local) in enumerate([(2048, 1024, 512), (600, 1001, 136), (4096, 5120, 520)]):
+            check_matmul_reduce(
+                "matmul_reduce_scatter", rank, world, seed + 10 * s + d, m_total, n, k_local, dtype, "cuda", "fused",
+                (d + s) % 2 == 0, transposed_weight=True,
+            )
+
+
+def test_transposed_weight_view():
+    run_on_ranks(_transposed_weight_body, 2, random.randrange(1 << 30), backend="nccl", timeout_s=300)
 
 
 def _back_to_back_body(rank, world, seed):

@@ -22,6 +22,18 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(what the B descriptor reads, kn) for an nn.Linear-layout weight [n, k] (y = x @ weight^T).
+
+    A transposed view (strides (1, n): the W^T of a [k, n] weight that the backward passes)
+    is read through its row-major [k, n] base with kn=True, not copied: a copy cost a read and
+    a write of every weight on every backward step. Anything else is made TMA-ready as [n, k].
+    """
+    if weight.stride(-1) != 1 and weight.stride(0) == 1:
+        return tma_ready(weight.t()), True
+    return tma_ready(weight), False
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A host TMA descriptor for t, cached: it is a function of (address, shape, strides, block)
     only, so a hit is always valid, and the caching allocator hands out the same addresses."""

@@ -24,7 +24,7 @@ import triton
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
-from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
+from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready, weight_operand
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 from fluxtp.tune import tuned_config
 
@@ -94,12 +94,15 @@ def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _
 
 
 def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS):
-    """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1)."""
+    """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
+
+    weight [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied)."""
     n, k = weight.shape
     sms = num_sms(y.device)
     tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
     a_desc = descriptor(x_gathered, [config.block_m, config.block_k])
-    b_desc = descriptor(weight, [config.block_n, config.block_k])
+    b, b_kn = weight_operand(weight)
+    b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
     # TMA stores need whole tiles inside each segment and 16-byte output rows.
     tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y.stride(0) * y.element_size()) % 16 == 0
     store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
@@ -130,6 +133,7 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
         FLATTEN=config.flatten and triton.cdiv(k, config.block_k) >= config.num_stages,
         TMA_STORE=tma_store,
         EPILOGUE_SUBTILE=config.epilogue_subtile,
+        B_KN=b_kn,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -151,7 +155,7 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
 def all_gather_matmul(
     x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config: AllGatherMatmulConfig | None = None
 ):
-    x_shard, weight = tma_ready(x_shard), tma_ready(weight)
+    x_shard = tma_ready(x_shard)  # the weight: launch_gemm reads either layout as it is
     rows_per_rank, k = x_shard.shape
     n = weight.shape[0]
     world, rank = info.world_size, info.rank
@@ -198,7 +202,7 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     Returns a zero-argument callable that launches exactly the kernel all_gather_matmul
     launches for these inputs, reading an already gathered input.
     """
-    x_shard, weight = tma_ready(x_shard), tma_ready(weight)
+    x_shard = tma_ready(x_shard)  # the weight: launch_gemm reads either layout as it is
     rows_per_rank = x_shard.shape[0]
     world = info.world_size
     config = _config_for(x_shard, weight, world, config)  # the same config as all_gather_matmul

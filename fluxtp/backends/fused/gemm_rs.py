@@ -31,7 +31,7 @@ from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
 from fluxtp.backends.fused import _launch
-from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
+from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready, weight_operand
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 from fluxtp.tune import tuned_config
 
@@ -118,7 +118,7 @@ def launch_kernel(
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
-    x [M, k], weight [n, k] TMA-ready; out [M/W, n]; buffer_ptrs int64 [W] of buffers laid out
+    x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor); out [M/W, n]; buffer_ptrs int64 [W] of buffers laid out
     as Layout.of(...) says, their flags zero (or set by peers). Runs owner steps
     first_step..last_step (default all: 0..W-1, the last being this rank's own rows). A wait
     that gives up writes (peer rank, tile, rank) into `report` (default: this process's record).
@@ -133,7 +133,8 @@ def launch_kernel(
         return
     report = _launch.timeout_record(_TAG, out.device) if report is None else report
     a_desc = descriptor(x, [config.block_m, config.block_k])
-    b_desc = descriptor(weight, [config.block_n, config.block_k])
+    b, b_kn = weight_operand(weight)
+    b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
     matmul_reduce_scatter_kernel[(min(sms, tiles),)](
         a_desc,
         b_desc,
@@ -160,6 +161,7 @@ def launch_kernel(
         PUSH=config.push,
         NUM_STAGES=config.num_stages,
         EPI_SPLIT=config.epilogue_split,
+        B_KN=b_kn,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -206,7 +208,8 @@ def launch(call: Call, x, weight, bias) -> torch.Tensor:
 
 
 def _ready(x, weight, bias):
-    return tma_ready(x), tma_ready(weight), None if bias is None else bias.contiguous()
+    # The weight is left as it is: launch_kernel reads either of its layouts without a copy.
+    return tma_ready(x), weight, None if bias is None else bias.contiguous()
 
 
 def matmul_reduce_scatter(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):

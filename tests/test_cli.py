@@ -21,7 +21,7 @@ from fluxtp.bench.harness import Protocol, Variant, input_copies, measure, overl
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_KEYS = {"op", "M", "N", "K", "dtype", "cuda_graphs", "ms", "E_overlap", "speedup_vs_nccl"}
+ROW_KEYS = {"op", "M", "N", "K", "dtype", "cuda_graphs", "weight_layout", "ms", "E_overlap", "speedup_vs_nccl"}
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
@@ -46,7 +46,7 @@ def check_envelope(data: dict, world: int) -> None:
     assert data["rows"]
     for row in data["rows"]:
         assert set(row) == ROW_KEYS
-        assert row["op"] in OPS and row["dtype"] == "float32"
+        assert row["op"] in OPS and row["dtype"] == "float32" and row["weight_layout"] in ("linear", "transposed")
         assert all(isinstance(row[k], int) and row[k] > 0 for k in ("M", "N", "K"))
         assert {"gemm", "nccl"} <= set(row["ms"]), row["ms"]
         assert all(isinstance(v, float) and 0 < v < 60_000 for v in row["ms"].values())
@@ -79,6 +79,17 @@ def test_cpu_bench_prints_a_table_and_writes_json_and_png(tmp_path):
     assert data["command"].endswith(f"-m fluxtp bench --out {out} --plot {png}")
     assert {r["op"] for r in data["rows"]} == set(OPS)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_times_the_backward_weight_layout(tmp_path):
+    """--weight-layout transposed: every op verified and timed with the W^T views the backward passes."""
+    out = tmp_path / "bench.json"
+    done = fluxtp_cli("bench", "--weight-layout", "transposed", "--shapes", "64x48x32", "--rounds", "2", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    check_envelope(data, world=2)
+    assert {r["op"] for r in data["rows"]} == set(OPS)
+    assert all(r["weight_layout"] == "transposed" for r in data["rows"])
 
 
 def test_bench_joins_a_torchrun_launch(tmp_path):

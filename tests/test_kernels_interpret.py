@@ -41,3 +41,21 @@ def test_all_gather_matmul_launcher_host_logic():
 
 def test_matmul_all_reduce_kernel():
     run_interpreted("_interpret_gemm_ar.py")
+
+
+def test_weight_operand_reads_transposed_views_in_place():
+    """The backward's W^T views go to the kernels' [k, n] path without a copy, unless TMA cannot
+    read the [k, n] rows (n * element size not a multiple of 16 bytes): then a row-major [n, k]."""
+    import torch
+
+    from fluxtp.backends.fused._launch import weight_operand
+
+    w = torch.randn(64, 32, dtype=torch.float16)  # nn.Linear layout [n, k]
+    b, kn = weight_operand(w)
+    assert not kn and b.data_ptr() == w.data_ptr()
+    base = torch.randn(32, 64, dtype=torch.float16)  # [k, n]; base.t() is the backward's view
+    b, kn = weight_operand(base.t())
+    assert kn and b.data_ptr() == base.data_ptr() and b.shape == (32, 64)
+    ragged = torch.randn(32, 1001, dtype=torch.float16)  # 1001 * 2 bytes per [k, n] row: not TMA-readable
+    b, kn = weight_operand(ragged.t())
+    assert not kn and b.shape == (1001, 32) and b.is_contiguous() and torch.equal(b, ragged.t())

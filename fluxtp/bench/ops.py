@@ -40,6 +40,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # a case is timed ("auto" is only an alias of one of them).
 CANDIDATE_BACKENDS = ("nccl", "torch", "fused")
 BASELINE = "nccl"
+WEIGHT_LAYOUTS = ("linear", "transposed")
 
 # Agreement with the nccl reference: max |out - ref| / max |ref| (a max-norm, so that one wrong
 # tile among millions of right elements cannot hide in an average). Each output is its exact
@@ -99,6 +100,7 @@ class OpsConfig:
     backends: tuple[str, ...] | None  # None: every candidate that can run a case; else the baseline first
     protocol: Protocol
     cuda_graphs: bool = False
+    weight_layout: str = "linear"  # or "transposed": the weight as the backward passes it
 
 
 def add_arguments(group) -> None:
@@ -113,6 +115,13 @@ def add_arguments(group) -> None:
         "--cuda-graphs",
         action="store_true",
         help="time every variant as CUDA graph replays (GPU only; how decode steps run)",
+    )
+    group.add_argument(
+        "--weight-layout",
+        choices=WEIGHT_LAYOUTS,
+        default="linear",
+        help="linear: the weight [N, K] row-major, as nn.Linear holds it (default); transposed: a view [N, K] "
+        "with strides (1, N), the W^T of a [K, N] weight that fluxtp.nn's backward passes",
     )
 
 
@@ -182,11 +191,21 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> OpsCo
     cuda_graphs = bool(getattr(args, "cuda_graphs", False))
     if cuda_graphs and device_type != "cuda":
         raise ValueError("--cuda-graphs needs CUDA GPUs")
-    return OpsConfig(cases, DTYPES[dtype_name], parse_backends(args.backends), protocol, cuda_graphs)
+    weight_layout = getattr(args, "weight_layout", "linear") or "linear"
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"--weight-layout: {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+    return OpsConfig(cases, DTYPES[dtype_name], parse_backends(args.backends), protocol, cuda_graphs, weight_layout)
 
 
 def _random(shape, dtype, device, generator, scale=1.0) -> torch.Tensor:
     return torch.randn(shape, dtype=dtype, device=device, generator=generator).mul_(scale)
+
+
+def _random_weight(shape, dtype, device, generator, scale, layout: str) -> torch.Tensor:
+    """A weight [N, K]: row-major, or ("transposed") the transposed view of a row-major [K, N]."""
+    if layout == "transposed":
+        return _random(shape[::-1], dtype, device, generator, scale).t()
+    return _random(shape, dtype, device, generator, scale)
 
 
 def select_backends(
@@ -299,12 +318,13 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
     itemsize = torch.empty((), dtype=dtype).element_size()
     copies = input_copies((math.prod(x_shape) + math.prod(w_shape)) * itemsize, cache_bytes(device))
     w_scale = w_shape[1] ** -0.5  # keeps outputs O(1), like a trained layer's
+    layout = config.weight_layout
     inputs = [
-        (_random(x_shape, dtype, device, generator), _random(w_shape, dtype, device, generator, w_scale))
+        (_random(x_shape, dtype, device, generator), _random_weight(w_shape, dtype, device, generator, w_scale, layout))
         for _ in range(copies)
     ]
     gemm_inputs = [
-        (_random(gx_shape, dtype, device, generator), _random(gw_shape, dtype, device, generator, w_scale))
+        (_random(gx_shape, dtype, device, generator), _random_weight(gw_shape, dtype, device, generator, w_scale, layout))
         for _ in range(copies)
     ]
     x0, w0 = inputs[0]
@@ -340,6 +360,7 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         "K": case.shape.K,
         "dtype": str(dtype).removeprefix("torch."),
         "cuda_graphs": config.cuda_graphs,
+        "weight_layout": layout,
         "ms": {k: round(v, 5) for k, v in ms.items()},
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_gemm, t_nccl), 4) for n in names},
         "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},

@@ -13,13 +13,19 @@ _descriptors: dict[tuple, TensorDescriptor] = {}
 _MAX_DESCRIPTORS = 256
 
 
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
+def _tma_compatible(t: torch.Tensor) -> bool:
     """TMA needs a unit last stride and a 16-byte aligned base and row stride."""
-    if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
-        t = t.contiguous()
-    if t.data_ptr() % 16:
-        t = t.clone()
-    return t
+    size = t.element_size()
+    return t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself if TMA can read it, else a row-major copy (callers check the last dim is a
+    multiple of 16 bytes, so the copy's rows are aligned)."""
+    if _tma_compatible(t):
+        return t
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -27,10 +33,11 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
     A transposed view (strides (1, n): the W^T of a [k, n] weight that the backward passes)
     is read through its row-major [k, n] base with kn=True, not copied: a copy cost a read and
-    a write of every weight on every backward step. Anything else is made TMA-ready as [n, k].
+    a write of every weight on every backward step. If TMA cannot read that base (n not a
+    multiple of 16 bytes), and for any other layout, the weight is read as a row-major [n, k].
     """
-    if weight.stride(-1) != 1 and weight.stride(0) == 1:
-        return tma_ready(weight.t()), True
+    if weight.stride(-1) != 1 and weight.stride(0) == 1 and _tma_compatible(weight.t()):
+        return weight.t(), True
     return tma_ready(weight), False
 
 

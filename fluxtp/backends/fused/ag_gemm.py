@@ -53,9 +53,10 @@ class AllGatherMatmulConfig(GemmTiling):
         else:
             config = AllGatherMatmulConfig()
         # A peer's shard lands long before the GEMM needs it (own rows come first), but the own
-        # shard's first chunk delays the GEMM's start: four chunks at large M, two at small M
-        # (each chunk costs host launch time, which small M cannot hide).
-        pieces = 4 if rows_per_rank >= 2048 else 2
+        # shard's first chunk delays the GEMM's start: four chunks from 4096 rows per rank on,
+        # else one. Each chunk costs two host calls (a copy and a signal, 20-40 us each on the
+        # H200 hosts: docs/perf-log.md), which a GEMM shorter than ~1 ms cannot hide.
+        pieces = 4 if rows_per_rank >= 4096 else 1
         chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, pieces), config.block_m) * config.block_m)
         return dataclasses.replace(config, chunk_rows=chunk)
 

@@ -9,10 +9,17 @@ TWO = GroupInfo(None, 0, 2)
 
 
 def test_all_gather_matmul_counts_gathered_tokens():
-    w = torch.empty(8, 64)
+    w = torch.empty(14336, 64, device="meta")  # LLaMA-70B gate projection per rank at TP=2
     threshold = fused.AUTO_MIN_TOKENS["all_gather_matmul"]
-    assert not fused.preferred("all_gather_matmul", torch.empty(threshold // 2 - 1, 64), w, TWO)
-    assert fused.preferred("all_gather_matmul", torch.empty(threshold // 2, 64), w, TWO)
+    assert not fused.preferred("all_gather_matmul", torch.empty(threshold // 2 - 1, 64, device="meta"), w, TWO)
+    assert fused.preferred("all_gather_matmul", torch.empty(threshold // 2, 64, device="meta"), w, TWO)
+
+
+def test_all_gather_matmul_needs_enough_output_per_rank():
+    """At 4096 tokens the narrow q projection (N/W = 4096) lost; 8192 tokens of it won."""
+    q = torch.empty(4096, 64, device="meta")
+    assert not fused.preferred("all_gather_matmul", torch.empty(2048, 64, device="meta"), q, TWO)
+    assert fused.preferred("all_gather_matmul", torch.empty(4096, 64, device="meta"), q, TWO)
 
 
 def test_matmul_reduce_scatter_counts_rows():

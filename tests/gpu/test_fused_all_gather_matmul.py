@@ -129,7 +129,9 @@ def _auto_body(rank, world, seed):
 
     assert backends.choose("all_gather_matmul", "auto", x, w, resolve_group(None)) == "nccl"  # small M: measured slower
     big = torch.empty(2048, x.shape[1], device="cuda", dtype=x.dtype)
-    assert backends.choose("all_gather_matmul", "auto", big, w, resolve_group(None)) == "fused"
+    wide = torch.empty(14336, x.shape[1], device="cuda", dtype=x.dtype)  # enough output per rank
+    assert backends.choose("all_gather_matmul", "auto", big, wide, resolve_group(None)) == "fused"
+    assert backends.choose("all_gather_matmul", "auto", big, w, resolve_group(None)) == "nccl"  # narrow N: slower
     with pytest.raises(ValueError, match="multiple of 8"):
         fluxtp.all_gather_matmul(torch.randn(4, 12, device="cuda", dtype=torch.bfloat16),
                                  torch.randn(8, 12, device="cuda", dtype=torch.bfloat16), backend="fused")

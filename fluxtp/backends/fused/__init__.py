@@ -25,6 +25,11 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # 8.9 vs 12.5 us, 1 MB: 11.8 vs 20.0, 8 MB: 50.6 vs 55.1; 16 MB lost, 106 vs 88:
 # all_reduce-h200-x2-2026-11-22.json).
 AUTO_MIN_TOKENS = {"all_gather_matmul": 4096, "matmul_reduce_scatter": 8192}
+# ... and an all-gather GEMM of at least 2^25 output elements per rank (tokens x N/W): at 4096
+# tokens and N/W = 4096 (the q projection, the o projection's backward at LLaMA-70B dims) the
+# fused op lost, 0.73x (host cost and the two barriers per call, docs/perf-log.md); from
+# 8192 x 4096 and 4096 x 14336 on it won, 1.03-1.13x (ops-h200-x2-2026-11-22-ag-train-*.json).
+AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_N = {"matmul_reduce_scatter": 8192}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
@@ -51,7 +56,11 @@ def preferred(op: str, x, weight, info: GroupInfo) -> bool:
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
-    return tokens >= AUTO_MIN_TOKENS.get(op, float("inf")) and weight.shape[0] <= AUTO_MAX_N.get(op, weight.shape[0])
+    return (
+        tokens >= AUTO_MIN_TOKENS.get(op, float("inf"))
+        and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
+        and weight.shape[0] <= AUTO_MAX_N.get(op, weight.shape[0])
+    )
 
 
 def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):

@@ -21,7 +21,7 @@ Backward (what each autograd function computes; G_* are gradients):
             G_b       = all_reduce(sum of G_out_shard rows)  (the bias is whole on every rank)
 
 The W_shard^T passed to the ops is a transposed view ([K, n] with strides (1, K)), not a copy;
-a backend whose kernel needs another layout makes it contiguous itself.
+the fused kernels read it in place (their B_KN path), cuBLAS as a transposed operand.
 
 Nothing beside a fused op: no plain collective of ours is in flight while a fused op runs.
 The fused kernels are persistent (one program per SM) and spin on peers' signals; an NCCL

@@ -116,11 +116,14 @@ def test_a_cached_config_other_than_the_heuristic_is_launched(op, tmp_path):
     base = tune.heuristic(op, shape.M, shape.N, shape.K, WORLD)
     # the heuristic's tiling with another tile order and the op's other knob (both kernel paths
     # are covered by the fused-op GPU tests), from the search space
-    if op == "all_gather_matmul":
-        other = dataclasses.replace(base, group_m=4, chunk_rows=base.chunk_rows * 2)
+    space = tune.search_space(op, shape.M, shape.N, shape.K, WORLD)
+    if op == "all_gather_matmul":  # another chunking of the search space's
+        other = next(
+            c for c in space if c.chunk_rows != base.chunk_rows and c == dataclasses.replace(base, group_m=4, chunk_rows=c.chunk_rows)
+        )
     else:
         other = dataclasses.replace(base, group_m=4, push=not base.push)
-    assert other != base and other in tune.search_space(op, shape.M, shape.N, shape.K, WORLD)
+    assert other != base and other in space
     gpu = torch.cuda.get_device_name(0)
     key = tune.Key(gpu, WORLD, "bfloat16", op, shape.N, shape.K, tune.m_bucket(shape.M))
     cache_dir = tmp_path / "cache"

@@ -9,6 +9,8 @@ steps, then the wall time of --steps steps (CUDA events, median), then the same 
 torch.profiler. Kernels are grouped by kind (KINDS: first matching pattern wins); `busy` is
 the union of all kernel intervals (any stream) per step, so `wall - busy` is time no kernel
 ran at all (host launch cost, or a wait on the host). A spinning fused kernel counts as busy.
+`wall` comes from unprofiled steps and `busy` from profiled ones, which the profiler slows:
+where the GPU is rarely idle, `idle` can read slightly negative.
 Rank 0 prints the table and writes the JSON (fluxtp.bench/1 envelope, scenario
 "train_profile"); the other ranks' timelines are alike (the step is symmetric).
 """

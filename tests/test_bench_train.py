@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -352,3 +353,27 @@ def test_gpu_defaults_are_llama3_70b_layers_at_4096_and_8192_tokens():
     args = cli.build_parser().parse_args(["bench", "train", "--loss-steps", "50", "--seq", "4096"])
     config = train.make_config(args, 2, "cuda")
     assert (config.loss_steps, config.seqs, config.loss_lr) == (50, (4096,), None)
+
+
+def _profile_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step_profile.py"
+    spec = importlib.util.spec_from_file_location("train_step_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_profile_groups_kernels_and_counts_busy_time_once():
+    profile = _profile_script()
+    assert profile.kind_of("all_gather_matmul_kernel") == "fused all_gather_matmul"
+    assert profile.kind_of("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
+    assert profile.kind_of("c10d::symmetric_memory::barrier_kernel(unsigned int**, int)") == "symm barrier/signal"
+    assert profile.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm (cuBLAS)"
+    assert profile.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+    assert profile.kind_of("void at::native::CatArrayBatchedCopy<...>") == "copy/cat/transpose"
+    assert profile.kind_of("void at::native::rms_norm_kernel") == "other"
+    # overlapping kernels on two streams count once; a gap counts not at all
+    assert profile.union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert profile.union_us([]) == 0

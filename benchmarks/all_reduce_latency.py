@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import shlex
 import sys
 
 import torch
-import torch.distributed as dist
 
 import fluxtp
-from fluxtp._dist import destroy_process_group, resolve_group
+from fluxtp._dist import destroy_process_group, init_torchrun_cuda
 from fluxtp.bench.harness import Protocol, Variant, measure
 from fluxtp.bench.ops import _graphed
 from fluxtp.bench.results import envelope, write_json
@@ -35,11 +33,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the results JSON here")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
-    info = resolve_group(None)
+    device, info = init_torchrun_cuda()
+    rank = info.rank
     g = torch.Generator(device=device).manual_seed(rank)
     rows = []
     for numel in SIZES:

@@ -18,18 +18,16 @@ Rank 0 prints the table and writes the JSON (fluxtp.bench/1 envelope, scenario
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
-from fluxtp._dist import destroy_process_group, resolve_group
+from fluxtp._dist import destroy_process_group, init_torchrun_cuda
 from fluxtp.bench import train
 from fluxtp.bench.results import envelope, write_json
 
@@ -104,11 +102,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", help="write the results JSON here")
     args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
-    info = resolve_group(None)
+    device, info = init_torchrun_cuda()
+    rank = info.rank
     namespace = argparse.Namespace(
         model=args.model, layers=args.layers, seq=str(args.seq), batch=1, dtype=None, backends=None, rounds=None
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,15 @@ def backend_name(info: GroupInfo) -> str:
     if info.group is None:
         return "none"
     return str(dist.get_backend(info.group)).lower()
+
+
+def init_torchrun_cuda() -> tuple[torch.device, GroupInfo]:
+    """In a torchrun worker: this rank's GPU (LOCAL_RANK, else RANK) and an NCCL world group."""
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    return device, resolve_group(None)
 
 
 def destroy_process_group() -> None:

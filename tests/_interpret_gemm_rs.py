@@ -4,8 +4,8 @@ ranks simulated in one process: the "symmetric buffers" are CPU tensors addresse
 same int64 address table the GPUs use; every rank runs its peer steps (push or pull stores and
 flags) first, then every rank its own-rows step (waits, fixed-order reduction, bias, output).
 Worlds of 2, 3 and 4, push and pull, ragged rows per rank, N and K not tile multiples, bias, the
-weight as a transposed view (the backward's layout, read without a copy), poisoned outputs and buffers, determinism, the GEMM-only mode, and that a missing flag stops
-the kernel.
+weight as a transposed view (the backward's layout, read without a copy), poisoned outputs and
+buffers, determinism, the GEMM-only mode, and that a missing flag stops the kernel.
 
 float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
 """

@@ -28,7 +28,8 @@ AUTO_MIN_TOKENS = {"all_gather_matmul": 4096, "matmul_reduce_scatter": 8192}
 # ... and an all-gather GEMM of at least 2^25 output elements per rank (tokens x N/W): at 4096
 # tokens and N/W = 4096 (the q projection, the o projection's backward at LLaMA-70B dims) the
 # fused op lost, 0.73x (host cost and the two barriers per call, docs/perf-log.md); from
-# 8192 x 4096 and 4096 x 14336 on it won, 1.03-1.13x (ops-h200-x2-2026-11-22-all_gather_matmul-train-*.json).
+# 8192 x 4096 and 4096 x 14336 on it won, 1.03-1.13x, except 8192 x 14336 with the backward's
+# transposed weight view, 0.94x (ops-h200-x2-2026-11-22-all_gather_matmul-train-*.json).
 AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_N = {"matmul_reduce_scatter": 8192}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}

@@ -118,10 +118,11 @@ def launch_kernel(
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
-    x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor); out [M/W, n]; buffer_ptrs int64 [W] of buffers laid out
-    as Layout.of(...) says, their flags zero (or set by peers). Runs owner steps
-    first_step..last_step (default all: 0..W-1, the last being this rank's own rows). A wait
-    that gives up writes (peer rank, tile, rank) into `report` (default: this process's record).
+    x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor); out [M/W, n];
+    buffer_ptrs int64 [W] of buffers laid out as Layout.of(...) says, their flags zero (or set
+    by peers). Runs owner steps first_step..last_step (default all: 0..W-1, the last being this
+    rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
+    (default: this process's record).
     """
     m_total, k = x.shape
     n = weight.shape[0]

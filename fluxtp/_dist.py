@@ -65,6 +65,15 @@ def backend_name(info: GroupInfo) -> str:
     return str(dist.get_backend(info.group)).lower()
 
 
+def max_over_ranks(values, info: GroupInfo, device) -> list[float]:
+    """Each of `values` maximized over the ranks of info's group (float64; collective), so that
+    every rank reaches the same verdict or number; the values themselves without a group."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if info.group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.group)
+    return t.tolist()
+
+
 def init_torchrun_cuda() -> tuple[torch.device, GroupInfo]:
     """In a torchrun worker: this rank's GPU (LOCAL_RANK, else RANK) and an NCCL world group."""
     rank = int(os.environ["RANK"])

@@ -86,6 +86,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fluxtp._dist import max_over_ranks
+
 SCHEMA = "fluxtp.tune/1"
 CACHE_FILE = "configs.json"
 # The shipped table: package data of fluxtp (pyproject.toml's package-data ships it).
@@ -652,13 +654,6 @@ def _same_on_every_rank(values: list, info) -> list:
     return values
 
 
-def _agree_max(values, info, device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if info.group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.group)
-    return t.tolist()
-
-
 def _launchers(op: str):
     """(the fused op's launcher as fn(x, w, info, config) -> (out, gathered or None), gemm_only)."""
     if op == "all_gather_matmul":
@@ -691,14 +686,14 @@ def _check(op, config, inputs, ref, ref_gathered, info, device) -> tuple[str | N
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001  OutOfResources and other compiler rejections: the same on every rank
         reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200]
-    (failed,) = _agree_max([float(reason is not None)], info, device)
+    (failed,) = max_over_ranks([float(reason is not None)], info, device)
     if failed:
         return reason or "does not compile or launch on another rank", False
     out, gathered = run(x, w, info, config)
     shape_differs = tuple(out.shape) != tuple(ref.shape)
     error = math.inf if shape_differs else relative_error(out, ref)
     gathered_differs = gathered is not None and not torch.equal(gathered, ref_gathered)
-    error, gathered_differs = _agree_max([error, float(gathered_differs)], info, device)
+    error, gathered_differs = max_over_ranks([error, float(gathered_differs)], info, device)
     if gathered_differs:
         return "the gathered input differs from the nccl reference's", True
     if not error <= VERIFY_TOLERANCE[x.dtype]:
@@ -715,7 +710,7 @@ def _variant(op, name, config, inputs, info):
 
 def _time_left(deadline: float, info, device) -> float:
     """Seconds to the deadline, the smallest over the ranks (so every rank decides alike)."""
-    return -_agree_max([-(deadline - time.monotonic())], info, device)[0]
+    return -max_over_ranks([-(deadline - time.monotonic())], info, device)[0]
 
 
 def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progress=False) -> ShapeResult:
@@ -803,7 +798,7 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     per_round_s = sum(sample_s[c] for c in finalists)
     per_round_s += 2 * max(sample_s[c] for c in finalists) + baselines_round_s
     rounds = int(min(GPU_PROTOCOL.rounds, _time_left(deadline, info, device) / max(per_round_s, 1e-6) - 1))
-    rounds = int(-_agree_max([-float(rounds)], info, device)[0])
+    rounds = int(-max_over_ranks([-float(rounds)], info, device)[0])
     final = Protocol(max(3, rounds), 1, calls)
     ms = measure([_variant(op, n, c, inputs, info) for n, c in zip(names, finalists)], final, info, device)
     (pick,) = _same_on_every_rank([min(range(len(finalists)), key=lambda j: (ms[names[j]], j))], info)

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fluxtp._dist import GroupInfo
+from fluxtp._dist import GroupInfo, max_over_ranks
 
 # A set of inputs smaller than this many caches gets rotated copies (protocol step 4).
 ROTATE_BELOW_CACHE_MULTIPLE = 4
@@ -182,7 +182,4 @@ def measure(
         statistics.median(clock.elapsed_ms(start, end) / protocol.calls_per_sample for start, end in marks[name])
         for name in names
     ]
-    slowest = torch.tensor(medians, dtype=torch.float64, device=device)
-    if info.group is not None:
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=info.group)
-    return dict(zip(names, slowest.tolist(), strict=True))
+    return dict(zip(names, max_over_ranks(medians, info, device), strict=True))

@@ -21,14 +21,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
 from tqdm import tqdm
 
 import fluxtp
 from fluxtp import backends
-from fluxtp._dist import GroupInfo
+from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies, measure
 from fluxtp.bench.harness import overlap_efficiency, speedup
@@ -255,12 +254,9 @@ def verify(case: Case, names: list[str], x, weight, info: GroupInfo) -> None:
         shape_differs = tuple(out.shape) != tuple(ref.shape) or out.dtype != ref.dtype
         error = math.inf if shape_differs else relative_error(out, ref)  # the baseline: 0, or inf on NaN
         gathered_differs = gathered is not None and not torch.equal(gathered, ref_gathered)
-        worst = torch.tensor(
-            [error, float(gathered_differs), float(shape_differs)], dtype=torch.float64, device=x.device
+        error, gathered_differs, shape_differs = max_over_ranks(
+            [error, float(gathered_differs), float(shape_differs)], info, x.device
         )
-        if info.group is not None:
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)  # all ranks reach the same verdict
-        error, gathered_differs, shape_differs = worst.tolist()
         where = f"{case.op} {case.shape} {str(x.dtype).removeprefix('torch.')}"
         if shape_differs:
             raise BenchError(

@@ -25,6 +25,17 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, path: str, title: str, fontsize: int = 11) -> None:
+    """The common ending of every benchmark picture: the title, a tight layout, a 120-dpi file
+    at `path`, the figure closed (pyplot keeps open figures alive)."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_ops(rows: list[dict], path: str, title: str) -> None:
     """One panel per op: E_overlap against M for each backend compared with NCCL, or, when only
     the baseline ran (the CPU demo), time per call against M for every variant."""
@@ -70,7 +81,4 @@ def plot_ops(rows: list[dict], path: str, title: str) -> None:
         ax.set_title(f"{op}\n{layer}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)

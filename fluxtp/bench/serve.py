@@ -46,10 +46,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from fluxtp._dist import GroupInfo
+from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
 from fluxtp.bench.ops import BASELINE, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error, select_backends
@@ -255,10 +254,7 @@ def _check(
 ) -> None:
     """BenchError on every rank when `logits` is off nccl's `ref` by more than the tolerance."""
     error = relative_error(logits, ref) if logits.shape == ref.shape else math.inf
-    worst = torch.tensor([error], dtype=torch.float64, device=ref.device)
-    if info.group is not None:
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)  # every rank reaches the same verdict
-    error = worst.item()
+    (error,) = max_over_ranks([error], info, ref.device)
     if not error <= tolerance:
         how = "NaN, Inf or a wrong shape" if math.isinf(error) else f"max-norm relative error {error:.3g}"
         raise BenchError(
@@ -423,7 +419,7 @@ def format_table(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str, title: str) -> None:
     """Per phase: time per call of every variant (top) and each backend's speedup against nccl
     beside the ideal (bottom), over the (batch, prompt_len) cases."""
-    from fluxtp.bench.plot import _pyplot
+    from fluxtp.bench.plot import _pyplot, save_figure
 
     plt = _pyplot()
     phases = list(dict.fromkeys(r["phase"] for r in rows))
@@ -448,7 +444,4 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             ax.set_xlabel("batch b, prompt_len s")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)

@@ -92,7 +92,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from tqdm import tqdm
 
-from fluxtp._dist import GroupInfo, resolve_group
+from fluxtp._dist import GroupInfo, max_over_ranks, resolve_group
 from fluxtp.backends import reference
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
@@ -513,10 +513,7 @@ def verify(trainer: Trainer, names: list[str], info: GroupInfo, where: str) -> N
         ref = trainer.forward(BASELINE)
         for name in names:
             error = relative_error(trainer.forward(name), ref)  # the baseline: 0, or inf on NaN
-            worst = torch.tensor([error], dtype=torch.float64, device=ref.device)
-            if info.group is not None:
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=info.group)
-            error = worst.item()
+            (error,) = max_over_ranks([error], info, ref.device)
             if not error <= tolerance:
                 what = "NaN or Inf in the output" if math.isinf(error) else f"max-norm relative error {error:.3g}"
                 raise BenchError(
@@ -823,7 +820,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def _plot_losses(rows: list[dict], path: str, title: str) -> None:
     """Loss against step per variant (left) and each curve's relative difference from nccl's
     (right, log scale; the within-noise bound dotted)."""
-    from fluxtp.bench.plot import _pyplot
+    from fluxtp.bench.plot import _pyplot, save_figure
 
     plt = _pyplot()
     ref = next(r for r in rows if r["backend"] == BASELINE)["losses"]
@@ -863,14 +860,11 @@ def _plot_losses(rows: list[dict], path: str, title: str) -> None:
             f"AdamW lr up to {first['lr']:g} over {first['warmup_steps']} steps, then down to "
             f"{first['final_lr_fraction']:g}x"
         )
-    fig.suptitle(f"{title}\nloss curves, {first['dtype']}, {schedule}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{title}\nloss curves, {first['dtype']}, {schedule}", fontsize=10)
 
 
 def _plot_timing(rows: list[dict], path: str, title: str) -> None:
-    from fluxtp.bench.plot import _pyplot
+    from fluxtp.bench.plot import _pyplot, save_figure
 
     plt = _pyplot()
     rows = sorted(rows, key=lambda r: r["seq"])
@@ -902,7 +896,4 @@ def _plot_timing(rows: list[dict], path: str, title: str) -> None:
         ax.set_xlabel(f"seq (batch {rows[0]['batch']}, {rows[0]['model']} x{rows[0]['layers']} layers)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)

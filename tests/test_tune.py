@@ -507,10 +507,26 @@ SLOW = {"group_m": 16}  # stand-in cost model: these configs are 3x slower than 
 BEST = {"block_n": 128, "num_stages": 4, "group_m": 4}  # and this one the fastest
 
 
+_REFERENCES = []  # (x, w, (out, gathered)) per rank process; held, so no later input reuses their memory
+
+
+def _reference(x, w, info):
+    """The stand-ins' output: the gloo reference, computed once per input pair (every rank sees
+    the same pairs in the same order; the tuner asks _launchers again for every candidate, so
+    the cache is the module's). Recomputed per call, its jitter on 2 busy cores swamped the
+    stand-in costs' 1.5 ms differences, and the tuner now and then picked another winner."""
+    import fluxtp
+
+    result = next((res for rx, rw, res in _REFERENCES if rx is x and rw is w), None)
+    if result is None:
+        result = fluxtp.all_gather_matmul(x, w, group=info.group, backend="nccl", return_gathered=True)
+        _REFERENCES.append((x, w, result))
+    return result
+
+
 def _fake_launchers(op):
     """CPU stand-ins for the fused launchers: the nccl reference plus a sleep that depends on the
     config; a 256x128 tile "does not compile", and num_warps=4 with 5 stages computes garbage."""
-    import fluxtp
 
     def cost_s(config):
         if all(getattr(config, k) == v for k, v in BEST.items()):
@@ -518,7 +534,7 @@ def _fake_launchers(op):
         return 0.006 if all(getattr(config, k) == v for k, v in SLOW.items()) else 0.002
 
     def run(x, w, info, config):
-        out, gathered = fluxtp.all_gather_matmul(x, w, group=info.group, backend="nccl", return_gathered=True)
+        out, gathered = _reference(x, w, info)
         time.sleep(cost_s(config))
         if config.num_warps == 4 and config.num_stages == 5:
             out = out + 1
@@ -639,10 +655,9 @@ LUCKY = [False]  # the stand-in below: BEST is fast until the confirmation measu
 def _lucky_launchers(op):
     """BEST looks fastest while candidates are screened and compared, but is the slowest in the
     confirmation: a finalist that got lucky."""
-    import fluxtp
 
     def run(x, w, info, config):
-        out, gathered = fluxtp.all_gather_matmul(x, w, group=info.group, backend="nccl", return_gathered=True)
+        out, gathered = _reference(x, w, info)
         best = all(getattr(config, k) == v for k, v in BEST.items())
         time.sleep((0.006 if LUCKY[0] else 0.0005) if best else 0.002)
         return out, gathered

@@ -15,6 +15,7 @@ import fluxtp
 from fluxtp import symm
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, check_all_gather_matmul, draw, rel_error
+from tests.gpu import WORLD
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +53,7 @@ def _shapes_body(rank, world, seed):
 
 
 def test_shapes_and_dtypes():
-    run_on_ranks(_shapes_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_shapes_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _back_to_back_body(rank, world, seed):
@@ -64,7 +65,7 @@ def _back_to_back_body(rank, world, seed):
 
 
 def test_back_to_back_without_sync():
-    run_on_ranks(_back_to_back_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_back_to_back_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _delayed_body(rank, world, seed):
@@ -82,7 +83,7 @@ def _delayed_body(rank, world, seed):
 
 
 def test_delayed_copy_stream_and_late_peer():
-    run_on_ranks(_delayed_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_delayed_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _graph_body(rank, world, seed):
@@ -104,11 +105,11 @@ def _graph_body(rank, world, seed):
 
 
 def test_cuda_graph_replay():
-    run_on_ranks(_graph_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_graph_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _two_groups_body(rank, world, seed):
-    other = dist.new_group([0, 1])
+    other = dist.new_group(list(range(world)))
     for i in range(20):
         group = other if i % 2 else None
         m, k = (256, 512) if i % 4 < 2 else (96, 256)  # alternating shapes too
@@ -118,7 +119,7 @@ def _two_groups_body(rank, world, seed):
 
 
 def test_two_groups_alternating():
-    run_on_ranks(_two_groups_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_two_groups_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _auto_body(rank, world, seed):
@@ -138,4 +139,4 @@ def _auto_body(rank, world, seed):
 
 
 def test_auto_policy_and_k_must_be_multiple_of_8():
-    run_on_ranks(_auto_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_auto_body, WORLD, random.randrange(1 << 30), backend="nccl")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import fluxtp
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, draw, rel_error
+from tests.gpu import WORLD
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
@@ -85,7 +86,7 @@ def _shapes_body(rank, world, seed):
 
 
 def test_shapes_dtypes_bitwise_same_on_ranks():
-    run_on_ranks(_shapes_body, 2, random.randrange(1 << 30), backend="nccl", timeout_s=540)
+    run_on_ranks(_shapes_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=540)
 
 
 def _back_to_back_body(rank, world, seed):
@@ -110,7 +111,7 @@ def _back_to_back_body(rank, world, seed):
 
 
 def test_back_to_back_without_sync():
-    run_on_ranks(_back_to_back_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_back_to_back_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _delayed_body(rank, world, seed):
@@ -127,7 +128,7 @@ def _delayed_body(rank, world, seed):
 
 
 def test_delayed_peer():
-    run_on_ranks(_delayed_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_delayed_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _graph_body(rank, world, seed):
@@ -165,11 +166,11 @@ def _graph_body(rank, world, seed):
 
 
 def test_cuda_graph_replays():
-    run_on_ranks(_graph_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_graph_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _two_groups_body(rank, world, seed):
-    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    groups = [dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
     for i in range(20):
         group = groups[i % 2]
         x, w, b, xl, wl = _inputs(seed + i, world, rank, 16 + i, 1024, 512, torch.bfloat16, i % 3 == 0)
@@ -177,7 +178,7 @@ def _two_groups_body(rank, world, seed):
 
 
 def test_two_groups_alternating():
-    run_on_ranks(_two_groups_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_two_groups_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 # One process, one GPU, rank 0 of a world of 2 whose "peer" never pushes: the reduce phase's wait

@@ -25,6 +25,7 @@ from fluxtp.backends import fused
 from fluxtp.backends.fused import gemm_rs
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, check_matmul_reduce, draw, rel_error
+from tests.gpu import WORLD
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,23 +94,25 @@ def _poison_workspace(x_local, w_local, config, group=None):
     dist.barrier(group=group)
 
 
-# (M total, N, k per rank): tile multiples, ragged rows per rank (300 = 2.3 tiles), N not a tile
-# multiple and not a multiple of 8 (unaligned rows), one row per rank, tiny N and K, the large
-# 128x256 config (M > 2048, N > 4096) with a K tail.
-SHAPES = [(2048, 1024, 512), (600, 1000, 256), (600, 1001, 136), (2, 96, 64), (258, 8, 8), (4096, 5120, 520)]
+# (output rows per rank, N, k per rank), so that M = rows * world divides at any world size:
+# tile multiples, ragged rows per rank (300 = 2.3 tiles), N not a tile multiple and not a
+# multiple of 8 (unaligned rows), one row per rank, tiny N and K, the large 128x256 config
+# (M > 2048, N > 4096) with a K tail.
+SHAPES = [(1024, 1024, 512), (300, 1000, 256), (300, 1001, 136), (1, 96, 64), (129, 8, 8), (2048, 5120, 520)]
 
 
 def _shapes_body(rank, world, seed):
     case = 0
     for d, dtype in enumerate(DTYPES):
-        for s, (m_total, n, k_local) in enumerate(SHAPES):
+        for s, (rows, n, k_local) in enumerate(SHAPES):
+            m_total = rows * world
             for push in (True, False):
                 with_bias = (d + s + push) % 2 == 0  # each shape and dtype: with and without bias
                 x, w, b, xl, wl = _inputs(seed + 10 * case, world, rank, m_total, n, k_local, dtype, with_bias)
                 what = f"{dtype} M={m_total} N={n} k={k_local} push={push} bias={with_bias}"
                 _fused(xl, wl, b, push)  # creates (or grows) the workspace for this shape
                 _poison_workspace(xl, wl, _config(xl, wl, push))
-                _poison_output_pool(m_total // world, n, dtype)
+                _poison_output_pool(rows, n, dtype)
                 err = _check(_fused(xl, wl, b, push), x, w, b, rank, world, what)
                 nccl = fluxtp.matmul_reduce_scatter(xl, wl, bias=b, backend="nccl")
                 err_nccl = _check(nccl, x, w, b, rank, world, f"{what} (nccl)")
@@ -120,7 +123,7 @@ def _shapes_body(rank, world, seed):
 
 def test_shapes_dtypes_push_and_pull():
     # Many kernel variants to compile (dtype, config, push/pull, bias, alignment): a longer deadline.
-    run_on_ranks(_shapes_body, 2, random.randrange(1 << 30), backend="nccl", timeout_s=540)
+    run_on_ranks(_shapes_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=540)
 
 
 def _transposed_weight_body(rank, world, seed):
@@ -135,7 +138,7 @@ def _transposed_weight_body(rank, world, seed):
 
 
 def test_transposed_weight_view():
-    run_on_ranks(_transposed_weight_body, 2, random.randrange(1 << 30), backend="nccl", timeout_s=300)
+    run_on_ranks(_transposed_weight_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=300)
 
 
 def _back_to_back_body(rank, world, seed):
@@ -159,7 +162,7 @@ def _back_to_back_body(rank, world, seed):
 
 
 def test_back_to_back_without_sync():
-    run_on_ranks(_back_to_back_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_back_to_back_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms
@@ -193,7 +196,7 @@ def _delayed_body(rank, world, seed):
 
 
 def test_delayed_producer():
-    run_on_ranks(_delayed_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_delayed_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _graph_body(rank, world, seed):
@@ -230,21 +233,21 @@ def _graph_body(rank, world, seed):
 
 
 def test_cuda_graph_replay():
-    run_on_ranks(_graph_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_graph_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _two_groups_body(rank, world, seed):
-    other = dist.new_group([0, 1])
+    other = dist.new_group(list(range(world)))
     for i in range(24):
         group = other if i % 2 else None
-        m_total, n, k_local = (1024, 640, 512) if i % 4 < 2 else (300, 520, 256)  # alternating shapes too
+        m_total, n, k_local = (1024, 640, 512) if i % 4 < 2 else (600, 520, 256)  # alternating shapes too
         x, w, b, xl, wl = _inputs(seed + 11 * i, world, rank, m_total, n, k_local, torch.float16, i % 3 == 0)
         out = _fused(xl, wl, b, push=i % 6 < 3, group=group)
         _check(out, x, w, b, rank, world, f"call {i} group={'other' if group else 'world'}")
 
 
 def test_two_groups_alternating():
-    run_on_ranks(_two_groups_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_two_groups_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _determinism_body(rank, world, seed):
@@ -262,7 +265,7 @@ def _determinism_body(rank, world, seed):
 
 
 def test_bitwise_deterministic():
-    run_on_ranks(_determinism_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_determinism_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _median_ms(fn, reps=20):
@@ -299,7 +302,7 @@ def _gemm_only_body(rank, world, seed):
 
 
 def test_gemm_only_mode():
-    run_on_ranks(_gemm_only_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_gemm_only_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _auto_body(rank, world, seed):
@@ -319,7 +322,7 @@ def _auto_body(rank, world, seed):
 
 
 def test_auto_policy_and_k_must_be_multiple_of_8():
-    run_on_ranks(_auto_body, 2, random.randrange(1 << 30), backend="nccl")
+    run_on_ranks(_auto_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 # One process, one GPU: the own-rows step of rank 0 with every flag set but tile 2's. The wait

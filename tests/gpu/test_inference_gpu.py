@@ -1,6 +1,6 @@
-"""fluxtp.inference on 2 GPUs (NCCL): greedy generation with the decode step in a CUDA graph, per
-backend, on a small random transformers Llama (hidden 256, 4 heads over 2 KV heads, ffn 512:
-every width a multiple of the fused kernels' 16-byte rows). Run on nvidia-h200-x2:
+"""fluxtp.inference on WORLD GPUs (NCCL): greedy generation with the decode step in a CUDA graph,
+per backend, on a small random transformers Llama (hidden 256, 2 * WORLD heads over WORLD KV heads,
+ffn 512: every width a multiple of the fused kernels' 16-byte rows). Run on nvidia-h200-x2:
 python -m pytest tests/gpu/test_inference_gpu.py    (about half a minute)
 
 - float32, nccl: the sharded model's tokens are HF's own greedy tokens (unsharded, same GPU).
@@ -25,19 +25,20 @@ import transformers
 
 from fluxtp.inference import TPLlama
 from fluxtp.testing import run_on_ranks
+from tests.gpu import WORLD
 from tests.test_inference import hf_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
-WORLD = 2
+
 BACKENDS = ("nccl", "torch", "fused")
 BATCH, PROMPT_LEN, NEW_TOKENS = 4, 12, 16
 REPLAY_RUNS = 20
 CONFIG = {
     "hidden_size": 256,
     "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 2 * WORLD,  # two heads per KV head, one KV head per rank
+    "num_key_value_heads": WORLD,
     "num_hidden_layers": 2,
     "vocab_size": 512,
     "max_position_embeddings": 256,

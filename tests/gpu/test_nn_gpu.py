@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from fluxtp.testing import MULTICAST_OFF, run_on_ranks
+from tests.gpu import WORLD
 from tests.test_nn_layers import check_column, check_row, check_shared_gather
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
-WORLD = 2
+
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_hybrid.py")
 
 

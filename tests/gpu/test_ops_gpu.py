@@ -18,10 +18,10 @@ import torch
 import fluxtp
 
 from fluxtp.testing import run_on_ranks
+from tests.gpu import WORLD
 from tests._cases import ALL_OPS, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
-WORLD = 2
 
 
 def _sweep_body(rank, world, seed, backend, dtype_names, ops):

@@ -17,9 +17,10 @@ import fluxtp
 from fluxtp import tune
 from fluxtp.bench.ops import Shape, relative_error, shard_shapes
 from fluxtp.testing import run_on_ranks
+from tests.gpu import WORLD
 
 ROOT = Path(__file__).resolve().parents[2]
-WORLD = 2
+
 BUDGET_S = 45
 # Process start, NCCL set-up and the first compile are outside the tuner's budget.
 STARTUP_SLACK_S = 120

@@ -1,4 +1,5 @@
-"""The public ops (one file each): validate, pick a backend, call the torch.library op."""
+"""The public ops (one file each): validate, pick a backend, call it (through the op's
+torch.library custom op wherever torch.compile, tracing or autograd could see the call)."""
 
 from fluxtp.ops._validate import BACKENDS
 from fluxtp.ops.all_reduce import all_reduce

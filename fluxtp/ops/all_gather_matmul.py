@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from fluxtp import backends
 from fluxtp._dist import group_from_name, resolve_group
+from fluxtp.ops._dispatch import direct
 from fluxtp.ops._validate import check_backend, check_linear_args
 
 OP = "all_gather_matmul"
@@ -64,5 +65,8 @@ def all_gather_matmul(
         y = F.linear(x_shard, weight, bias)
         return (y, x_shard.clone()) if return_gathered else y
     name = backends.choose(OP, backend, x_shard, weight, info)
-    y, x_gathered = _all_gather_matmul_op(x_shard, weight, bias, info.name, name, return_gathered)
+    if direct(x_shard, weight, bias):
+        y, x_gathered = backends.implementation(OP, name)(x_shard, weight, bias, info, return_gathered)
+    else:
+        y, x_gathered = _all_gather_matmul_op(x_shard, weight, bias, info.name, name, return_gathered)
     return (y, x_gathered) if return_gathered else y

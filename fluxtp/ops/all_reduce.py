@@ -6,6 +6,7 @@ import torch
 
 from fluxtp import backends
 from fluxtp._dist import group_from_name, resolve_group
+from fluxtp.ops._dispatch import direct
 from fluxtp.ops._validate import SUPPORTED_DTYPES, check_backend
 
 OP = "all_reduce"
@@ -45,4 +46,6 @@ def all_reduce(x: torch.Tensor, *, group=None, backend: str = "auto") -> torch.T
     if info.world_size == 1:
         return x.clone()
     name = backends.choose(OP, backend, x, None, info)
+    if direct(x):
+        return backends.implementation(OP, name)(x, info)
     return _all_reduce_op(x, info.name, name)

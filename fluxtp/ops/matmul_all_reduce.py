@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from fluxtp import backends
 from fluxtp._dist import group_from_name, resolve_group
+from fluxtp.ops._dispatch import direct
 from fluxtp.ops._validate import check_backend, check_linear_args
 
 OP = "matmul_all_reduce"
@@ -45,4 +46,6 @@ def matmul_all_reduce(
     if info.world_size == 1:
         return F.linear(x, weight, bias)
     name = backends.choose(OP, backend, x, weight, info)
+    if direct(x, weight, bias):
+        return backends.implementation(OP, name)(x, weight, bias, info)
     return _matmul_all_reduce_op(x, weight, bias, info.name, name)

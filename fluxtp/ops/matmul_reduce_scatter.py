@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from fluxtp import backends
 from fluxtp._dist import group_from_name, resolve_group
+from fluxtp.ops._dispatch import direct
 from fluxtp.ops._validate import check_backend, check_linear_args
 
 OP = "matmul_reduce_scatter"
@@ -51,4 +52,6 @@ def matmul_reduce_scatter(
             f"group's world size {info.world_size} to be scattered"
         )
     name = backends.choose(OP, backend, x, weight, info)
+    if direct(x, weight, bias):
+        return backends.implementation(OP, name)(x, weight, bias, info)
     return _matmul_reduce_scatter_op(x, weight, bias, info.name, name)

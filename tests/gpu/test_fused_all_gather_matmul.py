@@ -1,4 +1,4 @@
-"""Fused AllGather+GEMM on 2 GPUs against the float64 reference (run on nvidia-h200-x2).
+"""Fused AllGather+GEMM on every local GPU (tests/gpu: WORLD) against the float64 reference.
 
 Tests the synchronization as well as the math: poisoned outputs, ragged rows per rank, many
 back-to-back calls with fresh data and no host sync, a copy stream delayed on purpose, CUDA

@@ -1,4 +1,4 @@
-"""Fused GEMM+AllReduce and AllReduce on 2 GPUs against the float64 reference (run on nvidia-h200-x2).
+"""Fused GEMM+AllReduce and AllReduce on every local GPU (tests/gpu: WORLD) against the float64 reference.
 
 The one-shot kernel keeps no host-side state per call (epoch flags, two slot sets), so the
 tests lean on what could break that: poisoned outputs, M from 1 to 4096 (the larger ones take

@@ -1,4 +1,4 @@
-"""Fused GEMM+ReduceScatter on 2 GPUs against the float64 reference (run on nvidia-h200-x2).
+"""Fused GEMM+ReduceScatter on every local GPU (tests/gpu: WORLD) against the float64 reference.
 
 Tests the synchronization as well as the math: poisoned outputs and workspaces (stale partials
 read as NaN, stale flags read as "arrived", so a missing reset or a read before its flag shows),

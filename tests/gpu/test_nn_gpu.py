@@ -1,4 +1,4 @@
-"""fluxtp.nn on 2 GPUs (NCCL) in bfloat16: the layers against the unsharded nn.Linear with the
+"""fluxtp.nn on WORLD GPUs (NCCL) in bfloat16: the layers against the unsharded nn.Linear with the
 fused and auto backends (forward and the overlapped backward), and the hybrid-training example
 with TP 2 against the single-process float64 run. Run on nvidia-h200-x2:
 python -m pytest tests/gpu/test_nn_gpu.py

@@ -1,7 +1,7 @@
-"""The ops on 2 GPUs (NCCL): tests/_cases.py's sweep (odd shapes, bias or not, every op)
+"""The ops on WORLD GPUs (NCCL): tests/_cases.py's sweep (odd shapes, bias or not, every op)
 against float64 for the nccl and torch backends, and smoke runs of `fluxtp info` / `fluxtp bench`.
 
-Run on a host with 2 GPUs: python -m pytest tests/gpu
+Run on a host with 2 or more GPUs: python -m pytest tests/gpu
 """
 
 import json

@@ -1,4 +1,4 @@
-"""`fluxtp tune` on 2 GPUs: it finishes within its budget, writes the winner for this GPU, and
+"""`fluxtp tune` on WORLD GPUs: it finishes within its budget, writes the winner for this GPU, and
 the next call of the op (backend "fused") launches exactly that config; a hand-written cache
 entry that differs from the heuristic is launched too, and its result is right."""
 

@@ -107,7 +107,7 @@ def main():
     small = MatmulAllReduceConfig(block_m=16, block_n=16, block_k=16, num_stages=1, swap_ab=False)
     swapped = MatmulAllReduceConfig(block_m=16, block_n=32, block_k=16, num_stages=1, swap_ab=True)
     wide = MatmulAllReduceConfig(block_m=32, block_n=16, block_k=32, group_m=2, num_stages=1, swap_ab=False)
-    for world in (2, 3, 4):
+    for world in (2, 3, 4, 8):
         sim = World(world, 64 * 80)
         # Six calls on the same workspaces: epochs 0..5, both parities twice, shapes changing.
         gemm_call(sim, g, 1, 48, 32, True, small)  # decode: one row

@@ -142,6 +142,8 @@ def main():
         (3, 17, 40, 16, False, pull),
         (4, 9, 16, 16, True, odd_pull),  # fewer rows than a tile
         (4, 21, 40, 24, False, odd),
+        (8, 9, 16, 16, True, odd_pull),  # TP=8: seven peer slots per owner, one tile per rank
+        (8, 5, 40, 16, False, small),
     ]
     for i, (world, m, n, k_local, with_bias, cfg) in enumerate(cases):
         case(seed + i, world, m, n, k_local, with_bias, cfg)

@@ -21,7 +21,7 @@ from fluxtp.bench.harness import Protocol, Variant, input_copies, measure, overl
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_KEYS = {"op", "M", "N", "K", "dtype", "cuda_graphs", "weight_layout", "ms", "E_overlap", "speedup_vs_nccl"}
+ROW_KEYS = {"op", "M", "N", "K", "dtype", "cuda_graphs", "weight_layout", "calls_per_sample", "ms", "E_overlap", "speedup_vs_nccl"}
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
@@ -82,14 +82,30 @@ def test_cpu_bench_prints_a_table_and_writes_json_and_png(tmp_path):
 
 
 def test_bench_times_the_backward_weight_layout(tmp_path):
-    """--weight-layout transposed: every op verified and timed with the W^T views the backward passes."""
+    """--weight-layout transposed: every op verified and timed with the W^T views the backward
+    passes; --calls-per-sample is recorded in every row."""
     out = tmp_path / "bench.json"
-    done = fluxtp_cli("bench", "--weight-layout", "transposed", "--shapes", "64x48x32", "--rounds", "2", "--out", str(out))
+    args = ("--weight-layout", "transposed", "--calls-per-sample", "3", "--shapes", "64x48x32", "--rounds", "2")
+    done = fluxtp_cli("bench", *args, "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(out.read_text())
     check_envelope(data, world=2)
     assert {r["op"] for r in data["rows"]} == set(OPS)
-    assert all(r["weight_layout"] == "transposed" for r in data["rows"])
+    assert all(r["weight_layout"] == "transposed" and r["calls_per_sample"] == 3 for r in data["rows"])
+
+
+def test_bench_protocol_options_are_checked():
+    from fluxtp import cli
+    from fluxtp.bench import ops
+
+    def config(*args):
+        return ops.make_config(cli.build_parser().parse_args(["bench", *args]), 2, "cpu")
+
+    assert config("--calls-per-sample", "7", "--rounds", "4").protocol.calls_per_sample == 7
+    cpu = ops.CPU_PROTOCOL
+    assert config("--rounds", "4").protocol == Protocol(4, cpu.warmup_rounds, cpu.calls_per_sample)
+    with pytest.raises(ValueError, match="calls-per-sample"):
+        config("--calls-per-sample", "0")
 
 
 def test_bench_joins_a_torchrun_launch(tmp_path):

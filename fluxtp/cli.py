@@ -137,8 +137,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         from fluxtp import tune
 
         return tune.cmd_info_configs(args)
-    if args.op is not None or args.shapes or args.gpu or args.world is not None:
-        args.parser.error("--op, --shapes, --gpu and --world go with --configs")
+    if args.op is not None or args.shapes or args.gpu or args.world is not None or args.weight_layout is not None:
+        args.parser.error("--op, --shapes, --gpu, --world and --weight-layout go with --configs")
     device_type = local_device_type()
     n_gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     print(f"fluxtp    {fluxtp.__version__}")
@@ -248,6 +248,11 @@ def _add_info_config_arguments(info) -> None:
     configs.add_argument("--gpu", help="GPU name to look up (default: torch.cuda's GPU 0, or 'cpu' without one)")
     configs.add_argument("--world", type=int, help="group size (default: the local GPUs, at least 2)")
     configs.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    configs.add_argument(
+        "--weight-layout",
+        choices=("linear", "transposed"),
+        help="the weight's layout to look up (default: linear; transposed: the backward's W^T views)",
+    )
     info.set_defaults(parser=info)
 
 
@@ -258,7 +263,7 @@ def _add_tune_parser(subparsers) -> None:
         description="For each shape, verify every candidate config of the fused op against the nccl reference, "
         "time it on every rank with fluxtp.bench.harness (the slowest rank counts), drop candidates slower than "
         "1.3x the best so far, and write the winner (the same on every rank) to $FLUXTP_CACHE_DIR/configs.json, "
-        "which the op then uses for that GPU, world size, dtype, N, K and M bucket. Needs NVIDIA GPUs.",
+        "which the op then uses for that GPU, world size, dtype, N, K, M bucket and weight layout. Needs NVIDIA GPUs.",
     )
     tune.add_argument("--op", required=True, choices=("all_gather_matmul", "matmul_reduce_scatter"))
     tune.add_argument("--shapes", required=True, metavar="MxNxK,...", help="global layer sizes, as for fluxtp bench")
@@ -267,6 +272,13 @@ def _add_tune_parser(subparsers) -> None:
         "--budget-seconds", type=float, default=600.0, help="for all shapes together (default: 600), split evenly"
     )
     tune.add_argument("--nproc", type=int, help="processes to launch (default: one per local GPU)")
+    tune.add_argument(
+        "--weight-layout",
+        choices=("linear", "transposed"),
+        default="linear",
+        help="linear: nn.Linear's [N, K] weights (default); transposed: the W^T views the backward passes, "
+        "cached under a key of their own (calls with that layout fall back to the linear entries)",
+    )
     tune.add_argument(
         "--out",
         metavar="FILE.json",

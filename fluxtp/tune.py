@@ -18,27 +18,31 @@ Cache: one JSON file, `$FLUXTP_CACHE_DIR/configs.json` (default `$XDG_CACHE_HOME
                   "config": {every field of the op's config dataclass},
                   "measured": {"M": 4096, "ms": ..., "heuristic_ms": ..., ...}}]}
 
-The key is (gpu, world, dtype, op, N, K, M_bucket): the GPU name as torch.cuda reports it, the
-group size, the dtype, and the layer's global N and K; M_bucket is M (global tokens) rounded up
-to a power of two. Lookup (`choose`, and `tuned_config` on the launchers' hot path), two tables
-in turn: the user's cache (above), then the table shipped with fluxtp (package data,
-fluxtp/configs/default.json, the same format: configs measured on our GPUs; see
-`merge_into_shipped`); in each, the exact key, else the nearest M bucket of the same (gpu,
-world, dtype, op, N, K) (ties: the smaller). The first table with an answer wins, so a user's
-own tuning beats the shipped one even where it only has a nearer bucket; with neither, None,
-and the launcher uses the op's heuristic. A file that cannot be read, is not valid JSON, has
-another schema version or a config field this version does not know (or lacks one) is ignored
-as a whole, with one warning per version of the file, never an exception (the shipped table
-too: the other table and the heuristic still answer).
+The key is (gpu, world, dtype, op, N, K, M_bucket, weight_layout): the GPU name as torch.cuda
+reports it, the group size, the dtype, and the layer's global N and K; M_bucket is M (global
+tokens) rounded up to a power of two; weight_layout is "linear" (nn.Linear's [N, K] row-major)
+or "transposed" (the W^T view of a [K, N] weight that the backward passes, which the kernels
+read in place with another B descriptor; an entry without the field is "linear"). Lookup
+(`choose`, and `tuned_config` on the launchers' hot path), two tables in turn: the user's cache
+(above), then the table shipped with fluxtp (package data, fluxtp/configs/default.json, the
+same format: configs measured on our GPUs; see `merge_into_shipped`); in each, the exact key,
+else the nearest M bucket of the same (gpu, world, dtype, op, N, K, layout) (ties: the
+smaller); for a transposed weight with no entry of its own layout, the same for "linear"
+(either config runs either layout). The first table with an answer wins, so a user's own tuning
+beats the shipped one even where it only has a nearer bucket; with neither, None, and the
+launcher uses the op's heuristic. A file that cannot be read, is not valid JSON, has another
+schema version or a config field this version does not know (or lacks one) is ignored as a
+whole, with one warning per version of the file, never an exception (the shipped table too: the
+other table and the heuristic still answer).
 
 Every rank must launch the same config. The answer is a function of the file and of the call's
-shape, dtype, world and GPU name only, so the ranks of one host (one file) agree; on several
-hosts, give them the same file (copy it, or point FLUXTP_CACHE_DIR at shared storage). The
-loaded file is kept in memory keyed by its modification time, size and inode, so a rewritten
-file is picked up by the next call: do not run `fluxtp tune` into the cache a running job reads
-(its ranks could see the new file at different calls). Writes take a lock file, merge with
-the entries already there and replace the file atomically (temporary file + os.replace), so a
-reader never sees a half-written file.
+shape, weight layout, dtype, world and GPU name only, so the ranks of one host (one file)
+agree; on several hosts, give them the same file (copy it, or point FLUXTP_CACHE_DIR at shared
+storage). The loaded file is kept in memory keyed by its modification time, size and inode, so
+a rewritten file is picked up by the next call: do not run `fluxtp tune` into the cache a
+running job reads (its ranks could see the new file at different calls). Writes take a lock
+file, merge with the entries already there and replace the file atomically (temporary file +
+os.replace), so a reader never sees a half-written file.
 
 `fluxtp tune` (rank_tune, on every rank of a launch like `fluxtp bench`'s), per shape: draw
 random inputs, compute the nccl reference; for each candidate, the heuristic's first and then
@@ -98,7 +102,8 @@ USER_CACHE, SHIPPED, HEURISTIC = "user cache", "shipped table", "heuristic"
 SHIPPED_MEASURED_FIELDS = ("M", "ms", "heuristic_ms", "date", "torch", "triton", "commit")
 FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 TUNE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-KEY_FIELDS = ("gpu", "world", "dtype", "op", "N", "K", "M_bucket")
+KEY_FIELDS = ("gpu", "world", "dtype", "op", "N", "K", "M_bucket", "weight_layout")
+WEIGHT_LAYOUTS = ("linear", "transposed")
 
 # Shared memory per block on H100 and H200 (sm_90: 227 KiB opt-in); a little is left for the
 # pipeline's mbarriers and alignment.
@@ -288,6 +293,12 @@ class Key:
     N: int
     K: int
     M_bucket: int
+    weight_layout: str = "linear"
+
+
+def weight_layout_of(weight: torch.Tensor) -> str:
+    """"transposed" for the backward's W^T view (strides (1, n)), else "linear"."""
+    return "transposed" if weight.stride(0) == 1 and weight.stride(-1) != 1 else "linear"
 
 
 @dataclass(frozen=True)
@@ -333,9 +344,10 @@ def parse(text: str) -> dict[Key, Entry]:
         raise CacheFileError("no list of entries")
     entries: dict[Key, Entry] = {}
     for item in data["entries"]:
-        if not isinstance(item, dict) or not set(KEY_FIELDS) | {"config"} <= set(item):
-            raise CacheFileError(f"an entry lacks some of {', '.join(KEY_FIELDS)}, config: {item!r}")
-        key = Key(**{f: item[f] for f in KEY_FIELDS})
+        required = KEY_FIELDS[:-1]  # weight_layout may be absent: "linear"
+        if not isinstance(item, dict) or not set(required) | {"config"} <= set(item):
+            raise CacheFileError(f"an entry lacks some of {', '.join(required)}, config: {item!r}")
+        key = Key(**{f: item[f] for f in required}, weight_layout=item.get("weight_layout", "linear"))
         for f in ("world", "N", "K", "M_bucket"):
             if type(getattr(key, f)) is not int or getattr(key, f) <= 0:
                 raise CacheFileError(f"entry {key}: {f} is not a positive integer")
@@ -343,6 +355,8 @@ def parse(text: str) -> dict[Key, Entry]:
             raise CacheFileError(f"entry {key}: gpu, dtype and op must be strings")
         if key.op not in FUSED_OPS:
             raise CacheFileError(f"entry {key}: unknown op {key.op!r}")
+        if key.weight_layout not in WEIGHT_LAYOUTS:
+            raise CacheFileError(f"entry {key}: weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}")
         if key in entries:
             raise CacheFileError(f"two entries for {key}")
         measured = item.get("measured", {})
@@ -413,14 +427,18 @@ class Choice:
 
 
 def _find(entries: dict[Key, Entry], key: Key) -> tuple[Entry | None, str]:
-    if key in entries:
-        return entries[key], "exact"
-    same = [e for k, e in entries.items() if dataclasses.replace(k, M_bucket=key.M_bucket) == key]
-    if not same:
-        return None, "heuristic"
-    target = math.log2(key.M_bucket)
-    best = min(same, key=lambda e: (abs(math.log2(e.key.M_bucket) - target), e.key.M_bucket))
-    return best, "nearest"
+    """The exact key, else the nearest M bucket; a transposed weight without an entry of its own
+    layout then looks for the linear layout's."""
+    layouts = dict.fromkeys([key.weight_layout, "linear"])
+    for layout in layouts:
+        wanted = dataclasses.replace(key, weight_layout=layout)
+        if wanted in entries:
+            return entries[wanted], "exact"
+        same = [e for k, e in entries.items() if dataclasses.replace(k, M_bucket=key.M_bucket) == wanted]
+        if same:
+            target = math.log2(key.M_bucket)
+            return min(same, key=lambda e: (abs(math.log2(e.key.M_bucket) - target), e.key.M_bucket)), "nearest"
+    return None, "heuristic"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -436,12 +454,12 @@ def _cached_answer(tables, *key):
     return None
 
 
-def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None) -> Choice:
+def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, weight_layout="linear") -> Choice:
     """What a call of `op` with these global sizes would launch, and why (see the module doc):
     `path` is the user's cache (default: cache_path()), `shipped_table` the shipped table
     (default: shipped_path())."""
     dtype = str(dtype).removeprefix("torch.")
-    key = Key(gpu, world, dtype, op, n, k, m_bucket(m_total))
+    key = Key(gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout)
     tables = (
         (USER_CACHE, str(cache_path() if path is None else path), False),
         (SHIPPED, str(shipped_path() if shipped_table is None else shipped_table), True),
@@ -455,6 +473,8 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None) 
                 why = f"{origin}: exact key (M bucket {key.M_bucket})"
             else:
                 why = f"{origin}: nearest M bucket {entry.key.M_bucket} (none for bucket {key.M_bucket})"
+            if entry.key.weight_layout != weight_layout:
+                why += f", from the {entry.key.weight_layout} layout (none tuned for {weight_layout})"
             return Choice(entry.config, source, why, entry, origin)
         if problem is not None:
             missing.append(f"the {'shipped table' if shipped else 'cache file'} is ignored ({problem})")
@@ -462,7 +482,7 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None) 
             missing.append(f"no {'shipped table' if shipped else 'cache file'} at {table_path}")
         else:
             missing.append(f"no tuned entry in the {origin}")
-    why = f"heuristic ({gpu} x{world} {dtype} N={n} K={k}): " + "; ".join(missing)
+    why = f"heuristic ({gpu} x{world} {dtype} N={n} K={k} {weight_layout}): " + "; ".join(missing)
     return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
 
 
@@ -480,8 +500,8 @@ def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
     """The launchers' hot-path lookup: the config of the user's cache or else of the shipped
     table for this call, or None (use the heuristic). x and weight are what the launcher holds:
     all_gather_matmul x_shard [M/W, K] and weight [N/W, K]; matmul_reduce_scatter x [M, K/W]
-    and weight [N, K/W]. Costs a stat of each of the two files and a dictionary lookup; never
-    raises for a bad file (warns once)."""
+    and weight [N, K/W], in either layout (weight_layout_of). Costs a stat of each of the two
+    files and a dictionary lookup; never raises for a bad file (warns once)."""
     path = _cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
     shipped = SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table()
     tables = ((path, _signature(path), False), (shipped, _signature(shipped), True))
@@ -493,7 +513,8 @@ def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
         m_total, n, k = x.shape[0], weight.shape[0], x.shape[1] * world
     device = x.device
     gpu = _gpu_name(device.type, device.index)
-    return _cached_answer(tables, gpu, world, _DTYPE_NAMES.get(x.dtype), op, n, k, m_bucket(m_total))
+    dtype = _DTYPE_NAMES.get(x.dtype)
+    return _cached_answer(tables, gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout_of(weight))
 
 
 @contextlib.contextmanager
@@ -602,6 +623,7 @@ class TuneJob:
     path: str  # the cache file, resolved once by the launching process
     out: str | None = None  # where rank 0 writes the tuned-vs-heuristic results (fluxtp.bench/1, scenario "tune")
     command: str = "fluxtp tune"  # as typed, for the results
+    weight_layout: str = "linear"  # or "transposed": tune the backward's W^T views (a key of their own)
 
 
 @dataclass
@@ -623,21 +645,21 @@ class ShapeResult:
     selection_ms: float | None = None  # its time among the finalists
 
 
-def _baseline_variants(op, shape, dtype, inputs, info, device, generator) -> list:
+def _baseline_variants(op, shape, dtype, inputs, info, device, generator, weight_layout="linear") -> list:
     """The nccl reference on the tuner's inputs and cuBLAS alone on the same per-rank GEMM (as
     `fluxtp bench` times them: `gemm` on its own inputs of fluxtp.bench.ops.gemm_shapes)."""
     import torch.nn.functional as F
 
     import fluxtp
     from fluxtp.bench.harness import Variant
-    from fluxtp.bench.ops import gemm_shapes
+    from fluxtp.bench.ops import gemm_shapes, random_weight
 
     op_fn = getattr(fluxtp, op)
     gx_shape, gw_shape = gemm_shapes(op, shape, info.world_size)
     gemm_inputs = [
         (
             torch.randn(gx_shape, dtype=dtype, device=device, generator=generator),
-            torch.randn(gw_shape, dtype=dtype, device=device, generator=generator).mul_(gw_shape[1] ** -0.5),
+            random_weight(gw_shape, dtype, device, generator, gw_shape[1] ** -0.5, weight_layout),
         )
         for _ in inputs
     ]
@@ -713,8 +735,11 @@ def _time_left(deadline: float, info, device) -> float:
     return -max_over_ranks([-(deadline - time.monotonic())], info, device)[0]
 
 
-def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progress=False) -> ShapeResult:
-    """Tune one shape on every rank of `info` (collective); returns the same result everywhere."""
+def tune_shape(
+    op, shape, dtype, deadline, info, device, generator, show_progress=False, weight_layout="linear"
+) -> ShapeResult:
+    """Tune one shape on every rank of `info` (collective); returns the same result everywhere.
+    weight_layout "transposed": the candidates run on the backward's W^T views."""
     from tqdm import tqdm
 
     import fluxtp
@@ -725,7 +750,7 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
         input_copies,
         measure,
     )
-    from fluxtp.bench.ops import shard_shapes
+    from fluxtp.bench.ops import random_weight, shard_shapes
 
     world = info.world_size
     x_shape, w_shape = shard_shapes(op, shape, world)
@@ -733,7 +758,7 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     inputs = [
         (
             torch.randn(x_shape, dtype=dtype, device=device, generator=generator),
-            torch.randn(w_shape, dtype=dtype, device=device, generator=generator).mul_(w_shape[1] ** -0.5),
+            random_weight(w_shape, dtype, device, generator, w_shape[1] ** -0.5, weight_layout),
         )
         for _ in range(copies)
     ]
@@ -752,7 +777,7 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     screen = Protocol(rounds=SCREEN_ROUNDS, warmup_rounds=0, calls_per_sample=calls)
     # nccl and cuBLAS for the confirmation: one short sample now warms them up and gives the wall
     # time a round of them takes (sizes the final measurements).
-    baselines = _baseline_variants(op, shape, dtype, inputs, info, device, generator)
+    baselines = _baseline_variants(op, shape, dtype, inputs, info, device, generator, weight_layout)
     began = time.monotonic()
     measure(baselines, first, info, device)
     baselines_round_s = (time.monotonic() - began) / (first.warmup_rounds + first.rounds)
@@ -833,7 +858,7 @@ def tune_shape(op, shape, dtype, deadline, info, device, generator, show_progres
     )
 
 
-def comparison_row(op: str, dtype_name: str, r: ShapeResult) -> dict:
+def comparison_row(op: str, dtype_name: str, r: ShapeResult, weight_layout: str = "linear") -> dict:
     """One shape's tuned-vs-heuristic row of `fluxtp tune --out` (the confirmation's times)."""
     from fluxtp.bench.harness import overlap_efficiency, speedup
 
@@ -847,6 +872,7 @@ def comparison_row(op: str, dtype_name: str, r: ShapeResult) -> dict:
         "N": r.shape.N,
         "K": r.shape.K,
         "dtype": dtype_name,
+        "weight_layout": weight_layout,
         "ms": {k: round(v, 5) for k, v in ms.items()},
         "E_overlap": {k: rounded(overlap_efficiency(ms[k], r.gemm_ms, r.nccl_ms)) for k in ("heuristic", "tuned")},
         "speedup_vs_nccl": {k: rounded(speedup(r.nccl_ms, ms[k])) for k in ("heuristic", "tuned")},
@@ -919,12 +945,14 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         left = _time_left(deadline_total, info, device)
         deadline = time.monotonic() + max(0.0, left) / (len(job.shapes) - i)
         try:
-            result = tune_shape(job.op, shape, job.dtype, deadline, info, device, generator, show_progress=rank == 0)
+            result = tune_shape(
+                job.op, shape, job.dtype, deadline, info, device, generator, rank == 0, job.weight_layout
+            )
         except TuneError as e:  # raised on every rank alike; the shapes tuned so far are still written
             errors.append(f"fluxtp tune: {e}")
             break
         results.append(result)
-        key = Key(gpu, world, dtype_name, job.op, shape.N, shape.K, m_bucket(shape.M))
+        key = Key(gpu, world, dtype_name, job.op, shape.N, shape.K, m_bucket(shape.M), job.weight_layout)
         measured = {
             "M": shape.M,
             "ms": round(result.winner_ms, 5),
@@ -942,8 +970,9 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         if cuda:
             torch.cuda.empty_cache()  # the next shape's inputs may be larger
     if rank == 0:
-        rows = [comparison_row(job.op, dtype_name, r) for r in results]
-        print(format_comparison(rows, f"{job.op} on {gpu} x{world}, {dtype_name}"), flush=True)
+        rows = [comparison_row(job.op, dtype_name, r, job.weight_layout) for r in results]
+        layout = "" if job.weight_layout == "linear" else f", {job.weight_layout} weight"
+        print(format_comparison(rows, f"{job.op} on {gpu} x{world}, {dtype_name}{layout}"), flush=True)
         for r in results:
             if r.selected != r.winner:
                 print(
@@ -1019,6 +1048,7 @@ def cmd_tune(args) -> int:
         str(cache_path()),
         getattr(args, "out", None),
         getattr(args, "command_line", "fluxtp tune"),
+        getattr(args, "weight_layout", "linear"),
     )
     if under_torchrun():
         return run_torchrun(job, rank_fn=rank_tune)
@@ -1063,10 +1093,14 @@ def cmd_info_configs(args) -> int:
         else:
             state = f"{len(entries)} entries"
         print(f"{label}: {table} ({state})")
-    print(f"lookup for: {gpu}, world {world}, {args.dtype} (the user's cache, then the shipped table, then the heuristic)")
+    layout = getattr(args, "weight_layout", None) or "linear"
+    print(
+        f"lookup for: {gpu}, world {world}, {args.dtype}, {layout} weight "
+        "(the user's cache, then the shipped table, then the heuristic)"
+    )
     rows = []
     for op, s in cases:
-        choice = choose(op, gpu, world, args.dtype, s.M, s.N, s.K, path=path, shipped_table=shipped)
+        choice = choose(op, gpu, world, args.dtype, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout)
         match = "-" if choice.source == "heuristic" else choice.source
         rows.append([op, str(s), m_bucket(s.M), choice.origin, match, describe(choice.config), choice.why])
     headers = ["op", "MxNxK", "M bucket", "source", "match", "config", "why"]

@@ -69,9 +69,9 @@ def shipped(cache, tmp_path):
     return tmp_path / "shipped" / "default.json"
 
 
-def entry(op=AG, gpu=H200, world=2, dtype="bfloat16", n=28672, k=8192, m=4096, **fields):
+def entry(op=AG, gpu=H200, world=2, dtype="bfloat16", n=28672, k=8192, m=4096, layout="linear", **fields):
     base = AllGatherMatmulConfig() if op == AG else MatmulReduceScatterConfig()
-    key = tune.Key(gpu, world, dtype, op, n, k, tune.m_bucket(m))
+    key = tune.Key(gpu, world, dtype, op, n, k, tune.m_bucket(m), layout)
     return tune.Entry(key, dataclasses.replace(base, **fields), {"M": m, "ms": 1.0})
 
 
@@ -161,6 +161,7 @@ def test_cache_round_trip(cache):
     first = data["entries"][0]
     assert {k: first[k] for k in tune.KEY_FIELDS} == {
         "gpu": H200, "world": 2, "dtype": "bfloat16", "op": AG, "N": 28672, "K": 8192, "M_bucket": 4096,
+        "weight_layout": "linear",
     }  # fmt: skip
     assert first["config"] == dataclasses.asdict(entries[0].config)
     loaded, problem = tune.load()
@@ -200,6 +201,34 @@ def test_lookup_exact_then_nearest_bucket_then_heuristic(cache):
         assert choice.config == AllGatherMatmulConfig.heuristic(4096 // world, n // world, k, world)
         assert "no tuned entry" in choice.why
     assert tune.choose(RS, H200, 2, "bfloat16", 4096, 28672, 8192).source == "heuristic"  # another op
+
+
+def test_weight_layouts_have_keys_of_their_own_and_fall_back_to_linear(cache):
+    """The backward's W^T views look up their own entries; without one, the linear layout's (the
+    same config runs either layout), and a linear call never takes a transposed entry."""
+    tune.write_entries([entry(m=4096, group_m=4), entry(m=8192, layout="transposed", group_m=16)])
+    own = tune.choose(AG, H200, 2, "bfloat16", 8192, 28672, 8192, weight_layout="transposed")
+    assert own.source == "exact" and own.config.group_m == 16 and "layout" not in own.why
+    near = tune.choose(AG, H200, 2, "bfloat16", 4096, 28672, 8192, weight_layout="transposed")
+    assert near.source == "nearest" and near.config.group_m == 16  # its own layout's nearest bucket first
+    linear = tune.choose(AG, H200, 2, "bfloat16", 8192, 28672, 8192)
+    assert linear.source == "nearest" and linear.config.group_m == 4  # not the transposed entry
+    tune.write_entries([entry(op=RS, n=8192, k=28672, m=8192, push=False)])
+    fallback = tune.choose(RS, H200, 2, "bfloat16", 8192, 8192, 28672, weight_layout="transposed")
+    assert fallback.source == "exact" and fallback.config.push is False
+    assert "from the linear layout (none tuned for transposed)" in fallback.why
+    # The launchers' lookup reads the layout off the weight's strides.
+    tune.write_entries([entry(gpu="cpu", n=64, k=32, m=256, layout="transposed", group_m=16)])
+    x = torch.empty(128, 32, dtype=torch.bfloat16)
+    w_t = torch.empty(32, 32, dtype=torch.bfloat16).t()  # [n, k] with strides (1, n)
+    assert tune.weight_layout_of(w_t) == "transposed" and tune.weight_layout_of(w_t.contiguous()) == "linear"
+    assert tune.tuned_config(AG, x, w_t, 2).group_m == 16
+    assert tune.tuned_config(AG, x, w_t.contiguous(), 2) is None
+    # Files written before the field existed (the shipped table's entries) are "linear".
+    data = json.loads(tune.dumps([entry(m=2048)]))
+    del data["entries"][0]["weight_layout"]
+    (parsed,) = tune.parse(json.dumps(data)).values()
+    assert parsed.key.weight_layout == "linear"
 
 
 def test_launcher_lookup_converts_local_shapes_to_the_global_key(cache):
@@ -257,6 +286,10 @@ def _duplicate_key(d):
     d["entries"].append(d["entries"][0])
 
 
+def _unknown_layout(d):
+    d["entries"][0]["weight_layout"] = "diagonal"
+
+
 @pytest.mark.parametrize(
     "spoil, reason",
     [
@@ -271,6 +304,7 @@ def _duplicate_key(d):
         (_bool_for_int, "num_warps=True"),
         (_missing_key, "lacks"),
         (_duplicate_key, "two entries"),
+        (_unknown_layout, "weight_layout must be one of"),
     ],
 )
 def test_corrupt_or_stale_file_is_ignored_with_one_warning(cache, spoil, reason):
@@ -649,6 +683,35 @@ def test_rank_tune_writes_every_shape_and_reports_wrong_candidates(tmp_path):
         assert 1 <= row["screened"] <= row["candidates"] and row["failed"] >= 1  # the 256x tiles, the w4 s5 ones
 
 
+def _rank_tune_transposed_on_cpu(rank, world, job, out_dir):
+    seen = set()
+
+    def launchers(op):
+        run, gemm_only = _fake_launchers(op)
+
+        def spy(x, w, info, config):
+            seen.add(tune.weight_layout_of(w))
+            return run(x, w, info, config)
+
+        return spy, gemm_only
+
+    tune._launchers = launchers
+    try:
+        tune.rank_tune(rank, world, job)
+    except SystemExit:
+        pass  # the w4 s5 stand-ins compute garbage (the test above checks that exit)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(sorted(seen)))
+
+
+def test_rank_tune_of_the_transposed_layout_keys_its_entries_by_it(tmp_path):
+    path = tmp_path / "cache" / tune.CACHE_FILE
+    job = tune.TuneJob(AG, (Shape(1024, 64, 32),), torch.float32, 3.0, str(path), None, "fluxtp tune", "transposed")
+    run_on_ranks(_rank_tune_transposed_on_cpu, 2, job, str(tmp_path), backend="gloo", timeout_s=300)
+    assert json.loads((tmp_path / "rank0.json").read_text()) == ["transposed"]  # every candidate ran on W^T views
+    entries, problem = tune.load(path)
+    assert problem is None and list(entries) == [tune.Key("cpu", 2, "float32", AG, 64, 32, 1024, "transposed")]
+
+
 LUCKY = [False]  # the stand-in below: BEST is fast until the confirmation measures it
 
 
@@ -761,6 +824,19 @@ def test_info_configs_says_what_each_shape_uses_and_why(cache, shipped, capsys):
     heuristic = tune.describe(AllGatherMatmulConfig.heuristic(2048, 7168, 8192, 2))
     assert " heuristic " in lines["4096x14336x8192"] and heuristic in lines["4096x14336x8192"]
     assert "no tuned entry" in lines["4096x14336x8192"]
+
+
+def test_info_configs_looks_up_a_weight_layout(cache, shipped, capsys):
+    tune.write_entries([entry(m=4096, layout="transposed", group_m=16)])
+    args = ["info", "--configs", "--op", AG, "--shapes", "4096x28672x8192", "--gpu", H200, "--world", "2"]
+    assert cli.main([*args, "--weight-layout", "transposed"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16, transposed weight" in out and re.search(r" user cache +exact +\S+ w8 s\d g16 ", out), out
+    assert cli.main(args) == 0
+    assert " heuristic " in capsys.readouterr().out  # the linear lookup does not take it
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--weight-layout", "transposed"])
+    assert "go with --configs" in capsys.readouterr().err
 
 
 def test_info_configs_names_the_table_that_answered(cache, shipped, capsys):

@@ -32,6 +32,7 @@ from fluxtp.bench import BenchError
 from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies, measure
 from fluxtp.bench.harness import overlap_efficiency, speedup
 from fluxtp.ops import BACKENDS, OPS
+from fluxtp.tune import WEIGHT_LAYOUTS
 
 COLUMN_PARALLEL = "all_gather_matmul"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -39,7 +40,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # a case is timed ("auto" is only an alias of one of them).
 CANDIDATE_BACKENDS = ("nccl", "torch", "fused")
 BASELINE = "nccl"
-WEIGHT_LAYOUTS = ("linear", "transposed")
 
 # Agreement with the nccl reference: max |out - ref| / max |ref| (a max-norm, so that one wrong
 # tile among millions of right elements cannot hide in an average). Each output is its exact
@@ -214,7 +214,7 @@ def _random(shape, dtype, device, generator, scale=1.0) -> torch.Tensor:
     return torch.randn(shape, dtype=dtype, device=device, generator=generator).mul_(scale)
 
 
-def _random_weight(shape, dtype, device, generator, scale, layout: str) -> torch.Tensor:
+def random_weight(shape, dtype, device, generator, scale, layout: str) -> torch.Tensor:
     """A weight [N, K]: row-major, or ("transposed") the transposed view of a row-major [K, N]."""
     if layout == "transposed":
         return _random(shape[::-1], dtype, device, generator, scale).t()
@@ -330,11 +330,11 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
     w_scale = w_shape[1] ** -0.5  # keeps outputs O(1), like a trained layer's
     layout = config.weight_layout
     inputs = [
-        (_random(x_shape, dtype, device, generator), _random_weight(w_shape, dtype, device, generator, w_scale, layout))
+        (_random(x_shape, dtype, device, generator), random_weight(w_shape, dtype, device, generator, w_scale, layout))
         for _ in range(copies)
     ]
     gemm_inputs = [
-        (_random(gx_shape, dtype, device, generator), _random_weight(gw_shape, dtype, device, generator, w_scale, layout))
+        (_random(gx_shape, dtype, device, generator), random_weight(gw_shape, dtype, device, generator, w_scale, layout))
         for _ in range(copies)
     ]
     x0, w0 = inputs[0]

@@ -48,32 +48,3 @@ def test_all_reduce_up_to_measured_bytes():
     most = fused.AUTO_MAX_BYTES["all_reduce"]
     assert fused.preferred("all_reduce", torch.empty(most // 2, dtype=torch.bfloat16), None, TWO)
     assert not fused.preferred("all_reduce", torch.empty(most // 2 + 1, dtype=torch.bfloat16), None, TWO)
-
-
-def test_under_graph_capture_the_measured_smaller_thresholds(monkeypatch):
-    """Captured, the host cost is gone: all-gather from 2048 tokens at TP=2 and 4096 at TP=4,
-    reduce-scatter from 1024 at TP=2 and 4096 at TP=4, with no output-size rule; the reduce-
-    scatter's width bound stays (a GEMM-efficiency limit), and other group sizes keep the
-    eager rule."""
-    monkeypatch.setattr(fused, "capturing", lambda x: True)
-    four = GroupInfo(None, 0, 4)
-    q = torch.empty(4096, 64, device="meta")  # narrow: the eager output rule would refuse it
-    ag, rs = "all_gather_matmul", "matmul_reduce_scatter"
-    assert fused.preferred(ag, torch.empty(1024, 64, device="meta"), q, TWO)
-    assert not fused.preferred(ag, torch.empty(1023, 64, device="meta"), q, TWO)
-    assert fused.preferred(ag, torch.empty(1024, 64, device="meta"), q, four)
-    assert not fused.preferred(ag, torch.empty(1023, 64, device="meta"), q, four)
-    w = torch.empty(8192, 64, device="meta")
-    assert fused.preferred(rs, torch.empty(1024, 64, device="meta"), w, TWO)
-    assert not fused.preferred(rs, torch.empty(1022, 64, device="meta"), w, TWO)
-    assert fused.preferred(rs, torch.empty(4096, 64, device="meta"), w, four)
-    assert not fused.preferred(rs, torch.empty(4092, 64, device="meta"), w, four)
-    assert not fused.preferred(rs, torch.empty(4096, 64, device="meta"), torch.empty(8200, 64, device="meta"), four)
-    eight = GroupInfo(None, 0, 8)
-    assert not fused.preferred(rs, torch.empty(4096, 64, device="meta"), w, eight)
-    assert fused.preferred(rs, torch.empty(fused.AUTO_MIN_TOKENS[rs], 64, device="meta"), w, eight)
-
-
-def test_not_capturing_on_cpu_or_meta_tensors():
-    assert not fused.capturing(torch.empty(4, 4))
-    assert not fused.capturing(torch.empty(4, 4, device="meta"))

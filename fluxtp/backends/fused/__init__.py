@@ -32,19 +32,11 @@ AUTO_MIN_TOKENS = {"all_gather_matmul": 4096, "matmul_reduce_scatter": 8192}
 # transposed weight view, 0.94x (ops-h200-x2-2026-11-22-all_gather_matmul-train-*.json).
 AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_N = {"matmul_reduce_scatter": 8192}
-# Under CUDA graph capture a call's host cost is paid once, at capture, and the fused ops win
-# from fewer tokens (fluxtp bench --cuda-graphs at LLaMA-70B dims on 2 and 4 H200s,
-# ops-h200-x{2,4}-2026-11-22-*-graphs.json), so these replace AUTO_MIN_TOKENS and
-# AUTO_MIN_OUTPUTS (a host-cost rule) there. Other group sizes keep the eager rule.
-# - all-gather, W=2: 1.11x at 2048 tokens (1.00x at 1024); W=4: 1.13x at 4096 (0.93x, 0.97x at
-#   1024, 2048: the Triton GEMM alone is 15-25% slower than cuBLAS on those small per-rank shapes);
-# - reduce-scatter, W=2: 1.05x from 1024 tokens on; W=4: 1.065x at 4096 (0.92x, 0.96x below).
-CAPTURED_MIN_TOKENS = {
-    ("all_gather_matmul", 2): 2048,
-    ("all_gather_matmul", 4): 4096,
-    ("matmul_reduce_scatter", 2): 1024,
-    ("matmul_reduce_scatter", 4): 4096,
-}
+# Under CUDA graphs the fused ops win from fewer tokens (ops-h200-x{2,4}-2026-11-22-*-graphs.json:
+# from 1024-2048 tokens at TP=2, 4096 at TP=4), but "auto" keeps these thresholds while capturing
+# too: a warm-up with "auto" runs such a call through nccl, so a capture that picked fused would
+# make the fused op's first call (symmetric-memory allocation and rendezvous, Triton compile)
+# inside the capture. To get the graph speedups, pass backend="fused" and warm up before capture.
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
 
@@ -64,24 +56,17 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
 
 
 def preferred(op: str, x, weight, info: GroupInfo) -> bool:
-    """Whether "auto" should take the fused kernel for this call (see AUTO_MIN_TOKENS and
-    CAPTURED_MIN_TOKENS)."""
+    """Whether "auto" should take the fused kernel for this call (see AUTO_MIN_TOKENS)."""
     if op == "all_reduce":
         return x.numel() * x.element_size() <= AUTO_MAX_BYTES[op]
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
-    if weight.shape[0] > AUTO_MAX_N.get(op, weight.shape[0]):
-        return False
-    captured_min = CAPTURED_MIN_TOKENS.get((op, info.world_size))
-    if captured_min is not None and capturing(x):
-        return tokens >= captured_min
-    return tokens >= AUTO_MIN_TOKENS.get(op, float("inf")) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
-
-
-def capturing(x) -> bool:
-    """Whether this call is being recorded into a CUDA graph (its host cost is then paid once)."""
-    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return (
+        tokens >= AUTO_MIN_TOKENS.get(op, float("inf"))
+        and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
+        and weight.shape[0] <= AUTO_MAX_N.get(op, weight.shape[0])
+    )
 
 
 def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):

@@ -79,8 +79,8 @@ def profile_variant(trainer: train.Trainer, variant: str, steps: int) -> dict:
     by_kind: dict[str, float] = {}
     by_name: dict[str, float] = {}
     for e in kernels:
-        us = e.time_range.elapsed_us()
-        by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + us
+        us, kind = e.time_range.elapsed_us(), kind_of(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
         by_name[e.name] = by_name.get(e.name, 0.0) + us
     busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1000
     top = sorted(by_name.items(), key=lambda item: -item[1])[:15]

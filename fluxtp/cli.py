@@ -30,6 +30,7 @@ from fluxtp.bench.launch import Launch, local_device_type, run_local, run_torchr
 from fluxtp.bench.plot import matplotlib_missing
 from fluxtp.bench.results import command_line, triton_version
 from fluxtp.ops import BACKENDS, OPS
+from fluxtp.tune import WEIGHT_LAYOUTS
 
 BACKEND_SUMMARY = {
     "nccl": "the collective (NCCL on GPUs, gloo on CPU), then the matmul, in sequence (the reference)",
@@ -250,7 +251,7 @@ def _add_info_config_arguments(info) -> None:
     configs.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     configs.add_argument(
         "--weight-layout",
-        choices=("linear", "transposed"),
+        choices=WEIGHT_LAYOUTS,
         help="the weight's layout to look up (default: linear; transposed: the backward's W^T views)",
     )
     info.set_defaults(parser=info)
@@ -274,7 +275,7 @@ def _add_tune_parser(subparsers) -> None:
     tune.add_argument("--nproc", type=int, help="processes to launch (default: one per local GPU)")
     tune.add_argument(
         "--weight-layout",
-        choices=("linear", "transposed"),
+        choices=WEIGHT_LAYOUTS,
         default="linear",
         help="linear: nn.Linear's [N, K] weights (default); transposed: the W^T views the backward passes, "
         "cached under a key of their own (calls with that layout fall back to the linear entries)",

@@ -9,6 +9,8 @@ import sys
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fluxtp.tune import weight_layout_of
+
 _descriptors: dict[tuple, TensorDescriptor] = {}
 _MAX_DESCRIPTORS = 256
 
@@ -36,7 +38,7 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     a write of every weight on every backward step. If TMA cannot read that base (n not a
     multiple of 16 bytes), and for any other layout, the weight is read as a row-major [n, k].
     """
-    if weight.stride(-1) != 1 and weight.stride(0) == 1 and _tma_compatible(weight.t()):
+    if weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t()):
         return weight.t(), True
     return tma_ready(weight), False
 

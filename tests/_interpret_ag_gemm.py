@@ -8,8 +8,10 @@ float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is
 """
 
 import dataclasses
+import gc
 import os
 import sys
+import weakref
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -53,6 +55,17 @@ def missing_signal_stops_kernel():
     raise AssertionError("the kernel ran past a signal that never arrived")
 
 
+def launch_keeps_no_reference(cfg):
+    """After the launch, nothing holds the call's tensors: a descriptor cache that did kept every
+    call's output alive, so its memory was never reused (a cudaMalloc per call on GPUs)."""
+    x, w, y = torch.randn(32, 16).half(), torch.randn(16, 16).half(), torch.empty(32, 16, dtype=torch.float16)
+    alive = [weakref.ref(t) for t in (x, w, y)]
+    launch_gemm(x, w, None, y, torch.ones(2, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg)
+    del x, w, y
+    gc.collect()
+    assert all(ref() is None for ref in alive), "launch_gemm kept a reference to one of the call's tensors"
+
+
 def main():
     seed = int(sys.argv[1])
     small = AllGatherMatmulConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
@@ -70,6 +83,7 @@ def main():
     ]
     for i, (world, rank, m, n, k, with_bias, cfg, transposed) in enumerate(cases):
         case(seed + i, world, rank, m, n, k, with_bias, cfg, transposed)
+    launch_keeps_no_reference(small)
     message = missing_signal_stops_kernel()
     print("ok;", message[:80])
 

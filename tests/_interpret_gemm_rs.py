@@ -11,8 +11,10 @@ float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is
 """
 
 import dataclasses
+import gc
 import os
 import sys
+import weakref
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -128,6 +130,21 @@ def missing_flag_stops_kernel(push):
     raise AssertionError("the kernel ran past a flag that never arrived")
 
 
+def launch_keeps_no_reference(cfg):
+    """After the launch, nothing holds the call's input, weight or output (see the AG script)."""
+    world, m, n, k_local = 2, 32, 32, 16
+    x, w, _ = draw(0, world, m, n, k_local, False)
+    x0, w0 = shards(x, w, 0, k_local)
+    out = torch.empty(m, n, dtype=torch.float16)
+    layout = Layout.of(m, n, 2, world, cfg)
+    buffers, ptrs = make_buffers(world, layout, 0.0)
+    alive = [weakref.ref(t) for t in (x0, w0, out)]
+    launch_kernel(x0, w0, None, out, ptrs, layout.flags_offset, 0, world, cfg, 0, 0)  # the peer step: no waits
+    del x0, w0, out
+    gc.collect()
+    assert all(ref() is None for ref in alive), "launch_kernel kept a reference to one of the call's tensors"
+
+
 def main():
     seed = int(sys.argv[1])
     small = MatmulReduceScatterConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4)
@@ -149,6 +166,7 @@ def main():
         case(seed + i, world, m, n, k_local, with_bias, cfg)
     case(seed + len(cases), 2, 40, 48, 48, True, small, transposed=True)  # N not a tile multiple
     case(seed + len(cases) + 1, 3, 17, 40, 24, False, odd_pull, transposed=True)  # K tail, pull
+    launch_keeps_no_reference(small)
     messages = [missing_flag_stops_kernel(push) for push in (True, False)]
     print("ok;", messages[0][:80])
 

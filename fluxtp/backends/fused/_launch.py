@@ -11,9 +11,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fluxtp.tune import weight_layout_of
 
-_descriptors: dict[tuple, TensorDescriptor] = {}
-_MAX_DESCRIPTORS = 256
-
 
 def _tma_compatible(t: torch.Tensor) -> bool:
     """TMA needs a unit last stride and a 16-byte aligned base and row stride."""
@@ -44,15 +41,11 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A host TMA descriptor for t, cached: it is a function of (address, shape, strides, block)
-    only, so a hit is always valid, and the caching allocator hands out the same addresses."""
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, tuple(block))
-    desc = _descriptors.get(key)
-    if desc is None:
-        if len(_descriptors) >= _MAX_DESCRIPTORS:
-            _descriptors.clear()
-        desc = _descriptors[key] = TensorDescriptor.from_tensor(t, block)
-    return desc
+    """A host TMA descriptor for t. Made afresh on every call (about 3 us), never cached: a
+    cache keyed by address held every call's tensors alive, so the caching allocator could not
+    reuse their memory and each call paid a cudaMalloc per output (~0.1 ms each on the H200
+    hosts) while memory grew by up to 256 calls' outputs (docs/perf-log.md)."""
+    return TensorDescriptor.from_tensor(t, block)
 
 
 @functools.cache

@@ -490,7 +490,6 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def _gpu_name(device_type: str, index: int | None) -> str:
     if device_type != "cuda":
         return device_type

@@ -56,14 +56,13 @@ def _memory_body(rank, world, seed):
     m, n, k = 512, 1024, 768  # per rank
     w_ag = torch.randn(n, k, device="cuda", dtype=bf, generator=gen)
     w_rs = torch.randn(n, k, device="cuda", dtype=bf, generator=gen)
-    calls = {
-        "all_gather_matmul": lambda x: fluxtp.all_gather_matmul(x, w_ag, backend="fused", return_gathered=True),
-        "matmul_reduce_scatter": lambda x: fluxtp.matmul_reduce_scatter(x, w_rs, backend="fused"),
-        "matmul_all_reduce": lambda x: fluxtp.matmul_all_reduce(x[:64], w_ag, backend="fused"),
-    }
-    rows = {"all_gather_matmul": m, "matmul_reduce_scatter": m * world, "matmul_all_reduce": 64}
-    for op, call in calls.items():
-        fresh = lambda: torch.randn(rows[op], k, device="cuda", dtype=bf, generator=gen)  # noqa: E731
+    cases = [  # (op, rows of its input, one call)
+        ("all_gather_matmul", m, lambda x: fluxtp.all_gather_matmul(x, w_ag, backend="fused", return_gathered=True)),
+        ("matmul_reduce_scatter", m * world, lambda x: fluxtp.matmul_reduce_scatter(x, w_rs, backend="fused")),
+        ("matmul_all_reduce", 64, lambda x: fluxtp.matmul_all_reduce(x, w_ag, backend="fused")),
+    ]
+    for op, rows, call in cases:
+        fresh = lambda: torch.randn(rows, k, device="cuda", dtype=bf, generator=gen)  # noqa: E731
         for _ in range(2):  # warm-up: workspaces, compilation
             call(fresh())
         torch.cuda.synchronize()

@@ -29,16 +29,37 @@ def draw(seed: int, shape, dtype, device, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values at an address 2 bytes past a 16-byte boundary (Triton compiles such a pointer apart)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def _transposed_view(w: torch.Tensor) -> torch.Tensor:
     """w's values with strides (1, rows): the W^T view ColumnParallelLinear's backward passes."""
     return w.t().contiguous().t()
 
 
 def check_all_gather_matmul(
-    rank, world, seed, m, n_local, k, dtype, device, backend, with_bias, group=None, transposed_weight=False
+    rank,
+    world,
+    seed,
+    m,
+    n_local,
+    k,
+    dtype,
+    device,
+    backend,
+    with_bias,
+    group=None,
+    transposed_weight=False,
+    misaligned_bias=False,
 ):
     """x_gathered must be exact; y within TOLERANCE of float64. transposed_weight: the weight is
-    passed as a transposed view (the backward's layout)."""
+    passed as a transposed view (the backward's layout); misaligned_bias: the bias starts 2 bytes
+    past a 16-byte boundary."""
     x = draw(seed, (m * world, k), dtype, "cpu")
     w = draw(seed + 1, (n_local * world, k), dtype, "cpu", scale=k**-0.5)
     b = draw(seed + 2, (n_local * world,), dtype, "cpu") if with_bias else None
@@ -47,6 +68,8 @@ def check_all_gather_matmul(
     b_shard = b[rank * n_local : (rank + 1) * n_local].to(device) if with_bias else None
     if transposed_weight:
         w_shard = _transposed_view(w_shard)
+    if misaligned_bias:
+        b_shard = _misaligned(b_shard)
     y, xg = fluxtp.all_gather_matmul(x_shard, w_shard, bias=b_shard, group=group, backend=backend, return_gathered=True)
     assert y.shape == (m * world, n_local) and y.dtype == dtype and y.device == x_shard.device
     assert torch.equal(xg.cpu(), x), "the gathered input is not an exact copy"
@@ -58,10 +81,24 @@ def check_all_gather_matmul(
 
 
 def check_matmul_reduce(
-    op, rank, world, seed, m_total, n, k_local, dtype, device, backend, with_bias, group=None, transposed_weight=False
+    op,
+    rank,
+    world,
+    seed,
+    m_total,
+    n,
+    k_local,
+    dtype,
+    device,
+    backend,
+    with_bias,
+    group=None,
+    transposed_weight=False,
+    misaligned_bias=False,
 ):
     """matmul_reduce_scatter ([M/W, N] rows of this rank) or matmul_all_reduce ([M, N]);
-    transposed_weight: the weight is passed as a transposed view (the backward's layout)."""
+    transposed_weight: the weight is passed as a transposed view (the backward's layout);
+    misaligned_bias: the bias starts 2 bytes past a 16-byte boundary."""
     x = draw(seed, (m_total, k_local * world), dtype, "cpu")
     w = draw(seed + 1, (n, k_local * world), dtype, "cpu", scale=(k_local * world) ** -0.5)
     b = draw(seed + 2, (n,), dtype, "cpu") if with_bias else None
@@ -69,7 +106,10 @@ def check_matmul_reduce(
     x_local, w_local = x[:, cols].contiguous().to(device), w[:, cols].contiguous().to(device)
     if transposed_weight:
         w_local = _transposed_view(w_local)
-    out = getattr(fluxtp, op)(x_local, w_local, bias=None if b is None else b.to(device), group=group, backend=backend)
+    bias = None if b is None else b.to(device)
+    if misaligned_bias:
+        bias = _misaligned(bias)
+    out = getattr(fluxtp, op)(x_local, w_local, bias=bias, group=group, backend=backend)
     ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
     if op == "matmul_reduce_scatter":
         rows = m_total // world

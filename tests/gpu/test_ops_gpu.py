@@ -19,7 +19,7 @@ import fluxtp
 
 from fluxtp.testing import run_on_ranks
 from tests.gpu import WORLD
-from tests._cases import ALL_OPS, sweep
+from tests._cases import ALL_OPS, check_all_gather_matmul, check_matmul_reduce, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,6 +80,52 @@ def _memory_body(rank, world, seed):
 
 def test_fused_ops_leave_no_memory_behind():
     run_on_ranks(_memory_body, WORLD, random.randrange(1 << 30), backend="nccl")
+
+
+def _launch_cache_body(rank, world, seed):
+    """Once a call's launch key was seen, the fused ops launch the compiled kernel without
+    Triton's binding (JITFunction.run); a new shape or a bias at a differently aligned address
+    goes through Triton again (it compiles pointers by alignment), and every result is right."""
+    from triton.runtime.jit import JITFunction
+
+    bound = []  # kernels that went through Triton's JITFunction.run
+    jit_run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        bound.append(self.fn.__name__)
+        return jit_run(self, *args, **kwargs)
+
+    JITFunction.run = counted
+    bf = torch.bfloat16
+    ops = {
+        "all_gather_matmul": lambda s, m, **kw: check_all_gather_matmul(rank, world, s, m, 384, 768, bf, "cuda", "fused", True, **kw),
+        "matmul_reduce_scatter": lambda s, m, **kw: check_matmul_reduce(
+            "matmul_reduce_scatter", rank, world, s, m * world, 640, 512, bf, "cuda", "fused", True, **kw
+        ),
+        "matmul_all_reduce": lambda s, m, **kw: check_matmul_reduce(
+            "matmul_all_reduce", rank, world, s, m // 16, 640, 512, bf, "cuda", "fused", True, **kw
+        ),
+    }
+    try:
+        for i, (op, check) in enumerate(ops.items()):
+            seeds = iter(range(seed + 100 * i, seed + 100 * (i + 1)))
+            check(next(seeds), 512)  # compiles, or finds the compiled kernel through Triton
+            bound.clear()
+            for _ in range(3):
+                check(next(seeds), 512)
+            assert bound == [], f"{op}: calls with a launch key seen before went through Triton: {bound}"
+            for m in (512, 1000):  # a new bias alignment, then a new (ragged) shape: new keys
+                check(next(seeds), m, misaligned_bias=True)
+                assert len(bound) == 1, f"{op} m={m}, misaligned bias: expected one launch through Triton, got {bound}"
+                bound.clear()
+                check(next(seeds), m, misaligned_bias=True)
+                assert bound == [], f"{op} m={m}: the second call with a key went through Triton: {bound}"
+    finally:
+        JITFunction.run = jit_run
+
+
+def test_fused_launches_skip_triton_binding_and_stay_right():
+    run_on_ranks(_launch_cache_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _cli(*args, timeout=600):

@@ -7,6 +7,9 @@ import functools
 import sys
 
 import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fluxtp.tune import weight_layout_of
@@ -46,6 +49,52 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     reuse their memory and each call paid a cudaMalloc per output (~0.1 ms each on the H200
     hosts) while memory grew by up to 256 calls' outputs (docs/perf-log.md)."""
     return TensorDescriptor.from_tensor(t, block)
+
+
+def _spec_key(arg):
+    """What of one argument can decide Triton's specialization, or more: a scalar's exact type and
+    value (Triton: ==1, divisible by 16, 32 or 64 bits), a tensor's dtype and 16-byte alignment
+    (Triton: dtype, aligned or not), a descriptor's dtype, alignment, shape, strides and block."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, TensorDescriptor):
+        base = arg.base
+        return (base.dtype, base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape), getattr(arg, "padding", None))
+    return (type(arg), arg)
+
+
+# (kernel, device, argument keys, constexprs) -> (compiled kernel, its constexpr values in signature order)
+_compiled: dict[tuple, tuple] = {}
+_MAX_COMPILED = 1024  # distinct launch keys kept (scalars are keyed exactly: one per shape)
+
+
+def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
+    """kernel[(grid,)](*args, **constexprs) without Triton's per-call argument binding.
+
+    Triton binds and specializes every argument in Python on each launch: about 35 of the
+    70 us of host time a launch of the all-gather kernel costs (H100 host, docs/perf-log.md),
+    and the fused ops launch one kernel per call. Here the compiled kernel is found by
+    _spec_key of every argument, which is at least as fine as Triton's specialization, so it
+    is the kernel Triton would run; a key's first call goes through Triton (compiling if need
+    be). The interpreter and registered launch hooks (profilers) always take Triton's path.
+    """
+    if not isinstance(kernel, JITFunction) or knobs.runtime.launch_enter_hook is not None:
+        kernel[(grid,)](*args, **constexprs)
+        return
+    device = driver.active.get_current_device()
+    key = (kernel, device, tuple(map(_spec_key, args)), tuple(constexprs.items()))
+    entry = _compiled.get(key)
+    if entry is None:
+        compiled = kernel[(grid,)](*args, **constexprs)
+        if len(_compiled) >= _MAX_COMPILED:
+            _compiled.clear()
+        _compiled[key] = (compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args) :]))
+        return
+    compiled, constexpr_values = entry
+    stream = driver.active.get_current_stream(device)
+    compiled.run(
+        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *constexpr_values
+    )
 
 
 @functools.cache

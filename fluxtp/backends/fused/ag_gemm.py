@@ -24,7 +24,7 @@ import triton
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
-from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready, weight_operand
+from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready, weight_operand
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 from fluxtp.tune import tuned_config
 
@@ -108,7 +108,9 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
     tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y.stride(0) * y.element_size()) % 16 == 0
     store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
     c_desc = descriptor(y, [config.block_m, store_n]) if tma_store else None
-    all_gather_matmul_kernel[(min(sms, tiles),)](
+    launch_compiled(
+        all_gather_matmul_kernel,
+        min(sms, tiles),
         a_desc,
         b_desc,
         c_desc,

@@ -31,7 +31,7 @@ from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _launch
 from fluxtp.backends.fused._config import GemmTiling
-from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready
+from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready
 from fluxtp.kernels._matmul_all_reduce import matmul_all_reduce_kernel
 
 BARRIER_TIMEOUT_MS = 60_000
@@ -174,7 +174,9 @@ def launch_kernel(
         return
     sms = num_sms(out.device)
     report = _launch.timeout_record(tag, out.device) if report is None else report
-    matmul_all_reduce_kernel[(min(sms, tiles),)](
+    launch_compiled(
+        matmul_all_reduce_kernel,
+        min(sms, tiles),
         a_desc,
         b_desc,
         x,

@@ -31,7 +31,7 @@ from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._config import GemmTiling
 from fluxtp.backends.fused import _launch
-from fluxtp.backends.fused._launch import descriptor, num_sms, tma_ready, weight_operand
+from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready, weight_operand
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 from fluxtp.tune import tuned_config
 
@@ -136,7 +136,9 @@ def launch_kernel(
     a_desc = descriptor(x, [config.block_m, config.block_k])
     b, b_kn = weight_operand(weight)
     b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
-    matmul_reduce_scatter_kernel[(min(sms, tiles),)](
+    launch_compiled(
+        matmul_reduce_scatter_kernel,
+        min(sms, tiles),
         a_desc,
         b_desc,
         out,

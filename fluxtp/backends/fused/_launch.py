@@ -75,10 +75,11 @@ def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
     70 us of host time a launch of the all-gather kernel costs (H100 host, docs/perf-log.md),
     and the fused ops launch one kernel per call. Here the compiled kernel is found by
     _spec_key of every argument, which is at least as fine as Triton's specialization, so it
-    is the kernel Triton would run; a key's first call goes through Triton (compiling if need
-    be). The interpreter and registered launch hooks (profilers) always take Triton's path.
+    is the kernel Triton would run, launched the way Triton launches it (launch hooks
+    included); a key's first call goes through Triton (compiling if need be). The
+    interpreter's kernels take their own launch.
     """
-    if not isinstance(kernel, JITFunction) or knobs.runtime.launch_enter_hook is not None:
+    if not isinstance(kernel, JITFunction):
         kernel[(grid,)](*args, **constexprs)
         return
     device = driver.active.get_current_device()
@@ -92,8 +93,19 @@ def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
         return
     compiled, constexpr_values = entry
     stream = driver.active.get_current_stream(device)
+    all_args = (*args, *constexpr_values)
+    hooks = knobs.runtime
     compiled.run(
-        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *constexpr_values
+        grid,
+        1,
+        1,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        compiled.launch_metadata((grid,), stream, *all_args),
+        hooks.launch_enter_hook,
+        hooks.launch_exit_hook,
+        *all_args,
     )
 
 

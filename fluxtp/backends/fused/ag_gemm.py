@@ -183,7 +183,10 @@ def all_gather_matmul(
             x_gathered[segment * rows_per_rank + r0 : segment * rows_per_rank + r1].copy_(source[r0:r1])
             _set_signal(ws.signals, segment * chunks_per_rank + c)
 
-    with torch.cuda.stream(copy):
+    # set_stream rather than `with torch.cuda.stream(copy)`: 1.4 against 9 us of host time per
+    # call on the H200 hosts (docs/perf-log.md); compute is the current device's stream.
+    torch.cuda.set_stream(copy)
+    try:
         # Own rows first, chunk by chunk: the GEMM's first tiles wait for one chunk, not the whole
         # shard (between two calls the copy stream can only start once the previous GEMM is done).
         copy_segment(rank, x_shard)
@@ -194,6 +197,8 @@ def all_gather_matmul(
             peer = (rank + step) % world
             copy_segment(peer, shards[peer])
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+    finally:
+        torch.cuda.set_stream(compute)
     launch_gemm(x_gathered, weight, bias, y, ws.signals, rows_per_rank, chunk_rows, info, config)
     compute.wait_stream(copy)
     return y, x_gathered if return_gathered else None

@@ -5,7 +5,6 @@ replaced by stand-ins. The peers' shards are already published, as the barrier g
 The gathered input must be an exact copy and the product within fp16 rounding, for every rank.
 """
 
-import contextlib
 import os
 import sys
 import types
@@ -47,7 +46,7 @@ def main():
     ag.tuned_config = lambda *args: None
     ag.symm.copy_stream = lambda device: stream
     torch.cuda.current_stream = lambda device=None: stream
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.set_stream = lambda s: None
 
     chunks = 3  # cdiv(40, 16)
     for rank in range(world):

@@ -81,11 +81,12 @@ def main() -> None:
     rows = []
     for op, shape in runs:
         us = {path: round(statistics.median(samples[((op, shape), path)]), 1) for path in paths}
-        rows.append({"op": op, "shape": shape, "world": args.world, "host_us": us, "saved_us": round(us["triton"] - us["compiled"], 1)})
+        saved = round(us["triton"] - us["compiled"], 1)
+        rows.append({"op": op, "shape": shape, "world": args.world, "host_us": us, "saved_us": saved})
     device = torch.cuda.get_device_name()
     print(f"{device}: host us per launch, median of {args.rounds} interleaved rounds of {args.calls}")
-    print(tabulate([[r["op"], r["shape"], r["host_us"]["triton"], r["host_us"]["compiled"], r["saved_us"]] for r in rows],
-                   headers=["op", "MxNxK", "Triton launch", "launch_compiled", "saved"]))
+    table = [[r["op"], r["shape"], r["host_us"]["triton"], r["host_us"]["compiled"], r["saved_us"]] for r in rows]
+    print(tabulate(table, headers=["op", "MxNxK", "Triton launch", "launch_compiled", "saved"]))
     if args.out:
         data = envelope("launch_overhead", rows, device=device, gpus=1, world=args.world, command=command_line())
         print("wrote", write_json(data, args.out))

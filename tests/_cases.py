@@ -43,18 +43,7 @@ def _transposed_view(w: torch.Tensor) -> torch.Tensor:
 
 
 def check_all_gather_matmul(
-    rank,
-    world,
-    seed,
-    m,
-    n_local,
-    k,
-    dtype,
-    device,
-    backend,
-    with_bias,
-    group=None,
-    transposed_weight=False,
+    rank, world, seed, m, n_local, k, dtype, device, backend, with_bias, group=None, transposed_weight=False,
     misaligned_bias=False,
 ):
     """x_gathered must be exact; y within TOLERANCE of float64. transposed_weight: the weight is
@@ -81,19 +70,7 @@ def check_all_gather_matmul(
 
 
 def check_matmul_reduce(
-    op,
-    rank,
-    world,
-    seed,
-    m_total,
-    n,
-    k_local,
-    dtype,
-    device,
-    backend,
-    with_bias,
-    group=None,
-    transposed_weight=False,
+    op, rank, world, seed, m_total, n, k_local, dtype, device, backend, with_bias, group=None, transposed_weight=False,
     misaligned_bias=False,
 ):
     """matmul_reduce_scatter ([M/W, N] rows of this rank) or matmul_all_reduce ([M, N]);

@@ -98,7 +98,9 @@ def _launch_cache_body(rank, world, seed):
     JITFunction.run = counted
     bf = torch.bfloat16
     ops = {
-        "all_gather_matmul": lambda s, m, **kw: check_all_gather_matmul(rank, world, s, m, 384, 768, bf, "cuda", "fused", True, **kw),
+        "all_gather_matmul": lambda s, m, **kw: check_all_gather_matmul(
+            rank, world, s, m, 384, 768, bf, "cuda", "fused", True, **kw
+        ),
         "matmul_reduce_scatter": lambda s, m, **kw: check_matmul_reduce(
             "matmul_reduce_scatter", rank, world, s, m * world, 640, 512, bf, "cuda", "fused", True, **kw
         ),

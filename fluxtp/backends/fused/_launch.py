@@ -58,8 +58,8 @@ def _spec_key(arg):
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     if isinstance(arg, TensorDescriptor):
-        base = arg.base
-        return (base.dtype, base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape), getattr(arg, "padding", None))
+        base, layout = arg.base, (tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape))
+        return (base.dtype, base.data_ptr() % 16 == 0, layout, getattr(arg, "padding", None))
     return (type(arg), arg)
 
 
@@ -71,9 +71,9 @@ _MAX_COMPILED = 1024  # distinct launch keys kept (scalars are keyed exactly: on
 def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
     """kernel[(grid,)](*args, **constexprs) without Triton's per-call argument binding.
 
-    Triton binds and specializes every argument in Python on each launch: about 35 of the
-    70 us of host time a launch of the all-gather kernel costs (H100 host, docs/perf-log.md),
-    and the fused ops launch one kernel per call. Here the compiled kernel is found by
+    Triton binds and specializes every argument in Python on each launch: 13-35 us of the
+    60-110 us of host time one launch of these kernels costs (H100 and H200 hosts,
+    benchmarks/launch_overhead.py, docs/perf-log.md), on every call of a fused op. Here the compiled kernel is found by
     _spec_key of every argument, which is at least as fine as Triton's specialization, so it
     is the kernel Triton would run, launched the way Triton launches it (launch hooks
     included); a key's first call goes through Triton (compiling if need be). The

@@ -442,16 +442,17 @@ def _find(entries: dict[Key, Entry], key: Key) -> tuple[Entry | None, str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_answer(tables, *key):
-    """The first answer of the tables ((path, signature, shipped), ...) for the key, or None."""
+def _cached_answer(tables, *key) -> tuple[Entry | None, str]:
+    """The first answer of the tables ((path, signature, shipped), ...) for the key and how it was
+    found, or (None, HEURISTIC)."""
     for path, signature, shipped in tables:
         if signature is None:
             continue
         entries, _ = _load_version(path, signature, shipped)
-        entry, _ = _find(entries, Key(*key))
+        entry, source = _find(entries, Key(*key))
         if entry is not None:
-            return entry.config
-    return None
+            return entry, source
+    return None, HEURISTIC
 
 
 def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, weight_layout="linear") -> Choice:
@@ -496,9 +497,9 @@ def _gpu_name(device_type: str, index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
-    """The launchers' hot-path lookup: the config of the user's cache or else of the shipped
-    table for this call, or None (use the heuristic). x and weight are what the launcher holds:
+def _launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> tuple[Entry | None, str]:
+    """The entry the launchers' lookup answers with for this call, and how it was found
+    ("exact", "nearest"), or (None, "heuristic"). x and weight are what the launcher holds:
     all_gather_matmul x_shard [M/W, K] and weight [N/W, K]; matmul_reduce_scatter x [M, K/W]
     and weight [N, K/W], in either layout (weight_layout_of). Costs a stat of each of the two
     files and a dictionary lookup; never raises for a bad file (warns once)."""
@@ -506,7 +507,7 @@ def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
     shipped = SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table()
     tables = ((path, _signature(path), False), (shipped, _signature(shipped), True))
     if tables[0][1] is None and tables[1][1] is None:
-        return None
+        return None, HEURISTIC
     if op == "all_gather_matmul":
         m_total, n, k = x.shape[0] * world, weight.shape[0] * world, x.shape[1]
     else:
@@ -515,6 +516,34 @@ def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
     gpu = _gpu_name(device.type, device.index)
     dtype = _DTYPE_NAMES.get(x.dtype)
     return _cached_answer(tables, gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout_of(weight))
+
+
+def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
+    """The launchers' hot-path lookup: the config of the user's cache or else of the shipped
+    table for this call (see _launch_entry), or None (use the heuristic)."""
+    entry, _ = _launch_entry(op, x, weight, world)
+    return None if entry is None else entry.config
+
+
+# "auto" takes a fused op where its tuning measured it this much faster than NCCL, or more.
+AUTO_WIN_RATIO = 0.95
+
+
+def measured_verdict(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> bool | None:
+    """Whether the fused op was measured faster than NCCL-then-GEMM for this very call: True where
+    the entry the launcher would use was tuned for exactly this key (M bucket and weight layout
+    included) and recorded ms <= AUTO_WIN_RATIO x nccl_ms; False where it recorded ms > nccl_ms;
+    None where there is no such entry, no nccl_ms, or the two are within the margin (too close
+    to call from one measurement)."""
+    entry, source = _launch_entry(op, x, weight, world)
+    if entry is None or source != "exact" or entry.key.weight_layout != weight_layout_of(weight):
+        return None
+    ms, nccl_ms = entry.measured.get("ms"), entry.measured.get("nccl_ms")
+    if not all(isinstance(v, (int, float)) and v > 0 for v in (ms, nccl_ms)):
+        return None
+    if ms <= AUTO_WIN_RATIO * nccl_ms:
+        return True
+    return False if ms > nccl_ms else None
 
 
 @contextlib.contextmanager

@@ -1,9 +1,14 @@
-"""The "auto" policy: the fused kernels only from the token counts where they measured faster."""
+"""The "auto" policy: the fused kernels only where they measured faster: the thresholds measured on
+the DESIGN.md shapes, and the tuning table's own measurements where they are clear."""
 
+import pytest
 import torch
 
+from fluxtp import tune
 from fluxtp._dist import GroupInfo
 from fluxtp.backends import fused
+from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
+from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
 
 TWO = GroupInfo(None, 0, 2)
 
@@ -48,3 +53,64 @@ def test_all_reduce_up_to_measured_bytes():
     most = fused.AUTO_MAX_BYTES["all_reduce"]
     assert fused.preferred("all_reduce", torch.empty(most // 2, dtype=torch.bfloat16), None, TWO)
     assert not fused.preferred("all_reduce", torch.empty(most // 2 + 1, dtype=torch.bfloat16), None, TWO)
+
+
+# ---------------------------------------------------------------- measured verdicts (tune entries)
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+BF = torch.bfloat16
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    """An empty user cache and no shipped table; entries are keyed for CPU tensors (GPU "cpu")."""
+    monkeypatch.setenv("FLUXTP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tune, "SHIPPED_TABLE", str(tmp_path / "none.json"))
+
+
+def _tuned(op, n, k, m, ms, nccl_ms, layout="linear"):
+    config = AllGatherMatmulConfig() if op == AG else MatmulReduceScatterConfig()
+    key = tune.Key("cpu", 2, "bfloat16", op, n, k, tune.m_bucket(m), layout)
+    tune.write_entries([tune.Entry(key, config, {"M": m, "ms": ms, "nccl_ms": nccl_ms})])
+
+
+def _ag(tokens, n_local, k=64, weight=None):
+    x = torch.empty(tokens // 2, k, dtype=BF)
+    return fused.preferred(AG, x, torch.empty(n_local, k, dtype=BF) if weight is None else weight, TWO)
+
+
+def test_a_clear_measured_win_takes_fused_below_the_thresholds(user_cache):
+    assert not _ag(1024, 64)  # the thresholds alone: far too small
+    _tuned(AG, 128, 64, 1024, ms=0.90, nccl_ms=1.0)
+    assert _ag(1024, 64)
+    assert _ag(600, 64)  # the same M bucket (1024)
+    assert not _ag(2048, 64)  # another bucket: its nearest entry measured another M, thresholds decide
+    _tuned(RS, 128, 64, 1024, ms=0.90, nccl_ms=1.0)
+    assert fused.preferred(RS, torch.empty(1024, 32, dtype=BF), torch.empty(128, 32, dtype=BF), TWO)
+
+
+def test_a_close_measurement_leaves_it_to_the_thresholds(user_cache):
+    _tuned(AG, 128, 64, 1024, ms=0.97, nccl_ms=1.0)  # 3% faster: within one measurement's noise
+    assert not _ag(1024, 64)
+
+
+def test_a_measured_loss_takes_nccl_above_the_thresholds(user_cache):
+    n_local = fused.AUTO_MIN_OUTPUTS[AG] // 8192
+    assert _ag(8192, n_local)  # the thresholds alone
+    _tuned(AG, 2 * n_local, 64, 8192, ms=1.01, nccl_ms=1.0)
+    assert not _ag(8192, n_local)
+
+
+def test_a_measurement_counts_only_for_its_own_weight_layout(user_cache):
+    _tuned(AG, 128, 64, 1024, ms=0.90, nccl_ms=1.0)  # linear layout
+    transposed = torch.empty(64, 64, dtype=BF).t()  # [n, k] with strides (1, n): the backward's view
+    assert tune.weight_layout_of(transposed) == "transposed"
+    assert not _ag(1024, 64, weight=transposed)
+    _tuned(AG, 128, 64, 1024, ms=0.90, nccl_ms=1.0, layout="transposed")
+    assert _ag(1024, 64, weight=transposed)
+
+
+def test_entries_without_an_nccl_time_leave_it_to_the_thresholds(user_cache):
+    key = tune.Key("cpu", 2, "bfloat16", AG, 128, 64, 1024, "linear")
+    tune.write_entries([tune.Entry(key, AllGatherMatmulConfig(), {"M": 1024, "ms": 0.1})])
+    assert not _ag(1024, 64)

@@ -11,6 +11,7 @@ import torch
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
+from fluxtp.tune import measured_verdict
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -37,6 +38,10 @@ AUTO_MAX_N = {"matmul_reduce_scatter": 8192}
 # too: a warm-up with "auto" runs such a call through nccl, so a capture that picked fused would
 # make the fused op's first call (symmetric-memory allocation and rendezvous, Triton compile)
 # inside the capture. To get the graph speedups, pass backend="fused" and warm up before capture.
+# Over all of these, a tuned entry measured at the call's exact key decides where it is clear
+# (tune.measured_verdict): at 2x H200 that takes fused for the all-gather at 2048 tokens
+# (LLaMA-70B dims, 1.06x), for the o projection's backward at 4096 (1.21x) and at Mixtral dims
+# (4096 tokens 1.13x; reduce-scatter 1024 tokens 1.07x) (fluxtp/configs/default.json).
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
 
@@ -56,11 +61,17 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
 
 
 def preferred(op: str, x, weight, info: GroupInfo) -> bool:
-    """Whether "auto" should take the fused kernel for this call (see AUTO_MIN_TOKENS)."""
+    """Whether "auto" should take the fused kernel for this call: where the tuned config it would
+    launch was measured for exactly this shape, that measurement decides when it is clear
+    (tune.measured_verdict: at least 5% faster than NCCL, or slower); elsewhere the thresholds
+    above, measured on the DESIGN.md shapes."""
     if op == "all_reduce":
         return x.numel() * x.element_size() <= AUTO_MAX_BYTES[op]
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
+    verdict = measured_verdict(op, x, weight, info.world_size)
+    if verdict is not None:
+        return verdict
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
     return (
         tokens >= AUTO_MIN_TOKENS.get(op, float("inf"))

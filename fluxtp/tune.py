@@ -23,7 +23,8 @@ reports it, the group size, the dtype, and the layer's global N and K; M_bucket 
 tokens) rounded up to a power of two; weight_layout is "linear" (nn.Linear's [N, K] row-major)
 or "transposed" (the W^T view of a [K, N] weight that the backward passes, which the kernels
 read in place with another B descriptor; an entry without the field is "linear"). Lookup
-(`choose`, and `tuned_config` on the launchers' hot path), two tables in turn: the user's cache
+(`choose`, and `tuned_config` on the launchers' hot path; `measured_verdict` for "auto"), two
+tables in turn: the user's cache
 (above), then the table shipped with fluxtp (package data, fluxtp/configs/default.json, the
 same format: configs measured on our GPUs; see `merge_into_shipped`); in each, the exact key,
 else the nearest M bucket of the same (gpu, world, dtype, op, N, K, layout) (ties: the

@@ -23,13 +23,12 @@ reports it, the group size, the dtype, and the layer's global N and K; M_bucket 
 tokens) rounded up to a power of two; weight_layout is "linear" (nn.Linear's [N, K] row-major)
 or "transposed" (the W^T view of a [K, N] weight that the backward passes, which the kernels
 read in place with another B descriptor; an entry without the field is "linear"). Lookup
-(`choose`, and `tuned_config` on the launchers' hot path; `measured_verdict` for "auto"), two
-tables in turn: the user's cache
-(above), then the table shipped with fluxtp (package data, fluxtp/configs/default.json, the
-same format: configs measured on our GPUs; see `merge_into_shipped`); in each, the exact key,
-else the nearest M bucket of the same (gpu, world, dtype, op, N, K, layout) (ties: the
-smaller); for a transposed weight with no entry of its own layout, the same for "linear"
-(either config runs either layout). The first table with an answer wins, so a user's own tuning
+(`choose`; `tuned_config` on the launchers' hot path, `measured_verdict` for "auto"), two
+tables in turn: the user's cache (above), then the table shipped with fluxtp (package data,
+fluxtp/configs/default.json, the same format: configs measured on our GPUs; see
+`merge_into_shipped`); in each, the exact key, else the nearest M bucket of the same (gpu,
+world, dtype, op, N, K, layout) (ties: the smaller); for a transposed weight with no entry of
+its own layout, the same for "linear" (either config runs either layout). The first table with an answer wins, so a user's own tuning
 beats the shipped one even where it only has a nearer bucket; with neither, None, and the
 launcher uses the op's heuristic. A file that cannot be read, is not valid JSON, has another
 schema version or a config field this version does not know (or lacks one) is ignored as a

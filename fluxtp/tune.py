@@ -35,7 +35,8 @@ schema version or a config field this version does not know (or lacks one) is ig
 whole, with one warning per version of the file, never an exception (the shipped table too: the
 other table and the heuristic still answer).
 
-Every rank must launch the same config. The answer is a function of the file and of the call's
+Every rank must launch the same config (and, under "auto", take the same backend: the measured
+verdict comes from the same entry). The answer is a function of the file and of the call's
 shape, weight layout, dtype, world and GPU name only, so the ranks of one host (one file)
 agree; on several hosts, give them the same file (copy it, or point FLUXTP_CACHE_DIR at shared
 storage). The loaded file is kept in memory keyed by its modification time, size and inode, so

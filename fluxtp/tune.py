@@ -539,12 +539,17 @@ def measured_verdict(op: str, x: torch.Tensor, weight: torch.Tensor, world: int)
     entry, source = _launch_entry(op, x, weight, world)
     if entry is None or source != "exact" or entry.key.weight_layout != weight_layout_of(weight):
         return None
-    ms, nccl_ms = entry.measured.get("ms"), entry.measured.get("nccl_ms")
+    return _verdict(entry.measured)[0]
+
+
+def _verdict(measured: dict) -> tuple[bool | None, float | None]:
+    """(measured_verdict's answer, the speedup nccl_ms / ms) of an entry's measurement."""
+    ms, nccl_ms = measured.get("ms"), measured.get("nccl_ms")
     if not all(isinstance(v, (int, float)) and v > 0 for v in (ms, nccl_ms)):
-        return None
+        return None, None
     if ms <= AUTO_WIN_RATIO * nccl_ms:
-        return True
-    return False if ms > nccl_ms else None
+        return True, nccl_ms / ms
+    return (False if ms > nccl_ms else None), nccl_ms / ms
 
 
 @contextlib.contextmanager
@@ -1090,6 +1095,19 @@ def cmd_tune(args) -> int:
 # ---------------------------------------------------------------- fluxtp info --configs
 
 
+def _vs_nccl(choice: Choice, layout: str) -> str:
+    """The measured speedup over NCCL of an exact entry of the call's layout, and what "auto"
+    makes of it (measured_verdict); "-" where there is none."""
+    entry = choice.entry
+    if entry is None or choice.source != "exact" or entry.key.weight_layout != layout:
+        return "-"
+    verdict, speedup = _verdict(entry.measured)
+    if speedup is None:
+        return "-"
+    auto = {True: "auto: fused", False: "auto: nccl", None: "auto: thresholds"}[verdict]
+    return f"{speedup:.2f}x ({auto})"
+
+
 def cmd_info_configs(args) -> int:
     """`fluxtp info --configs`: which config each shape would get, and why (no GPU needed)."""
     from tabulate import tabulate
@@ -1132,8 +1150,9 @@ def cmd_info_configs(args) -> int:
     for op, s in cases:
         choice = choose(op, gpu, world, args.dtype, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout)
         match = "-" if choice.source == "heuristic" else choice.source
-        rows.append([op, str(s), m_bucket(s.M), choice.origin, match, describe(choice.config), choice.why])
-    headers = ["op", "MxNxK", "M bucket", "source", "match", "config", "why"]
+        config = describe(choice.config)
+        rows.append([op, str(s), m_bucket(s.M), choice.origin, match, config, _vs_nccl(choice, layout), choice.why])
+    headers = ["op", "MxNxK", "M bucket", "source", "match", "config", "vs nccl", "why"]
     print(tabulate(rows, headers=headers, disable_numparse=True))
     return 0
 

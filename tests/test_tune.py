@@ -851,6 +851,9 @@ def test_info_configs_names_the_table_that_answered(cache, shipped, capsys):
     assert re.search(r" user cache +exact +\S+ w8 s\d g16 ", lines["4096x28672x8192"]), out
     assert re.search(r" shipped table +exact +\S+ w8 s\d g4 .* shipped table: exact key", lines["4096x14336x4096"]), out
     assert re.search(r" heuristic +- ", lines["4096x8192x8192"]), out
+    # The measured speedup over NCCL, and what "auto" makes of it (measured_entry: 1.1 / 0.9 ms).
+    assert " 1.22x (auto: fused) " in lines["4096x14336x4096"], out
+    assert " exact " in lines["4096x28672x8192"] and " - " in lines["4096x28672x8192"]  # no nccl_ms recorded
 
 
 def test_info_configs_defaults_and_a_corrupt_cache(cache, capsys):

@@ -28,12 +28,12 @@ tables in turn: the user's cache (above), then the table shipped with fluxtp (pa
 fluxtp/configs/default.json, the same format: configs measured on our GPUs; see
 `merge_into_shipped`); in each, the exact key, else the nearest M bucket of the same (gpu,
 world, dtype, op, N, K, layout) (ties: the smaller); for a transposed weight with no entry of
-its own layout, the same for "linear" (either config runs either layout). The first table with an answer wins, so a user's own tuning
-beats the shipped one even where it only has a nearer bucket; with neither, None, and the
-launcher uses the op's heuristic. A file that cannot be read, is not valid JSON, has another
-schema version or a config field this version does not know (or lacks one) is ignored as a
-whole, with one warning per version of the file, never an exception (the shipped table too: the
-other table and the heuristic still answer).
+its own layout, the same for "linear" (either config runs either layout). The first table with
+an answer wins, so a user's own tuning beats the shipped one even where it only has a nearer
+bucket; with neither, None, and the launcher uses the op's heuristic. A file that cannot be
+read, is not valid JSON, has another schema version or a config field this version does not
+know (or lacks one) is ignored as a whole, with one warning per version of the file, never an
+exception (the shipped table too: the other table and the heuristic still answer).
 
 Every rank must launch the same config (and, under "auto", take the same backend: the measured
 verdict comes from the same entry). The answer is a function of the file and of the call's
@@ -537,14 +537,15 @@ def measured_verdict(op: str, x: torch.Tensor, weight: torch.Tensor, world: int)
     None where there is no such entry, no nccl_ms, or the two are within the margin (too close
     to call from one measurement)."""
     entry, source = _launch_entry(op, x, weight, world)
-    if entry is None or source != "exact" or entry.key.weight_layout != weight_layout_of(weight):
-        return None
-    return _verdict(entry.measured)[0]
+    return _verdict(entry, source, weight_layout_of(weight))[0]
 
 
-def _verdict(measured: dict) -> tuple[bool | None, float | None]:
-    """(measured_verdict's answer, the speedup nccl_ms / ms) of an entry's measurement."""
-    ms, nccl_ms = measured.get("ms"), measured.get("nccl_ms")
+def _verdict(entry: Entry | None, source: str, layout: str) -> tuple[bool | None, float | None]:
+    """(measured_verdict's answer, the measured speedup nccl_ms / ms) for a lookup's answer; (None,
+    None) unless it is an exact entry of the call's layout with both times recorded."""
+    if entry is None or source != "exact" or entry.key.weight_layout != layout:
+        return None, None
+    ms, nccl_ms = entry.measured.get("ms"), entry.measured.get("nccl_ms")
     if not all(isinstance(v, (int, float)) and v > 0 for v in (ms, nccl_ms)):
         return None, None
     if ms <= AUTO_WIN_RATIO * nccl_ms:
@@ -1098,10 +1099,7 @@ def cmd_tune(args) -> int:
 def _vs_nccl(choice: Choice, layout: str) -> str:
     """The measured speedup over NCCL of an exact entry of the call's layout, and what "auto"
     makes of it (measured_verdict); "-" where there is none."""
-    entry = choice.entry
-    if entry is None or choice.source != "exact" or entry.key.weight_layout != layout:
-        return "-"
-    verdict, speedup = _verdict(entry.measured)
+    verdict, speedup = _verdict(choice.entry, choice.source, layout)
     if speedup is None:
         return "-"
     auto = {True: "auto: fused", False: "auto: nccl", None: "auto: thresholds"}[verdict]

@@ -73,11 +73,11 @@ def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
 
     Triton binds and specializes every argument in Python on each launch: 13-35 us of the
     60-110 us of host time one launch of these kernels costs (H100 and H200 hosts,
-    benchmarks/launch_overhead.py, docs/perf-log.md), on every call of a fused op. Here the compiled kernel is found by
-    _spec_key of every argument, which is at least as fine as Triton's specialization, so it
-    is the kernel Triton would run, launched the way Triton launches it (launch hooks
-    included); a key's first call goes through Triton (compiling if need be). The
-    interpreter's kernels take their own launch.
+    benchmarks/launch_overhead.py, docs/perf-log.md), on every call of a fused op. Here the
+    compiled kernel is found by _spec_key of every argument, which is at least as fine as
+    Triton's specialization, so it is the kernel Triton would run, launched the way Triton
+    launches it (launch hooks included); a key's first call goes through Triton (compiling if
+    need be). The interpreter's kernels take their own launch.
     """
     if not isinstance(kernel, JITFunction):
         kernel[(grid,)](*args, **constexprs)

@@ -30,6 +30,7 @@ def main():
 
     class Workspace:
         signals = torch.zeros(64, dtype=torch.int32)
+        done = torch.zeros(1, dtype=torch.int32)
         shard = types.SimpleNamespace(handle=types.SimpleNamespace(barrier=lambda **kw: None))
 
         def shard_views(self, dtype, shape, world):
@@ -40,7 +41,23 @@ def main():
         signals[index] = 1
 
     small = ag.AllGatherMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
-    stream = types.SimpleNamespace(wait_stream=lambda s: None)
+    # The interpreter runs a kernel at its launch, to the end: the GEMM, launched before the
+    # peers' rows are copied (it computes this rank's rows meanwhile), would wait for ever. So
+    # the launch is held back and run when the caller's stream joins the copy stream.
+    held = []
+    launch_gemm = ag.launch_gemm
+
+    def join(stream):
+        for args, kwargs in held:
+            launch_gemm(*args, **kwargs)
+        held.clear()
+
+    stream = types.SimpleNamespace(wait_stream=join)
+    def hold(*args, **kwargs):
+        signals_seen.append("gemm")
+        held.append((args, kwargs))
+
+    ag.launch_gemm = hold
     ag._workspace = lambda *args: Workspace()
     ag._set_signal = set_signal
     ag.tuned_config = lambda *args: None
@@ -51,12 +68,15 @@ def main():
     chunks = 3  # cdiv(40, 16)
     for rank in range(world):
         signals_seen.clear()
-        Workspace.signals.zero_()
         y, xg = ag.all_gather_matmul(published[rank], w, None, GroupInfo(None, rank, world), True, config=small)
         assert torch.equal(xg, x), f"rank {rank}: the gathered input is not an exact copy"
         order = [(rank + s) % world for s in range(world)]  # own rows, then ring order rank+1, ...
+        # The GEMM goes in after this rank's rows and the barrier, before the peers' rows.
         expected = [seg * chunks + c for seg in order for c in range(chunks)]
+        expected.insert(chunks, "gemm")
         assert signals_seen == expected, f"rank {rank}: signals {signals_seen}, expected {expected}"
+        # No host reset between calls: the kernel's last program left every signal 0 for the next.
+        assert not Workspace.signals.any() and Workspace.done.item() == 0, f"rank {rank}: signals left set"
         ref = x.double() @ w.double().T
         err = ((y.double() - ref).norm() / ref.norm()).item()
         assert err < TOL, f"rank {rank}: rel err {err:.2e}"

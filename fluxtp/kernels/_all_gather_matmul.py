@@ -2,7 +2,9 @@
 
 A_gathered [W*m, K] is filled by the copy stream: segment s (rows s*m .. (s+1)*m-1, rank s's
 shard) arrives in chunks of `chunk_rows` rows, and chunk c of segment s is ready once
-signals[s * chunks_per_rank + c] == 1. Tiles are visited segment by segment in arrival order
+signals[s * chunks_per_rank + c] == 1 (the copy stream writes the 1s; the last program to finish
+resets them to `signal_reset`, 0 in a real call, so the next call and every CUDA graph replay
+start from zero without a host-side reset: see the end of the kernel). Tiles are visited segment by segment in arrival order
 (this rank's own rows first, then rank+1, rank+2, ...), and each tile waits for the chunks
 its rows lie in BEFORE its K loop, so the pipelined K loop never runs ahead of the data (or,
 with FLATTEN, one tile ahead: see the kernel). chunk_rows is a multiple of BLOCK_M, so a tile
@@ -31,7 +33,7 @@ def _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chu
         trap()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["signal_reset"])  # 0 in a call, 1 in GEMM-only mode: one binary for both
 def all_gather_matmul_kernel(
     a_desc,  # TensorDescriptor over A_gathered [W*m, K], block [BLOCK_M, BLOCK_K]
     b_desc,  # over B [n, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]; with B_KN over B^T [K, n], block [BLOCK_K, BLOCK_N]
@@ -39,6 +41,7 @@ def all_gather_matmul_kernel(
     c_ptr,  # C [W*m, n]
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
     signal_ptr,  # int32 [W * chunks_per_rank]
+    done_ptr,  # int32 [1], 0 at launch: how many programs have finished (the last one resets it)
     rows_per_rank,
     N,
     K,
@@ -46,6 +49,7 @@ def all_gather_matmul_kernel(
     chunk_rows,
     chunks_per_rank,
     max_spins,
+    signal_reset,  # what the last program writes into the signals: 0 (a call), 1 (GEMM-only mode)
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -120,3 +124,14 @@ def all_gather_matmul_kernel(
             rows = (segment_c * rows_per_rank + offs_m).to(tl.int64)
             mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
             tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(dtype), mask=mask)
+
+    # Every program's waits precede its increment, so the last one in reads no signal any more and
+    # may reset them all (and the counter) for the next call. The next call's copy stream writes
+    # signals only after this kernel has finished (the launcher forks it from this stream), and
+    # so does every CUDA graph replay: no reset on the host, no extra launch.
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        num_signals = WORLD * chunks_per_rank
+        offs = tl.arange(0, 128)
+        for start in range(0, num_signals, 128):
+            tl.store(signal_ptr + start + offs, signal_reset, mask=start + offs < num_signals)
+        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")

@@ -3,6 +3,7 @@ the next call of the op (backend "fused") launches exactly that config; a hand-w
 entry that differs from the heuristic is launched too, and its result is right."""
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -39,7 +40,7 @@ def _launched_configs(op: str) -> list:
         original = ag_gemm.launch_gemm
 
         def spy(*args, **kwargs):
-            seen.append(kwargs["config"] if "config" in kwargs else args[8])
+            seen.append(inspect.signature(original).bind(*args, **kwargs).arguments["config"])
             return original(*args, **kwargs)
 
         ag_gemm.launch_gemm = spy
@@ -47,7 +48,7 @@ def _launched_configs(op: str) -> list:
         original = gemm_rs.launch_kernel
 
         def spy(*args, **kwargs):
-            seen.append(kwargs["config"] if "config" in kwargs else args[8])
+            seen.append(inspect.signature(original).bind(*args, **kwargs).arguments["config"])
             return original(*args, **kwargs)
 
         gemm_rs.launch_kernel = spy

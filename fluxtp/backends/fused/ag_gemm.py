@@ -1,13 +1,17 @@
 """Fused AllGather+GEMM launcher: copy-engine pulls with per-chunk signals + one persistent GEMM.
 
 Per call, with S the caller's (compute) stream and C the side copy stream:
-  S: zero the chunk signals; fork C from S.
-  C: copy this rank's shard into x_gathered chunk by chunk (signal each), publish the shard in
-     this rank's symmetric buffer, barrier (every rank has published), pull each peer's shard
-     in ring order rank+1, rank+2, ... chunk by chunk (signal each), barrier (every rank has
-     finished reading the others' buffers, so the next call may overwrite them).
-  S: the persistent GEMM, which waits for each chunk's signal before its tiles' K loops.
+  C: fork from S; copy this rank's shard into x_gathered chunk by chunk (signal each); publish
+     the shard in this rank's symmetric buffer; barrier (every rank has published).
+  S: the persistent GEMM, which waits for each chunk's signal before its tiles' K loops, and
+     whose last program resets the signals for the next call (no reset launch on the host).
+  C: pull each peer's shard in ring order rank+1, rank+2, ... chunk by chunk (signal each);
+     barrier (every rank has finished reading the others' buffers, so the next call may
+     overwrite them).
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
+The GEMM goes in before the host spends its time on the peers' copies: it computes this rank's
+rows meanwhile. Not before the first barrier: that is a kernel the peers' rows wait for, and
+a GEMM launched ahead of it fills every SM and spins (tried: the first call trapped on 2x H200).
 No host synchronization anywhere: back-to-back calls and CUDA graph capture work; the barriers
 and the in-kernel waits are bounded and fail with an error instead of hanging.
 """
@@ -68,7 +72,8 @@ class AllGatherMatmulConfig(GemmTiling):
 @dataclass
 class _Workspace:
     shard: symm.SymmBuffer  # this rank's published shard, read by the peers
-    signals: torch.Tensor  # int32 chunk flags (local memory, written by the copy stream)
+    signals: torch.Tensor  # int32 chunk flags (local memory, written by the copy stream, reset by the GEMM)
+    done: torch.Tensor  # int32 [1]: the GEMM's count of finished programs (0 between calls)
     views: dict = dataclasses.field(default_factory=dict)  # (dtype, shape) -> [view of rank r's shard]
 
     def shard_views(self, dtype, shape, world: int) -> list[torch.Tensor]:
@@ -89,15 +94,24 @@ def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _
     shard = symm.buffer(info, "all_gather_matmul", shard_bytes, device)
     if ws is None or ws.shard is not shard or ws.signals.numel() < num_signals:
         fits = ws is not None and ws.signals.numel() >= num_signals
-        signals = ws.signals if fits else torch.zeros(max(num_signals, 64), dtype=torch.int32, device=device)
-        ws = _workspaces[key] = _Workspace(shard, signals)
+        if fits:
+            signals, done = ws.signals, ws.done
+        else:  # zero once; from then on every GEMM leaves them zero
+            signals = torch.zeros(max(num_signals, 64), dtype=torch.int32, device=device)
+            done = torch.zeros(1, dtype=torch.int32, device=device)
+        ws = _workspaces[key] = _Workspace(shard, signals, done)
     return ws
 
 
-def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS):
+def launch_gemm(
+    x_gathered, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS,
+    signal_reset=0,
+):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
-    weight [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied)."""
+    weight [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied). done is
+    an int32 [1] counter that reads 0 (the kernel leaves it 0); the kernel's last program writes
+    signal_reset into the call's W * cdiv(rows_per_rank, chunk_rows) signals."""
     n, k = weight.shape
     sms = num_sms(y.device)
     tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
@@ -117,6 +131,7 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
         y,
         y if bias is None else bias,
         signals,
+        done,
         rows_per_rank,
         n,
         k,
@@ -124,6 +139,7 @@ def launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows,
         chunk_rows,
         triton.cdiv(rows_per_rank, chunk_rows),
         max_spins,
+        signal_reset,
         RANK=info.rank,
         WORLD=info.world_size,
         BLOCK_M=config.block_m,
@@ -173,7 +189,6 @@ def all_gather_matmul(
 
     compute = torch.cuda.current_stream(device)
     copy = symm.copy_stream(device)
-    ws.signals.zero_()
     copy.wait_stream(compute)
 
     def copy_segment(segment: int, source: torch.Tensor) -> None:
@@ -192,14 +207,19 @@ def all_gather_matmul(
         copy_segment(rank, x_shard)
         shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
         shards[rank].copy_(x_shard)
+        # Before the GEMM: see the module docstring.
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+    finally:
+        torch.cuda.set_stream(compute)
+    launch_gemm(x_gathered, weight, bias, y, ws.signals, ws.done, rows_per_rank, chunk_rows, info, config)
+    torch.cuda.set_stream(copy)
+    try:
         for step in range(1, world):
             peer = (rank + step) % world
             copy_segment(peer, shards[peer])
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     finally:
         torch.cuda.set_stream(compute)
-    launch_gemm(x_gathered, weight, bias, y, ws.signals, rows_per_rank, chunk_rows, info, config)
     compute.wait_stream(copy)
     return y, x_gathered if return_gathered else None
 
@@ -216,11 +236,13 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     config = _config_for(x_shard, weight, world, config)  # the same config as all_gather_matmul
     chunk_rows = config.chunk_rows_for(rows_per_rank)
     x_gathered = x_shard.repeat(world, 1)
+    # Every chunk already there, and the kernel's reset leaves them so (signal_reset=1).
     signals = torch.ones(world * triton.cdiv(rows_per_rank, chunk_rows), dtype=torch.int32, device=x_shard.device)
+    done = torch.zeros(1, dtype=torch.int32, device=x_shard.device)
     y = torch.empty(rows_per_rank * world, weight.shape[0], dtype=x_shard.dtype, device=x_shard.device)
 
     def run():
-        launch_gemm(x_gathered, weight, bias, y, signals, rows_per_rank, chunk_rows, info, config)
+        launch_gemm(x_gathered, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, signal_reset=1)
         return y
 
     return run

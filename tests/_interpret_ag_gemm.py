@@ -37,7 +37,11 @@ def case(seed, world, rank, m, n, k, with_bias, cfg, transposed=False):
     signals = torch.ones(world * -(-m // chunk) + 3, dtype=torch.int32)  # 3 past the call's: must stay 1
     done = torch.zeros(1, dtype=torch.int32)
     reset = 1 if seed % 2 else 0  # 0 as in a call, 1 as in GEMM-only mode
-    launch_gemm(x, w, b, y, signals, done, m, chunk, GroupInfo(None, rank, world), cfg, signal_reset=reset)
+    # The kernel reads this rank's rows from its shard, never from the gathered input's own rows.
+    x_own = x[rank * m : (rank + 1) * m].clone()
+    x_gathered = x.clone()
+    x_gathered[rank * m : (rank + 1) * m] = float("nan")
+    launch_gemm(x_gathered, x_own, w, b, y, signals, done, m, chunk, GroupInfo(None, rank, world), cfg, signal_reset=reset)
     # The last program out leaves the call's signals at `reset` and the counter at 0, nothing else.
     assert signals[:-3].eq(reset).all() and signals[-3:].eq(1).all(), f"signals after the call: {signals.tolist()}"
     assert done.item() == 0, f"the finished-programs counter was left at {done.item()}"
@@ -54,7 +58,7 @@ def missing_signal_stops_kernel():
     signals = torch.ones(2, dtype=torch.int32)
     signals[1] = 0  # rank 1's shard never arrives
     try:
-        launch_gemm(x, w, None, y, signals, torch.zeros(1, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg, max_spins=100)
+        launch_gemm(x, x[:16], w, None, y, signals, torch.zeros(1, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg, max_spins=100)
     except Exception as e:  # the interpreter cannot run the trap's PTX: any error proves it stopped
         return str(e)
     raise AssertionError("the kernel ran past a signal that never arrived")
@@ -65,7 +69,7 @@ def launch_keeps_no_reference(cfg):
     call's output alive, so its memory was never reused (a cudaMalloc per call on GPUs)."""
     x, w, y = torch.randn(32, 16).half(), torch.randn(16, 16).half(), torch.empty(32, 16, dtype=torch.float16)
     alive = [weakref.ref(t) for t in (x, w, y)]
-    launch_gemm(x, w, None, y, torch.ones(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg)
+    launch_gemm(x, x[:16], w, None, y, torch.ones(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg)
     del x, w, y
     gc.collect()
     assert all(ref() is None for ref in alive), "launch_gemm kept a reference to one of the call's tensors"

@@ -71,9 +71,9 @@ def main():
         y, xg = ag.all_gather_matmul(published[rank], w, None, GroupInfo(None, rank, world), True, config=small)
         assert torch.equal(xg, x), f"rank {rank}: the gathered input is not an exact copy"
         order = [(rank + s) % world for s in range(world)]  # own rows, then ring order rank+1, ...
-        # The GEMM goes in after this rank's rows and the barrier, before the peers' rows.
-        expected = [seg * chunks + c for seg in order for c in range(chunks)]
-        expected.insert(chunks, "gemm")
+        # The GEMM (it reads this rank's rows from its shard: no signal for them) goes in after
+        # the publish and the barrier, before the peers' rows.
+        expected = ["gemm"] + [seg * chunks + c for seg in order[1:] for c in range(chunks)]
         assert signals_seen == expected, f"rank {rank}: signals {signals_seen}, expected {expected}"
         # No host reset between calls: the kernel's last program left every signal 0 for the next.
         assert not Workspace.signals.any() and Workspace.done.item() == 0, f"rank {rank}: signals left set"

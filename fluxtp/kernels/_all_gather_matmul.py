@@ -1,16 +1,19 @@
 """Persistent AllGather+GEMM (Flux prologue fusion): C = A_gathered @ B^T, tiles in data order.
 
-A_gathered [W*m, K] is filled by the copy stream: segment s (rows s*m .. (s+1)*m-1, rank s's
-shard) arrives in chunks of `chunk_rows` rows, and chunk c of segment s is ready once
-signals[s * chunks_per_rank + c] == 1 (the copy stream writes the 1s; the last program to finish
-resets them to `signal_reset`, 0 in a real call, so the next call and every CUDA graph replay
-start from zero without a host-side reset: see the end of the kernel). Tiles are visited segment by segment in arrival order
-(this rank's own rows first, then rank+1, rank+2, ...), and each tile waits for the chunks
-its rows lie in BEFORE its K loop, so the pipelined K loop never runs ahead of the data (or,
-with FLATTEN, one tile ahead: see the kernel). chunk_rows is a multiple of BLOCK_M, so a tile
-lies in exactly one chunk.
+C's rows are W segments of m rows, segment s being rank s's shard times B^T. This rank's own
+segment is computed first, straight from its shard (own_desc over x_shard [m, K]): nothing to
+wait for, and no copy before the GEMM can start. The peers' segments are read from A_gathered
+[W*m, K], which the copy stream fills: segment s arrives in chunks of `chunk_rows` rows, and
+chunk c of segment s is ready once signals[s * chunks_per_rank + c] == 1 (the copy stream writes
+the 1s; the last program to finish resets them to `signal_reset`, 0 in a real call, so the next
+call and every CUDA graph replay start from zero without a host-side reset). Peer segments are
+visited in arrival order (rank+1, rank+2, ...), and each tile waits for the chunk its rows lie
+in BEFORE its K loop, so the pipelined K loop never runs ahead of the data (or, with FLATTEN,
+one tile ahead: see _tiles). chunk_rows is a multiple of BLOCK_M, so a tile lies in one chunk.
+The two phases are two loops (the same round-robin of tiles over programs as one loop would
+give), so the flattened pipeline of each has no branch between descriptors.
 A tile never spans two segments (m need not be a multiple of BLOCK_M): rows past the segment
-end are loaded (they belong to another segment or the zero padding) but never stored.
+end are loaded (another segment's rows, or TMA's zero padding) but never stored.
 """
 
 import triton
@@ -33,9 +36,80 @@ def _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chu
         trap()
 
 
+@triton.jit
+def _tiles(
+    a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, first_tile, end_tile, rows_per_rank, N, k_tiles, stride_cm,
+    tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins,
+    OWN: tl.constexpr,  # this rank's segment, A from its shard (row 0 = its first row), no waits
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, B_KN: tl.constexpr,
+):
+    """Tiles first_tile, first_tile + NUM_SMS, ... below end_tile: K loop, bias, store into C."""
+    dtype = c_ptr.dtype.element_ty
+    if not OWN:
+        if FLATTEN:
+            # The flattened loop prefetches the next tile's first K blocks during this tile's last
+            # ones (NUM_STAGES - 1 < k_tiles, the launcher checks): so wait one tile ahead, at the
+            # start of the previous tile, and for the first tile before the loop.
+            if first_tile < end_tile:
+                _wait_for_tile(first_tile, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                               chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+    # The epilogue recomputes its tile from its own counter instead of reusing the prologue's
+    # values: that keeps the flattened loop's pipelining free of prologue-to-epilogue dependencies.
+    tile_id_c = first_tile - NUM_SMS
+    for tile_id in tl.range(first_tile, end_tile, NUM_SMS, flatten=FLATTEN, num_stages=NUM_STAGES if FLATTEN else 1):
+        if not OWN:
+            if FLATTEN:
+                if tile_id + NUM_SMS < end_tile:
+                    _wait_for_tile(tile_id + NUM_SMS, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                                   chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+            else:
+                # Wait before the K loop, never inside it, so its pipelining cannot run ahead of the data.
+                _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                               chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        if OWN:
+            row0 = pid_m * BLOCK_M
+        else:
+            row0 = ((RANK + tile_id // tiles_per_segment) % WORLD) * rows_per_rank + pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
+            a = a_desc.load([row0, ki * BLOCK_K])
+            if B_KN:
+                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
+            else:
+                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
+
+        tile_id_c += NUM_SMS
+        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD
+        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        row_in_segment_c = pid_m_c * BLOCK_M
+        row0_c = segment_c * rows_per_rank + row_in_segment_c
+        offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        if TMA_STORE:  # every tile lies inside its segment (rows_per_rank % BLOCK_M == 0)
+            if EPILOGUE_SUBTILE:  # two half-width stores: less shared memory and registers at once
+                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc0.to(dtype))
+                c_desc.store([row0_c, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(dtype))
+            else:
+                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc.to(dtype))  # clipped at N by the descriptor
+        else:
+            # Tiles may end past their segment: store only their own rows.
+            offs_m = row_in_segment_c + tl.arange(0, BLOCK_M)
+            rows = (segment_c * rows_per_rank + offs_m).to(tl.int64)
+            mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
+            tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(dtype), mask=mask)
+
+
 @triton.jit(do_not_specialize=["signal_reset"])  # 0 in a call, 1 in GEMM-only mode: one binary for both
 def all_gather_matmul_kernel(
-    a_desc,  # TensorDescriptor over A_gathered [W*m, K], block [BLOCK_M, BLOCK_K]
+    a_desc,  # TensorDescriptor over A_gathered [W*m, K], block [BLOCK_M, BLOCK_K] (the peers' rows are read)
+    own_desc,  # TensorDescriptor over this rank's shard [m, K], block [BLOCK_M, BLOCK_K]
     b_desc,  # over B [n, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]; with B_KN over B^T [K, n], block [BLOCK_K, BLOCK_N]
     c_desc,  # TensorDescriptor over C [W*m, n], block [BLOCK_M, BLOCK_N (/2 with EPILOGUE_SUBTILE)], or None
     c_ptr,  # C [W*m, n]
@@ -69,61 +143,15 @@ def all_gather_matmul_kernel(
     tiles_per_segment = tiles_m * tiles_n
     num_tiles = WORLD * tiles_per_segment
     k_tiles = tl.cdiv(K, BLOCK_K)
-    dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
-
-    if FLATTEN:
-        # The flattened loop prefetches the next tile's first K blocks during this tile's last
-        # ones (NUM_STAGES - 1 < k_tiles, the launcher checks): so wait one tile ahead, at the
-        # start of the previous tile, and for the first tile before the loop.
-        _wait_for_tile(pid, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
-                       max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
-    # The epilogue recomputes its tile from its own counter instead of reusing the prologue's
-    # values: that keeps the flattened loop's pipelining free of prologue-to-epilogue dependencies.
-    tile_id_c = pid - NUM_SMS
-    for tile_id in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN, num_stages=NUM_STAGES if FLATTEN else 1):
-        if FLATTEN:
-            if tile_id + NUM_SMS < num_tiles:
-                _wait_for_tile(tile_id + NUM_SMS, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                               chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
-        else:
-            # Wait before the K loop, never inside it, so its pipelining cannot run ahead of the data.
-            _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
-                           max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
-        segment = (RANK + tile_id // tiles_per_segment) % WORLD
-        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-        row0 = segment * rows_per_rank + pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
-            a = a_desc.load([row0, ki * BLOCK_K])
-            if B_KN:
-                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
-            else:
-                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
-
-        tile_id_c += NUM_SMS
-        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD
-        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-        row_in_segment_c = pid_m_c * BLOCK_M
-        row0_c = segment_c * rows_per_rank + row_in_segment_c
-        offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        if TMA_STORE:  # every tile lies inside its segment (rows_per_rank % BLOCK_M == 0)
-            if EPILOGUE_SUBTILE:  # two half-width stores: less shared memory and registers at once
-                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc0.to(dtype))
-                c_desc.store([row0_c, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(dtype))
-            else:
-                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc.to(dtype))  # clipped at N by the descriptor
-        else:
-            # Tiles may end past their segment: store only their own rows.
-            offs_m = row_in_segment_c + tl.arange(0, BLOCK_M)
-            rows = (segment_c * rows_per_rank + offs_m).to(tl.int64)
-            mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
-            tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(dtype), mask=mask)
+    # Tile t (0 .. num_tiles - 1, own segment first) goes to program t % NUM_SMS, as in one loop.
+    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, pid, tiles_per_segment, rows_per_rank, N, k_tiles,
+           stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, True, RANK, WORLD,
+           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN)
+    first_peer_tile = pid + tl.maximum(tl.cdiv(tiles_per_segment - pid, NUM_SMS), 0) * NUM_SMS
+    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, first_peer_tile, num_tiles, rows_per_rank, N, k_tiles,
+           stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, False, RANK, WORLD,
+           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN)
 
     # Every program's waits precede its increment, so the last one in reads no signal any more and
     # may reset them all (and the counter) for the next call. The next call's copy stream writes

@@ -1,17 +1,20 @@
 """Fused AllGather+GEMM launcher: copy-engine pulls with per-chunk signals + one persistent GEMM.
 
 Per call, with S the caller's (compute) stream and C the side copy stream:
-  C: fork from S; copy this rank's shard into x_gathered chunk by chunk (signal each); publish
-     the shard in this rank's symmetric buffer; barrier (every rank has published).
-  S: the persistent GEMM, which waits for each chunk's signal before its tiles' K loops, and
-     whose last program resets the signals for the next call (no reset launch on the host).
-  C: pull each peer's shard in ring order rank+1, rank+2, ... chunk by chunk (signal each);
+  C: fork from S; publish this rank's shard in its symmetric buffer; barrier (every rank has
+     published).
+  S: the persistent GEMM: this rank's rows straight from its shard (no copy to wait for), then
+     the peers' rows from x_gathered, waiting for each chunk's signal before its tiles' K loops;
+     its last program resets the signals for the next call (no reset launch on the host).
+  C: pull each peer's shard into x_gathered in ring order rank+1, rank+2, ... chunk by chunk
+     (signal each); copy this rank's shard into x_gathered when the caller wants it back;
      barrier (every rank has finished reading the others' buffers, so the next call may
      overwrite them).
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
 The GEMM goes in before the host spends its time on the peers' copies: it computes this rank's
-rows meanwhile. Not before the first barrier: that is a kernel the peers' rows wait for, and
-a GEMM launched ahead of it fills every SM and spins (tried: the first call trapped on 2x H200).
+rows meanwhile. Not before the first barrier, a kernel the peers' rows wait for: launched ahead
+of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the barrier never ran
+beside the GEMM that filled every SM).
 No host synchronization anywhere: back-to-back calls and CUDA graph capture work; the barriers
 and the in-kernel waits are bounded and fail with an error instead of hanging.
 """
@@ -56,10 +59,11 @@ class AllGatherMatmulConfig(GemmTiling):
             config = AllGatherMatmulConfig(block_n=128, num_stages=4)
         else:
             config = AllGatherMatmulConfig()
-        # A peer's shard lands long before the GEMM needs it (own rows come first), but the own
-        # shard's first chunk delays the GEMM's start: four chunks from 4096 rows per rank on,
-        # else one. Each chunk costs two host calls (a copy and a signal, 20-40 us each on the
-        # H200 hosts: docs/perf-log.md), which a GEMM shorter than ~1 ms cannot hide.
+        # The peers' rows in four chunks from 4096 rows per rank on, else one: measured when the
+        # own rows were copied in chunks too (their first chunk delayed the GEMM's start). Now the
+        # GEMM reads its own rows in place and needs a peer's only after them, so fewer chunks
+        # may do as well (not re-measured). Each chunk costs two host calls (a copy and a
+        # signal, 20-40 us each on the H200 hosts: docs/perf-log.md).
         pieces = 4 if rows_per_rank >= 4096 else 1
         chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, pieces), config.block_m) * config.block_m)
         return dataclasses.replace(config, chunk_rows=chunk)
@@ -104,18 +108,20 @@ def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _
 
 
 def launch_gemm(
-    x_gathered, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS,
+    x_gathered, x_own, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS,
     signal_reset=0,
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
-    weight [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied). done is
-    an int32 [1] counter that reads 0 (the kernel leaves it 0); the kernel's last program writes
+    x_gathered [W*m, k] (only the peers' rows are read), x_own this rank's shard [m, k]; weight
+    [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied). done is an int32
+    [1] counter that reads 0 (the kernel leaves it 0); the kernel's last program writes
     signal_reset into the call's W * cdiv(rows_per_rank, chunk_rows) signals."""
     n, k = weight.shape
     sms = num_sms(y.device)
     tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
     a_desc = descriptor(x_gathered, [config.block_m, config.block_k])
+    own_desc = descriptor(x_own, [config.block_m, config.block_k])
     b, b_kn = weight_operand(weight)
     b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
     # TMA stores need whole tiles inside each segment and 16-byte output rows.
@@ -126,6 +132,7 @@ def launch_gemm(
         all_gather_matmul_kernel,
         min(sms, tiles),
         a_desc,
+        own_desc,
         b_desc,
         c_desc,
         y,
@@ -202,21 +209,20 @@ def all_gather_matmul(
     # call on the H200 hosts (docs/perf-log.md); compute is the current device's stream.
     torch.cuda.set_stream(copy)
     try:
-        # Own rows first, chunk by chunk: the GEMM's first tiles wait for one chunk, not the whole
-        # shard (between two calls the copy stream can only start once the previous GEMM is done).
-        copy_segment(rank, x_shard)
         shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
         shards[rank].copy_(x_shard)
         # Before the GEMM: see the module docstring.
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     finally:
         torch.cuda.set_stream(compute)
-    launch_gemm(x_gathered, weight, bias, y, ws.signals, ws.done, rows_per_rank, chunk_rows, info, config)
+    launch_gemm(x_gathered, x_shard, weight, bias, y, ws.signals, ws.done, rows_per_rank, chunk_rows, info, config)
     torch.cuda.set_stream(copy)
     try:
         for step in range(1, world):
             peer = (rank + step) % world
             copy_segment(peer, shards[peer])
+        if return_gathered:  # the GEMM reads this rank's rows from x_shard itself
+            x_gathered[rank * rows_per_rank : (rank + 1) * rows_per_rank].copy_(x_shard)
         ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     finally:
         torch.cuda.set_stream(compute)
@@ -242,7 +248,9 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     y = torch.empty(rows_per_rank * world, weight.shape[0], dtype=x_shard.dtype, device=x_shard.device)
 
     def run():
-        launch_gemm(x_gathered, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, signal_reset=1)
+        launch_gemm(
+            x_gathered, x_shard, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, signal_reset=1
+        )
         return y
 
     return run

@@ -258,11 +258,17 @@ def test_measure_interleaves_variants_and_takes_the_median():
 
         return call
 
-    variants = [Variant("a", (make("a", 0.0),)), Variant("b", (make("b", 0.004), make("b2", 0.004)))]
+    variants = [
+        Variant("a", (make("a", 0.0),)),
+        Variant("b", (make("b", 0.004), make("b2", 0.004))),
+        Variant("c", (make("c", 0.0),)),
+    ]
     ms = measure(variants, Protocol(rounds=3, warmup_rounds=1, calls_per_sample=2), WORLD_OF_ONE, torch.device("cpu"))
-    # warm-up round + 3 rounds, each: a's sample (2 calls) then b's sample (2 calls, rotating copies)
-    assert order == ["a", "a", "b", "b2"] * 4
-    assert ms["a"] < 1.0 and 3.5 < ms["b"] < 40.0
+    # A warm-up round and 3 rounds of one sample (2 calls) per variant; b rotates its input copies;
+    # each measured round starts one variant later, so no variant always follows the same one.
+    a, b, c = ["a", "a"], ["b", "b2"], ["c", "c"]
+    assert order == [*a, *b, *c] + [*a, *b, *c] + [*b, *c, *a] + [*c, *a, *b]
+    assert ms["a"] < 1.0 and ms["c"] < 1.0 and 3.5 < ms["b"] < 40.0
 
 
 def test_shapes_are_sharded_as_the_layer_says():

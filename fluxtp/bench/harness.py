@@ -2,8 +2,11 @@
 
 1. Warm-up. Every variant first runs `warmup_rounds` interleaved samples that are thrown
    away: Triton compiles, symmetric buffers are allocated and rendezvoused, clocks ramp up.
-2. Interleaving. Variants are measured in rounds, A B C A B C ..., so that clock drift and
-   a neighbour's load hit every variant alike instead of whichever ran last.
+2. Interleaving. Variants are measured in rounds, A B C, B C A, C A B, ..., so that clock
+   drift and a neighbour's load hit every variant alike instead of whichever ran last, and no
+   variant always runs right after the same one: on 2x H200 the fused all-gather at M 16384
+   timed 3-4% faster when it followed NCCL than when it followed another fused variant, in both
+   orders (docs/perf-log.md), so a fixed order favours whichever comes first.
 3. One sample. The ranks finish their queued work and meet at a barrier (untimed), then
    `calls_per_sample` back-to-back calls run between two CUDA events (a wall clock on CPU);
    the sample is the elapsed time divided by the number of calls.
@@ -168,12 +171,17 @@ def measure(
             next_call[variant.name] += 1
         return start, clock.mark()
 
-    for _ in range(protocol.warmup_rounds):
-        for variant in variants:
+    def in_turn(round_index: int) -> list[Variant]:
+        """Round r starts at variant r mod n (the same on every rank: the samples are collective)."""
+        start = round_index % len(variants)
+        return [*variants[start:], *variants[:start]]
+
+    for r in range(protocol.warmup_rounds):
+        for variant in in_turn(r):
             sample(variant)
     marks: dict[str, list] = {name: [] for name in names}
-    for _ in range(protocol.rounds):
-        for variant in variants:
+    for r in range(protocol.rounds):
+        for variant in in_turn(r):
             marks[variant.name].append(sample(variant))
         if on_round is not None:
             on_round()

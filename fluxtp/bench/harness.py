@@ -173,7 +173,7 @@ def measure(
 
     def in_turn(round_index: int) -> list[Variant]:
         """Round r starts at variant r mod n (the same on every rank: the samples are collective)."""
-        start = round_index % len(variants)
+        start = round_index % max(len(variants), 1)
         return [*variants[start:], *variants[:start]]
 
     for r in range(protocol.warmup_rounds):

@@ -17,6 +17,7 @@ from fluxtp import cli
 from fluxtp._dist import resolve_group
 from fluxtp.bench import train
 from fluxtp.bench.harness import Protocol
+from fluxtp.bench.harness import Timings
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA
 from fluxtp.testing import run_on_ranks
 from tests.test_cli import fluxtp_cli
@@ -30,10 +31,16 @@ ROW_KEYS = {
     "ms",
     "tokens_per_s",
     "speedup_vs_nccl",
+    "speedup_vs_nccl_iqr",
     "T_exposed_comm",
     "ideal_speedup",
     "E_overlap",
 }
+
+
+def _timings(ms: dict[str, float]) -> Timings:
+    """Timings whose every round took the median time."""
+    return Timings(ms, {name: [t] * 3 for name, t in ms.items()})
 
 
 def _positive_finite(value) -> bool:
@@ -194,7 +201,7 @@ def test_loss_rows_have_their_own_table_and_plot(tmp_path):
     common = {"phase": "loss", "model": "tiny", "layers": 2, "seq": 64, "batch": 2, "dtype": "bfloat16", "lr": 1e-3,
               "warmup_steps": 8, "final_lr_fraction": 0.1}  # fmt: skip
     rows = [
-        train._row(config, 64, ["nccl"], {"nccl": 10.0, "no_comm": 8.0}),
+        train._row(config, 64, ["nccl"], _timings({"nccl": 10.0, "no_comm": 8.0})),
         {**common, "backend": "nccl", "losses": [5.0, 4.0, 3.0], "max_rel_diff_vs_nccl": 0.0, "within_noise": None},
         {**common, "backend": "fused", "losses": [5.0, 4.01, None], "max_rel_diff_vs_nccl": None, "within_noise": False},
         {**common, "backend": train.REORDERED, "losses": [5.0, 4.0, 3.003], "max_rel_diff_vs_nccl": 0.001,
@@ -300,10 +307,14 @@ def test_row_arithmetic():
         None,
         train.GPU_PROTOCOL,
     )
-    row = train._row(config, 4096, ["nccl", "fused"], {"nccl": 100.0, "fused": 92.0, "no_comm": 80.0})
+    ms = {"nccl": 100.0, "fused": 92.0, "no_comm": 80.0}
+    rounds = {"nccl": [100.0, 99.0], "fused": [92.0, 90.0], "no_comm": [80.0, 80.0]}
+    row = train._row(config, 4096, ["nccl", "fused"], Timings(ms, rounds))
     assert row["T_exposed_comm"] == 20.0
     assert row["ideal_speedup"] == 1.25  # 100 / (100 - 20)
     assert row["speedup_vs_nccl"] == {"nccl": 1.0, "fused": round(100 / 92, 4)}
+    # Quartiles (inclusive) of the rounds' ratios 100/92 = 1.087 and 99/90 = 1.1.
+    assert row["speedup_vs_nccl_iqr"] == {"nccl": [1.0, 1.0], "fused": [1.0902, 1.0967]}
     assert row["E_overlap"] == {
         "nccl": 0.0,
         "fused": 0.4,

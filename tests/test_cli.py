@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -17,11 +18,16 @@ from fluxtp import cli
 from fluxtp._dist import GroupInfo
 from fluxtp.bench import BenchError
 from fluxtp.bench import ops as ops_scenario
-from fluxtp.bench.harness import Protocol, Variant, input_copies, measure, overlap_efficiency, speedup
+from fluxtp.bench.harness import Protocol, Timings, Variant, format_speedup, input_copies, measure, measure_rounds
+from fluxtp.bench.harness import overlap_efficiency, speedup, speedup_iqr
+from fluxtp.testing import run_on_ranks
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW_KEYS = {"op", "M", "N", "K", "dtype", "cuda_graphs", "weight_layout", "calls_per_sample", "ms", "E_overlap", "speedup_vs_nccl"}
+ROW_KEYS = {
+    "op", "M", "N", "K", "dtype", "cuda_graphs", "weight_layout", "calls_per_sample", "ms", "E_overlap", "speedup_vs_nccl",
+    "speedup_vs_nccl_iqr",
+}  # fmt: skip
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
@@ -52,6 +58,9 @@ def check_envelope(data: dict, world: int) -> None:
         assert all(isinstance(v, float) and 0 < v < 60_000 for v in row["ms"].values())
         assert set(row["E_overlap"]) == set(row["speedup_vs_nccl"]) == set(row["ms"]) - {"gemm"}
         assert row["speedup_vs_nccl"]["nccl"] == 1.0
+        assert set(row["speedup_vs_nccl_iqr"]) == set(row["speedup_vs_nccl"])
+        assert row["speedup_vs_nccl_iqr"]["nccl"] == [1.0, 1.0]  # nccl against itself, round by round
+        assert all(0 < low <= high for low, high in row["speedup_vs_nccl_iqr"].values())
         assert row["E_overlap"]["nccl"] in (0.0, None)  # None: NCCL exposed no time over the GEMM
 
 
@@ -269,6 +278,48 @@ def test_measure_interleaves_variants_and_takes_the_median():
     a, b, c = ["a", "a"], ["b", "b2"], ["c", "c"]
     assert order == [*a, *b, *c] + [*a, *b, *c] + [*b, *c, *a] + [*c, *a, *b]
     assert ms["a"] < 1.0 and ms["c"] < 1.0 and 3.5 < ms["b"] < 40.0
+
+
+def test_measure_rounds_keeps_each_round_for_paired_ratios():
+    variants = [Variant("fast", (lambda: time.sleep(0.001),)), Variant("slow", (lambda: time.sleep(0.004),))]
+    protocol = Protocol(rounds=5, warmup_rounds=0, calls_per_sample=1)
+    timings = measure_rounds(variants, protocol, WORLD_OF_ONE, torch.device("cpu"))
+    assert set(timings.rounds) == {"fast", "slow"} and all(len(r) == 5 for r in timings.rounds.values())
+    for name, rounds in timings.rounds.items():  # one rank: the medians are the rounds' medians
+        assert timings.ms[name] == pytest.approx(statistics.median(rounds))
+    low, mid, high = timings.ratio_quartiles("slow", "fast")
+    assert 1.5 < low <= mid <= high  # every round's slow sample took ~4x its fast one
+
+
+def _slowest_rank_rounds(rank, world):
+    from fluxtp._dist import resolve_group
+
+    info = resolve_group(None)
+    variants = [Variant("a", (lambda: time.sleep(0.002 + 0.010 * rank),))]  # rank 1 is the slow one
+    protocol = Protocol(rounds=3, warmup_rounds=0, calls_per_sample=1)
+    timings = measure_rounds(variants, protocol, info, torch.device("cpu"))
+    assert all(t >= 11.0 for t in timings.rounds["a"]), timings  # every round as slow as rank 1
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, timings)
+    assert all(t == everyone[0] for t in everyone)  # every rank reports the same numbers
+
+
+def test_measure_rounds_takes_the_slowest_rank_of_each_round():
+    run_on_ranks(_slowest_rank_rounds, 2, backend="gloo", timeout_s=120)
+
+
+def test_ratio_quartiles_pair_samples_of_the_same_round():
+    # Drift that doubles both variants' times from round to round cancels in the paired ratios.
+    timings = Timings(
+        ms={"nccl": 4.0, "fused": 4.0},
+        rounds={"nccl": [1.1, 2.2, 4.4, 8.8, 17.6], "fused": [1.0, 2.0, 4.0, 8.0, 16.0]},
+    )
+    assert timings.ratio_quartiles("nccl", "fused") == pytest.approx((1.1, 1.1, 1.1))
+    assert speedup_iqr(timings, "nccl", ["nccl", "fused"]) == {"nccl": [1.0, 1.0], "fused": [1.1, 1.1]}
+    single = Timings(ms={"a": 2.0, "b": 1.0}, rounds={"a": [2.0], "b": [1.0]})
+    assert single.ratio_quartiles("a", "b") == (2.0, 2.0, 2.0)
+    assert format_speedup(1.0361, [1.0212, 1.0483]) == "1.036 (1.021-1.048)"
+    assert format_speedup(None, None) == "-" and format_speedup(0.9, None) == "0.9"
 
 
 def test_shapes_are_sharded_as_the_layer_says():

@@ -18,6 +18,11 @@
 6. Derived numbers, against variants of the same run only (never across runs):
    E_overlap = 1 - (T_x - T_gemm) / (T_nccl - T_gemm)  (1: communication fully hidden,
    0: no better than NCCL then GEMM, negative: slower) and speedup_vs_nccl = T_nccl / T_x.
+7. Spread. Each round's samples run back to back, so slow drift (clocks, a neighbour's load)
+   hits a round's variants alike: the per-round ratios T_nccl / T_x (slowest rank per sample)
+   and their middle half (speedup_vs_nccl_iqr) say how far one run's speedup can be trusted.
+   On 2x H200, "auto" timed beside the fused backend it picked read up to 4% apart in ratio of
+   medians at M 16384 (docs/perf-log.md).
 
 Inputs are random, never zeros (zeros make GEMMs and links cheaper than real data).
 """
@@ -109,6 +114,25 @@ def speedup(t_nccl: float, t_x: float) -> float | None:
     return None if t_x <= 0 else t_nccl / t_x
 
 
+def speedup_iqr(timings: "Timings", baseline: str, names) -> dict[str, list[float]]:
+    """Per name, [p25, p75] of the per-round speedups baseline / name (Timings.ratio_quartiles)."""
+    spread = {}
+    for name in names:
+        quartiles = timings.ratio_quartiles(baseline, name)
+        if quartiles is not None:
+            spread[name] = [round(quartiles[0], 4), round(quartiles[2], 4)]
+    return spread
+
+
+def format_speedup(value: float | None, iqr: list[float] | None) -> str:
+    """A table cell: the speedup, then the middle half of its per-round ratios, "1.036 (1.021-1.048)"."""
+    if value is None:
+        return "-"
+    if not iqr:
+        return f"{value:.4g}"
+    return f"{value:.4g} ({iqr[0]:.4g}-{iqr[1]:.4g})"
+
+
 class _CudaClock:
     def __init__(self, device: torch.device):
         self.device = device
@@ -142,6 +166,29 @@ def _barrier(info: GroupInfo) -> None:
         dist.barrier(group=info.group)
 
 
+@dataclass(frozen=True)
+class Timings:
+    """What measure_rounds found: `ms` per variant (protocol step 5), and per round the slowest
+    rank's ms per call of every variant (`rounds[name][r]`), for ratios paired within a round."""
+
+    ms: dict[str, float]
+    rounds: dict[str, list[float]]
+
+    def ratio_quartiles(self, numerator: str, denominator: str) -> tuple[float, float, float] | None:
+        """Quartiles (p25, median, p75) over the rounds of rounds[numerator][r] / rounds[denominator][r].
+
+        A round's samples run back to back, so slow drift (clocks, a neighbour's load) cancels in
+        its ratio: the spread of these ratios says how far one run's speedup can be trusted (on
+        2x H200 two variants running the same code differed by up to 4% in ratio of medians)."""
+        pairs = [a / b for a, b in zip(self.rounds[numerator], self.rounds[denominator], strict=True) if b > 0]
+        if not pairs:
+            return None
+        if len(pairs) == 1:
+            return pairs[0], pairs[0], pairs[0]
+        p25, p50, p75 = statistics.quantiles(pairs, n=4, method="inclusive")
+        return p25, p50, p75
+
+
 def measure(
     variants: Sequence[Variant],
     protocol: Protocol,
@@ -155,6 +202,17 @@ def measure(
     (the barriers and the final reduction are collective). `on_round` is called after each
     measured round (a progress bar).
     """
+    return measure_rounds(variants, protocol, info, device, on_round).ms
+
+
+def measure_rounds(
+    variants: Sequence[Variant],
+    protocol: Protocol,
+    info: GroupInfo,
+    device: torch.device,
+    on_round: Callable[[], None] | None = None,
+) -> Timings:
+    """measure(), keeping every round's time (the slowest rank's) beside the medians."""
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must be unique, got {names}")
@@ -186,8 +244,13 @@ def measure(
         if on_round is not None:
             on_round()
     clock.settle()
-    medians = [
-        statistics.median(clock.elapsed_ms(start, end) / protocol.calls_per_sample for start, end in marks[name])
-        for name in names
-    ]
-    return dict(zip(names, max_over_ranks(medians, info, device), strict=True))
+    calls = protocol.calls_per_sample
+    per_call = [[clock.elapsed_ms(start, end) / calls for start, end in marks[name]] for name in names]
+    medians = [statistics.median(samples) for samples in per_call]
+    # One collective for both: each variant's median, then every sample, maximized over the ranks.
+    slowest = max_over_ranks(medians + [t for samples in per_call for t in samples], info, device)
+    rounds = protocol.rounds
+    return Timings(
+        ms=dict(zip(names, slowest[: len(names)], strict=True)),
+        rounds={name: slowest[len(names) + i * rounds : len(names) + (i + 1) * rounds] for i, name in enumerate(names)},
+    )

@@ -29,8 +29,8 @@ import fluxtp
 from fluxtp import backends
 from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
-from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies, measure
-from fluxtp.bench.harness import overlap_efficiency, speedup
+from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies, measure_rounds
+from fluxtp.bench.harness import format_speedup, overlap_efficiency, speedup, speedup_iqr
 from fluxtp.ops import BACKENDS, OPS
 from fluxtp.tune import WEIGHT_LAYOUTS
 
@@ -360,7 +360,8 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         variants.append(Variant(f"{name}_gemm_only", calls))
     if config.cuda_graphs:
         variants = [Variant(v.name, tuple(_graphed(call) for call in v.calls)) for v in variants]
-    ms = measure(variants, config.protocol, info, device, on_round)
+    timings = measure_rounds(variants, config.protocol, info, device, on_round)
+    ms = timings.ms
 
     t_gemm, t_nccl = ms["gemm"], ms[BASELINE]
     row = {
@@ -375,6 +376,7 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         "ms": {k: round(v, 5) for k, v in ms.items()},
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_gemm, t_nccl), 4) for n in names},
         "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
+        "speedup_vs_nccl_iqr": speedup_iqr(timings, BASELINE, names),
     }
     return row, skipped
 
@@ -415,7 +417,7 @@ def format_table(rows: list[dict]) -> str:
         for r in op_rows:
             line = [r["M"], r["N"], r["K"]] + [_fmt(r["ms"].get(v)) for v in variants]
             line += [_fmt(r["E_overlap"].get(b)) for b in compared] + [
-                _fmt(r["speedup_vs_nccl"].get(b)) for b in compared
+                format_speedup(r["speedup_vs_nccl"].get(b), r.get("speedup_vs_nccl_iqr", {}).get(b)) for b in compared
             ]
             body.append(line)
         title = f"{op} ({op_rows[0]['dtype']}; M, N, K are the layer's global sizes)"

@@ -5,7 +5,8 @@
      "commit": sha | "unknown", "date": "YYYY-MM-DD", "command": "fluxtp bench ...",
      "rows": [...]}
 
-Rows are the scenario's own (for "ops": op, M, N, K, dtype, ms, E_overlap, speedup_vs_nccl).
+Rows are the scenario's own (for "ops": op, M, N, K, dtype, ms, E_overlap, speedup_vs_nccl and its
+spread speedup_vs_nccl_iqr, the middle half of the per-round ratios: fluxtp.bench.harness).
 Results measured on GPUs are committed as benchmarks/results/<result_filename(...)>.
 """
 

@@ -95,7 +95,8 @@ from tqdm import tqdm
 from fluxtp._dist import GroupInfo, max_over_ranks, resolve_group
 from fluxtp.backends import reference
 from fluxtp.bench import BenchError
-from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
+from fluxtp.bench.harness import Protocol, Timings, Variant, format_speedup, measure_rounds, overlap_efficiency
+from fluxtp.bench.harness import speedup, speedup_iqr
 from fluxtp.bench.ops import (
     BASELINE,
     DEFAULT_DTYPE,
@@ -691,8 +692,8 @@ def run(config: TrainConfig, info: GroupInfo, device: torch.device, show_progres
             trainer.set_input(seq)
             verify(trainer, names, info, where)
             variants = [Variant(v, ((lambda v=v: trainer.step(v)),)) for v in (*names, NO_COMM)]
-            ms = measure(variants, config.protocol, info, device, lambda: bar.update(1))
-            rows.append(_row(config, seq, names, ms))
+            timings = measure_rounds(variants, config.protocol, info, device, lambda: bar.update(1))
+            rows.append(_row(config, seq, names, timings))
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the next length's activations are larger
     finally:
@@ -705,7 +706,8 @@ def run(config: TrainConfig, info: GroupInfo, device: torch.device, show_progres
     return rows, notes
 
 
-def _row(config: TrainConfig, seq: int, names: list[str], ms: dict[str, float]) -> dict:
+def _row(config: TrainConfig, seq: int, names: list[str], timings: Timings) -> dict:
+    ms = timings.ms
     t_nccl, t_local = ms[BASELINE], ms[NO_COMM]
     tokens = config.batch * seq
     exposed = t_nccl - t_local
@@ -718,6 +720,7 @@ def _row(config: TrainConfig, seq: int, names: list[str], ms: dict[str, float]) 
         "ms": {k: round(v, 4) for k, v in ms.items()},
         "tokens_per_s": {n: round(tokens / (ms[n] / 1e3), 1) for n in names},
         "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
+        "speedup_vs_nccl_iqr": speedup_iqr(timings, BASELINE, names),
         "T_exposed_comm": round(exposed, 4),
         "ideal_speedup": _round(speedup(t_nccl, t_local), 4),
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_local, t_nccl), 4) for n in names},
@@ -784,7 +787,7 @@ def step_table(rows: list[dict], key_columns: list[str], title: str) -> str:
     for r in rows:
         line = [r[k] for k in key_columns] + [_fmt(r["ms"].get(v)) for v in variants]
         line += [_fmt(r["tokens_per_s"].get(b)) for b in backends_]
-        line += [_fmt(r["speedup_vs_nccl"].get(b)) for b in compared]
+        line += [format_speedup(r["speedup_vs_nccl"].get(b), r.get("speedup_vs_nccl_iqr", {}).get(b)) for b in compared]
         line += [_fmt(r["T_exposed_comm"]), _fmt(r["ideal_speedup"])] + [_fmt(r["E_overlap"].get(b)) for b in compared]
         body.append(line)
     return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")

@@ -1,6 +1,7 @@
 """The `fluxtp` command on CPU (info; the gloo bench demo, spawned and under torchrun; its
 errors), the results format, the timing harness's arithmetic, and the quickstart example."""
 
+import collections
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.bench import BenchError
 from fluxtp.bench import ops as ops_scenario
 from fluxtp.bench.harness import Protocol, Timings, Variant, format_speedup, input_copies, measure, measure_rounds
-from fluxtp.bench.harness import overlap_efficiency, speedup, speedup_iqr
+from fluxtp.bench.harness import overlap_efficiency, round_order, speedup, speedup_iqr
 from fluxtp.testing import run_on_ranks
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
 
@@ -278,6 +279,19 @@ def test_measure_interleaves_variants_and_takes_the_median():
     a, b, c = ["a", "a"], ["b", "b2"], ["c", "c"]
     assert order == [*a, *b, *c] + [*a, *b, *c] + [*b, *c, *a] + [*c, *a, *b]
     assert ms["a"] < 1.0 and ms["c"] < 1.0 and 3.5 < ms["b"] < 40.0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_round_orders_balance_positions_and_predecessors(n):
+    rounds = n if n % 2 == 0 else 2 * n  # a Williams design's period
+    rows = [round_order(r, n) for r in range(rounds)]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    positions = collections.Counter((i, v) for row in rows for i, v in enumerate(row))
+    followers = collections.Counter(pair for row in rows for pair in zip(row, row[1:]))
+    # Every variant in every position, and right after every other variant, equally often.
+    assert len(positions) == n * n and len(set(positions.values())) == 1
+    assert len(followers) == n * (n - 1) and len(set(followers.values())) == 1
+    assert round_order(rounds, n) == rows[0] and round_order(0, 0) == []
 
 
 def test_measure_rounds_keeps_each_round_for_paired_ratios():

@@ -2,11 +2,13 @@
 
 1. Warm-up. Every variant first runs `warmup_rounds` interleaved samples that are thrown
    away: Triton compiles, symmetric buffers are allocated and rendezvoused, clocks ramp up.
-2. Interleaving. Variants are measured in rounds, A B C, B C A, C A B, ..., so that clock
-   drift and a neighbour's load hit every variant alike instead of whichever ran last, and no
-   variant always runs right after the same one: on 2x H200 the fused all-gather at M 16384
-   timed 3-4% faster when it followed NCCL than when it followed another fused variant, in both
-   orders (docs/perf-log.md), so a fixed order favours whichever comes first.
+2. Interleaving. Variants are measured in rounds, each round every variant once, in the orders
+   of a balanced Latin square (round_order): over n rounds of n variants every variant takes
+   every position once and follows every other variant once (over 2n rounds when n is odd).
+   Clock drift and a neighbour's load then hit every variant alike, and no variant gains from
+   its place or its predecessor: on 2x H200 the fused all-gather at M 16384 timed 3-4% faster
+   right after NCCL than right after another fused variant (docs/perf-log.md), and with plain
+   rotation (A B C, B C A, ...) B still followed A in all but one round of n.
 3. One sample. The ranks finish their queued work and meet at a barrier (untimed), then
    `calls_per_sample` back-to-back calls run between two CUDA events (a wall clock on CPU);
    the sample is the elapsed time divided by the number of calls.
@@ -161,6 +163,26 @@ class _WallClock:
         return (end - start) * 1e3
 
 
+def round_order(round_index: int, n: int) -> list[int]:
+    """The order of n variants in a round: row round_index of a Williams design, the balanced
+    Latin square 0, 1, n-1, 2, n-2, ... shifted by the round (reversed in every other block of n
+    rounds when n is odd, which alone leaves it unbalanced). The same on every rank."""
+    if n <= 0:
+        return []
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = [(v + round_index) % n for v in first]
+    if n % 2 and (round_index // n) % 2:
+        row.reverse()
+    return row
+
+
 def _barrier(info: GroupInfo) -> None:
     if info.group is not None:
         dist.barrier(group=info.group)
@@ -230,9 +252,7 @@ def measure_rounds(
         return start, clock.mark()
 
     def in_turn(round_index: int) -> list[Variant]:
-        """Round r starts at variant r mod n (the same on every rank: the samples are collective)."""
-        start = round_index % max(len(variants), 1)
-        return [*variants[start:], *variants[:start]]
+        return [variants[i] for i in round_order(round_index, len(variants))]
 
     for r in range(protocol.warmup_rounds):
         for variant in in_turn(r):

@@ -498,15 +498,34 @@ def _gpu_name(device_type: str, index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+# _launch_entry's answers per call signature, each with the versions of the two tables it was read
+# from: a repeated shape costs the two stats and a dictionary lookup, not the key's construction.
+_launch_answers: dict[tuple, tuple[tuple, tuple[Entry | None, str]]] = {}
+_MAX_LAUNCH_ANSWERS = 4096
+
+
 def _launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> tuple[Entry | None, str]:
     """The entry the launchers' lookup answers with for this call, and how it was found
     ("exact", "nearest"), or (None, "heuristic"). x and weight are what the launcher holds:
     all_gather_matmul x_shard [M/W, K] and weight [N/W, K]; matmul_reduce_scatter x [M, K/W]
     and weight [N, K/W], in either layout (weight_layout_of). Costs a stat of each of the two
-    files and a dictionary lookup; never raises for a bad file (warns once)."""
+    files and a dictionary lookup (a rewritten file is seen by the next call); never raises for
+    a bad file (warns once)."""
     path = _cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
     shipped = SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table()
-    tables = ((path, _signature(path), False), (shipped, _signature(shipped), True))
+    signatures = (_signature(path), _signature(shipped))
+    call = (op, path, shipped, x.shape, x.dtype, x.device, weight.shape, weight.stride(), world)
+    known = _launch_answers.get(call)
+    if known is not None and known[0] == signatures:
+        return known[1]
+    answer = _find_launch_entry(op, x, weight, world, ((path, signatures[0], False), (shipped, signatures[1], True)))
+    if len(_launch_answers) >= _MAX_LAUNCH_ANSWERS:
+        _launch_answers.clear()
+    _launch_answers[call] = (signatures, answer)
+    return answer
+
+
+def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int, tables) -> tuple[Entry | None, str]:
     if tables[0][1] is None and tables[1][1] is None:
         return None, HEURISTIC
     if op == "all_gather_matmul":

@@ -437,6 +437,9 @@ def test_the_launchers_lookup_takes_the_same_order(cache, shipped):
     assert lookup(256, torch.empty(16, 32, dtype=torch.bfloat16)) is None  # N = 32: nowhere, the heuristic
     cache.unlink()
     assert lookup(1024).group_m == 4  # the shipped table, from the next call on
+    tune.write_entries([entry(gpu="cpu", n=64, k=32, m=1024, group_m=2)])
+    assert lookup(1024).group_m == 2  # a new user cache: the same call's remembered answer is dropped
+    assert lookup(1024, w.t().contiguous().t()).group_m == 2  # the transposed layout falls back to linear
 
 
 def test_a_corrupt_shipped_table_only_warns(cache, shipped):

@@ -9,6 +9,7 @@ as `reference` (the "nccl" backend).
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from fluxtp._dist import GroupInfo
@@ -22,8 +23,9 @@ _MODULES = {
 AUTO_ORDER = ("fused", "nccl")
 
 
+@functools.cache  # import_module costs ~2 us even for a loaded module, and "auto" asks 4 times a call
 def _module(backend: str):
-    return importlib.import_module(_MODULES[backend])
+    return importlib.import_module(_MODULES[backend])  # an ImportError is not cached: asked again next time
 
 
 def unsupported_reason(op: str, backend: str, x, weight, info: GroupInfo) -> str | None:

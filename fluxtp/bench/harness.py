@@ -116,7 +116,7 @@ def speedup(t_nccl: float, t_x: float) -> float | None:
     return None if t_x <= 0 else t_nccl / t_x
 
 
-def speedup_iqr(timings: "Timings", baseline: str, names) -> dict[str, list[float]]:
+def speedup_iqr(timings: Timings, baseline: str, names) -> dict[str, list[float]]:
     """Per name, [p25, p75] of the per-round speedups baseline / name (Timings.ratio_quartiles)."""
     spread = {}
     for name in names:

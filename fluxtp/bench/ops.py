@@ -29,8 +29,8 @@ import fluxtp
 from fluxtp import backends
 from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
-from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies, measure_rounds
-from fluxtp.bench.harness import format_speedup, overlap_efficiency, speedup, speedup_iqr
+from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies
+from fluxtp.bench.harness import format_speedup, measure_rounds, overlap_efficiency, speedup, speedup_iqr
 from fluxtp.ops import BACKENDS, OPS
 from fluxtp.tune import WEIGHT_LAYOUTS
 

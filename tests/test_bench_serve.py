@@ -10,6 +10,7 @@ import torch
 
 from fluxtp import cli
 from fluxtp.bench import serve
+from fluxtp.bench.harness import Timings
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA
 from tests.test_cli import fluxtp_cli
 
@@ -23,6 +24,7 @@ ROW_KEYS = {
     "ms",
     "tokens_per_s",
     "speedup_vs_nccl",
+    "speedup_vs_nccl_iqr",
     "T_exposed_comm",
     "ideal_speedup",
     "E_overlap",
@@ -125,13 +127,17 @@ def test_bench_serve_rejects_bad_options_before_launching(args, message, capsys)
 
 def test_row_arithmetic_and_table():
     config = _config("--model", "llama3-70b", device_type="cuda")
-    row = serve._row("decode", config, 8, 2048, ["nccl", "fused"], {"nccl": 2.0, "fused": 1.6, "no_comm": 1.5})
+    rounds = {"nccl": [2.0, 2.0, 2.2], "fused": [1.6, 1.6, 1.6], "no_comm": [1.5, 1.5, 1.5]}
+    ms = {"nccl": 2.0, "fused": 1.6, "no_comm": 1.5}
+    row = serve._row("decode", config, 8, 2048, ["nccl", "fused"], Timings(ms, rounds))
     assert set(row) == ROW_KEYS and row["dtype"] == "bfloat16"
     assert row["speedup_vs_nccl"] == {"nccl": 1.0, "fused": 1.25}
+    assert row["speedup_vs_nccl_iqr"] == {"nccl": [1.0, 1.0], "fused": [1.25, 1.3125]}  # rounds 1.25, 1.25, 1.375
     assert row["tokens_per_s"] == {"nccl": 4000.0, "fused": 5000.0}  # 8 tokens per step
     assert (row["T_exposed_comm"], row["ideal_speedup"]) == (0.5, round(2.0 / 1.5, 4))
     assert row["E_overlap"] == {"nccl": 0.0, "fused": 0.8}  # 0.4 of the 0.5 exposed ms hidden
-    prefill = serve._row("prefill", config, 8, 2048, ["nccl"], {"nccl": 100.0, "no_comm": 90.0})
+    prefill_ms = {"nccl": 100.0, "no_comm": 90.0}
+    prefill = serve._row("prefill", config, 8, 2048, ["nccl"], Timings(prefill_ms, {k: [v] for k, v in prefill_ms.items()}))
     assert prefill["tokens_per_s"] == {"nccl": 163840.0}  # 8 * 2048 tokens per call
     table = serve.format_table([prefill, row])
     assert "speedup fused" in table and "E_overlap fused" in table and "ideal_speedup" in table

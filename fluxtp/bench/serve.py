@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
-from fluxtp.bench.harness import Protocol, Variant, measure, overlap_efficiency, speedup
+from fluxtp.bench.harness import Protocol, Timings, Variant, measure_rounds, overlap_efficiency, speedup, speedup_iqr
 from fluxtp.bench.ops import BASELINE, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error, select_backends
 from fluxtp.bench.train import MODELS as LAYER_DIMS
 from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims, step_table
@@ -282,17 +282,17 @@ def _decode_eager(model, variant: str, tokens: torch.Tensor) -> torch.Tensor:
     return model.decode_step(tokens, advance=False).argmax(-1)
 
 
-def _time_prefill(model, config, names, prompts, info, device, agreement, where, on_round) -> dict[str, float]:
+def _time_prefill(model, config, names, prompts, info, device, agreement, where, on_round) -> Timings:
     tolerance = VERIFY_TOLERANCE[config.dtype]
     first = {name: _prefill(model, name, prompts) for name in names}
     for name in names:
         _check(name, first[name], first[BASELINE], info, where, "prefill", tolerance)
         agreement.add(name, first[name], first[BASELINE])
     variants = [Variant(v, (functools.partial(_prefill, model, v, prompts),)) for v in (*names, NO_COMM)]
-    return measure(variants, config.protocols["prefill"], info, device, on_round)
+    return measure_rounds(variants, config.protocols["prefill"], info, device, on_round)
 
 
-def _time_decode(model, config, names, prompts, info, device, agreement, where, on_round) -> dict[str, float]:
+def _time_decode(model, config, names, prompts, info, device, agreement, where, on_round) -> Timings:
     """Decode steps at position prompt_len over the cache of an nccl prefill of the prompts
     (every check and sample reads the same cache; a step rewrites only its own slot)."""
     from fluxtp.inference import DecodeGraph
@@ -308,7 +308,7 @@ def _time_decode(model, config, names, prompts, info, device, agreement, where, 
         agreement.add(name, step[name], step[BASELINE])
     if device.type != "cuda":
         variants = [Variant(v, (functools.partial(_decode_eager, model, v, tokens),)) for v in (*names, NO_COMM)]
-        return measure(variants, config.protocols["decode"], info, device, on_round)
+        return measure_rounds(variants, config.protocols["decode"], info, device, on_round)
     graphs = {}
     for variant in (*names, NO_COMM):  # the same order on every rank: the captures' warm-ups are collective
         _use(model, variant)
@@ -324,7 +324,7 @@ def _time_decode(model, config, names, prompts, info, device, agreement, where, 
     if any(g.stale() for g in graphs.values()):  # the eager checks sized every workspace: never expected
         raise BenchError(f"a symmetric workspace grew while the decode graphs were captured ({where})")
     variants = [Variant(v, (g.graph.replay,)) for v, g in graphs.items()]
-    return measure(variants, config.protocols["decode"], info, device, on_round)
+    return measure_rounds(variants, config.protocols["decode"], info, device, on_round)
 
 
 def _run_case(model, config: ServeConfig, names, batch: int, prompt_len: int, info, device, agreement, on_round):
@@ -337,8 +337,8 @@ def _run_case(model, config: ServeConfig, names, batch: int, prompt_len: int, in
     rows = []
     for phase, timer in (("prefill", _time_prefill), ("decode", _time_decode)):
         if phase in config.phases:
-            ms = timer(model, config, names, prompts, info, device, agreement, where, on_round)
-            rows.append(_row(phase, config, batch, prompt_len, names, ms))
+            timings = timer(model, config, names, prompts, info, device, agreement, where, on_round)
+            rows.append(_row(phase, config, batch, prompt_len, names, timings))
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the decode graphs' pools, prefill activations
     return rows
@@ -378,7 +378,8 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, ms: dict[str, float]) -> dict:
+def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, timings: Timings) -> dict:
+    ms = timings.ms
     tokens = batch * prompt_len if phase == "prefill" else batch
     t_nccl, t_local = ms[BASELINE], ms[NO_COMM]
     return {
@@ -391,6 +392,7 @@ def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, ms
         "ms": {k: round(v, 5) for k, v in ms.items()},
         "tokens_per_s": {n: round(tokens / (ms[n] / 1e3), 1) for n in names},
         "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
+        "speedup_vs_nccl_iqr": speedup_iqr(timings, BASELINE, names),
         "T_exposed_comm": round(t_nccl - t_local, 5),
         "ideal_speedup": _round(speedup(t_nccl, t_local), 4),
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_local, t_nccl), 4) for n in names},

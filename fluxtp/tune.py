@@ -442,10 +442,9 @@ def _find(entries: dict[Key, Entry], key: Key) -> tuple[Entry | None, str]:
     return None, "heuristic"
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_answer(tables, *key) -> tuple[Entry | None, str]:
+def _first_answer(tables, *key) -> tuple[Entry | None, str]:
     """The first answer of the tables ((path, signature, shipped), ...) for the key and how it was
-    found, or (None, HEURISTIC)."""
+    found, or (None, HEURISTIC). Not cached itself: _launch_entry keeps its answers."""
     for path, signature, shipped in tables:
         if signature is None:
             continue
@@ -499,7 +498,8 @@ def _gpu_name(device_type: str, index: int | None) -> str:
 
 
 # _launch_entry's answers per call signature, each with the versions of the two tables it was read
-# from: a repeated shape costs the two stats and a dictionary lookup, not the key's construction.
+# from: a repeated shape costs the two stats and a dictionary lookup, not the key's construction
+# and the search of the table.
 _launch_answers: dict[tuple, tuple[tuple, tuple[Entry | None, str]]] = {}
 _MAX_LAUNCH_ANSWERS = 4096
 
@@ -535,7 +535,7 @@ def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: in
     device = x.device
     gpu = _gpu_name(device.type, device.index)
     dtype = _DTYPE_NAMES.get(x.dtype)
-    return _cached_answer(tables, gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout_of(weight))
+    return _first_answer(tables, gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout_of(weight))
 
 
 def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):

@@ -417,7 +417,7 @@ def format_table(rows: list[dict]) -> str:
         for r in op_rows:
             line = [r["M"], r["N"], r["K"]] + [_fmt(r["ms"].get(v)) for v in variants]
             line += [_fmt(r["E_overlap"].get(b)) for b in compared] + [
-                format_speedup(r["speedup_vs_nccl"].get(b), r.get("speedup_vs_nccl_iqr", {}).get(b)) for b in compared
+                format_speedup(r["speedup_vs_nccl"].get(b), r["speedup_vs_nccl_iqr"].get(b)) for b in compared
             ]
             body.append(line)
         title = f"{op} ({op_rows[0]['dtype']}; M, N, K are the layer's global sizes)"

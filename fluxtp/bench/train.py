@@ -787,7 +787,7 @@ def step_table(rows: list[dict], key_columns: list[str], title: str) -> str:
     for r in rows:
         line = [r[k] for k in key_columns] + [_fmt(r["ms"].get(v)) for v in variants]
         line += [_fmt(r["tokens_per_s"].get(b)) for b in backends_]
-        line += [format_speedup(r["speedup_vs_nccl"].get(b), r.get("speedup_vs_nccl_iqr", {}).get(b)) for b in compared]
+        line += [format_speedup(r["speedup_vs_nccl"].get(b), r["speedup_vs_nccl_iqr"].get(b)) for b in compared]
         line += [_fmt(r["T_exposed_comm"]), _fmt(r["ideal_speedup"])] + [_fmt(r["E_overlap"].get(b)) for b in compared]
         body.append(line)
     return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")

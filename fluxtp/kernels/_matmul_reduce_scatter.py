@@ -14,7 +14,8 @@ buffer_ptrs[rank]) holding W-1 partial slots [m, N] of the input dtype and, at b
 flags_offset, W-1 rows of int32 flags, one per tile (pid_m * tiles_n + pid_n) of a segment.
 The pair (src, owner) lives in the buffer of its `holder` at slot `other - (other > holder)`:
 - push: holder = owner, other = src. The producer stores the tile into the owner's buffer
-  over NVLink, then, after a CTA barrier, one release atomic (scope "sys") sets the flag there.
+  over NVLink; after its next tile's K loop, a CTA barrier and one release atomic (scope "sys")
+  set the flag there.
 - pull: holder = src, other = owner. The producer stores into its own buffer and sets the flag
   there; the owner waits on the flag and loads the tile over NVLink.
 The owner, for each own tile after its K loop, waits (acquire, bounded) for every peer's flag, then adds the peers' partials in rank
@@ -138,6 +139,12 @@ def matmul_reduce_scatter_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     first_tile = first_step * tiles_per_segment + tl.program_id(0)
     end_tile = (last_step + 1) * tiles_per_segment
+    # A peer tile's flag is released only after the next tile's K loop (or after the last tile),
+    # when its stores are long complete: released right after them, the fence held every SM for
+    # their NVLink round trip (2% of the whole kernel at 4096x8192x28672, docs/perf-log.md). Each
+    # program releases what it holds before it waits for anything, so no wait can close a cycle.
+    pending = 0
+    pending_flag = (tl.load(buffer_ptrs + RANK) + flags_offset).to(tl.pointer_type(tl.int32))
 
     for tile_id in tl.range(first_tile, end_tile, NUM_SMS, num_stages=1):
         owner = (RANK + 1 + tile_id // tiles_per_segment) % WORLD
@@ -154,6 +161,11 @@ def matmul_reduce_scatter_kernel(
                 acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
             else:
                 acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
+
+        if pending != 0:
+            tl.debug_barrier()  # every thread's stores of that tile came before this barrier
+            set_flag(pending_flag, 1, "sys")
+        pending = 0
 
         if own:
             # Every peer's partial of this tile has arrived (acquire), after the K loop (which
@@ -195,8 +207,7 @@ def matmul_reduce_scatter_kernel(
                       rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
 
         if not own:
-            # Publish the tile: every thread's stores, then one release atomic (scope "sys").
-            tl.debug_barrier()
+            # The tile's flag, released after the next tile's K loop (above) or after the loop.
             if PUSH:
                 holder = owner
                 slot = RANK - (owner < RANK).to(tl.int32)
@@ -204,4 +215,9 @@ def matmul_reduce_scatter_kernel(
                 holder = RANK
                 slot = owner - (owner > RANK).to(tl.int32)
             flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
-            set_flag(flags + slot * tiles_per_segment + tile, 1, "sys")
+            pending_flag = flags + slot * tiles_per_segment + tile
+            pending = 1
+
+    if pending != 0:
+        tl.debug_barrier()
+        set_flag(pending_flag, 1, "sys")

@@ -274,6 +274,12 @@ def _add_tune_parser(subparsers) -> None:
     )
     tune.add_argument("--nproc", type=int, help="processes to launch (default: one per local GPU)")
     tune.add_argument(
+        "--vary",
+        metavar="FIELD,...",
+        help="only re-measure these config fields (e.g. transport) around the config each shape uses now (the "
+        "cache's, the shipped table's or the heuristic), which then stands in for the heuristic as the baseline",
+    )
+    tune.add_argument(
         "--weight-layout",
         choices=WEIGHT_LAYOUTS,
         default="linear",

@@ -11,6 +11,8 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -126,6 +128,34 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
         stream = torch.cuda.Stream(device=index, priority=highest)
         _streams[index] = stream
     return stream
+
+
+@functools.cache
+def _driver_wait_value32():
+    """The CUDA driver's cuStreamWaitValue32 (torch wraps only the write side)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def stream_wait_at_least(flags: torch.Tensor, index: int, value: int) -> None:
+    """Hold the current stream's later work until int32 flags[index] reaches `value`.
+
+    The GPU's front end polls the word (no SM is used, so it can wait beside a persistent kernel
+    that fills every SM); "reached" is (flags[index] - value) >= 0 in wrapping int32 arithmetic.
+    There is no timeout: wait only for a word that work already queued on this GPU will write
+    (a failing kernel fails the whole context, and the wait with it). Queue that work first,
+    then the wait: streams may share a hardware queue, and work queued behind the wait waits too.
+    """
+    if flags.dtype != torch.int32 or not flags.is_cuda:
+        raise TypeError(f"flags must be an int32 CUDA tensor, got {flags.dtype} on {flags.device}")
+    stream = torch.cuda.current_stream(flags.device)
+    address = flags.data_ptr() + index * flags.element_size()
+    status = _driver_wait_value32()(stream.cuda_stream, address, value & 0xFFFFFFFF, 0)  # 0: GEQ
+    if status != 0:
+        raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA driver error {status}")
 
 
 def free_workspaces(group_name: str | None = None) -> None:

@@ -3,7 +3,7 @@
 Search space (`search_space(op, m_total, n, k, world)`, shapes are the layer's global sizes as
 in `fluxtp bench --shapes`): tiles 128x128 / 128x256 / 256x128, block_k 64 / 128, 4 / 8 warps,
 3 / 4 / 5 stages, group_m 4 / 8 / 16, plus the op's own knobs: chunk_rows (all_gather_matmul:
-the rows per rank in 1, 2, 4 or 8 copy chunks) and push / pull and epilogue_split 1 / 2 / 4
+the rows per rank in 1, 2, 4 or 8 copy chunks) and transport copy_engine / push / pull and epilogue_split 1 / 2 / 4
 (matmul_reduce_scatter). Pruned before anything runs: what needs more shared memory than an
 H100/H200 block may have (`smem_bytes`), and tilings whose float32 accumulator would not fit
 the registers (more than 128 per thread; 64 with an unsplit reduce-scatter epilogue). The
@@ -57,6 +57,10 @@ are timed together, interleaved, with the harness; rank 0 picks the fastest and 
 every rank checks that it holds the same winner, and rank 0 writes the winners into the cache.
 A candidate that computes a wrong result is never chosen and makes the command exit 1 (a
 kernel bug); one the compiler rejects is only listed.
+`fluxtp tune --vary FIELD,...` re-measures only those fields (e.g. transport, after a kernel
+change) around the config each shape uses now (the cache's, else the shipped table's, nearest
+bucket included, else the heuristic's), which takes the heuristic's place as the baseline;
+its entries record "varied".
 
 Tuned against heuristic: the final pick is made on the same samples that rank the finalists,
 which favours whichever got lucky; so the winner is then timed again against the heuristic in
@@ -122,7 +126,7 @@ WARPS = (4, 8)
 STAGES = (3, 4, 5)
 GROUP_MS = (4, 8, 16)
 AG_CHUNK_PIECES = (1, 2, 4, 8)
-RS_PUSH = (True, False)
+RS_TRANSPORTS = ("copy_engine", "push", "pull")
 RS_EPILOGUE_SPLITS = (1, 2, 4)
 
 # Screening: one short sample per candidate; slower than PRUNE_RATIO x the best so far: dropped,
@@ -212,8 +216,8 @@ def candidates(op: str, m_total: int, n: int, k: int, world: int) -> list:
             variants = [cls(**tiling, chunk_rows=c) for c in chunks]
         else:
             variants = [
-                cls(**tiling, push=push, epilogue_split=split)
-                for push, split in itertools.product(RS_PUSH, RS_EPILOGUE_SPLITS)
+                cls(**tiling, transport=transport, epilogue_split=split)
+                for transport, split in itertools.product(RS_TRANSPORTS, RS_EPILOGUE_SPLITS)
             ]
         out.extend(v for v in variants if fits(op, v))
     return list(dict.fromkeys(out))
@@ -241,7 +245,7 @@ def describe(config) -> str:
     text = f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
     if hasattr(c, "chunk_rows"):
         return text + f" chunk_rows={c.chunk_rows}"
-    return text + f" {'push' if c.push else 'pull'} epilogue_split={c.epilogue_split}"
+    return text + f" {c.transport} epilogue_split={c.epilogue_split}"
 
 
 # ---------------------------------------------------------------- the cache file
@@ -329,7 +333,10 @@ def config_from_dict(op: str, data) -> object:
         want = type(getattr(defaults, name))
         if type(value) is not want or (want is int and value <= 0):
             raise CacheFileError(f"config field {name}={value!r} of {op} is not a positive {want.__name__}")
-    return cls(**data)
+    try:
+        return cls(**data)
+    except ValueError as e:  # the config's own checks
+        raise CacheFileError(f"config of {op}: {e}") from None
 
 
 def parse(text: str) -> dict[Key, Entry]:
@@ -679,6 +686,7 @@ class TuneJob:
     out: str | None = None  # where rank 0 writes the tuned-vs-heuristic results (fluxtp.bench/1, scenario "tune")
     command: str = "fluxtp tune"  # as typed, for the results
     weight_layout: str = "linear"  # or "transposed": tune the backward's W^T views (a key of their own)
+    vary: tuple[str, ...] = ()  # only these config fields, from the config the op uses now (not the heuristic)
 
 
 @dataclass
@@ -790,11 +798,24 @@ def _time_left(deadline: float, info, device) -> float:
     return -max_over_ranks([-(deadline - time.monotonic())], info, device)[0]
 
 
+def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int) -> list:
+    """`start`, then the candidates that differ from it in the `vary` fields only."""
+    fields = {f.name for f in dataclasses.fields(start)}
+    unknown = sorted(set(vary) - fields)
+    if unknown:
+        raise ValueError(f"{op} configs have no field(s) {', '.join(unknown)}; they have {', '.join(sorted(fields))}")
+    pinned = {f: getattr(start, f) for f in vary}
+    return [start] + [
+        c for c in candidates(op, m_total, n, k, world) if c != start and dataclasses.replace(c, **pinned) == start
+    ]
+
+
 def tune_shape(
-    op, shape, dtype, deadline, info, device, generator, show_progress=False, weight_layout="linear"
+    op, shape, dtype, deadline, info, device, generator, show_progress=False, weight_layout="linear", start=None, vary=()
 ) -> ShapeResult:
     """Tune one shape on every rank of `info` (collective); returns the same result everywhere.
-    weight_layout "transposed": the candidates run on the backward's W^T views."""
+    weight_layout "transposed": the candidates run on the backward's W^T views. With `vary`, the
+    space is varied_space(start, vary) and `start` plays the heuristic's part (the baseline)."""
     from tqdm import tqdm
 
     import fluxtp
@@ -823,7 +844,10 @@ def tune_shape(
     else:
         ref, ref_gathered = reference(*inputs[0], group=info.group, backend="nccl"), None
 
-    space = search_space(op, shape.M, shape.N, shape.K, world)
+    if vary:
+        space = varied_space(op, start, vary, shape.M, shape.N, shape.K, world)
+    else:
+        space = search_space(op, shape.M, shape.N, shape.K, world)
     base = space[0]
     start = time.monotonic()
     screen_end = start + SCREEN_SHARE * max(0.0, deadline - start)
@@ -999,9 +1023,14 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
     for i, shape in enumerate(job.shapes):
         left = _time_left(deadline_total, info, device)
         deadline = time.monotonic() + max(0.0, left) / (len(job.shapes) - i)
+        start = None
+        if job.vary:  # what the op launches for this shape now: the cache's, the shipped table's or the heuristic
+            start = choose(
+                job.op, gpu, world, dtype_name, shape.M, shape.N, shape.K, path=job.path, weight_layout=job.weight_layout
+            ).config
         try:
             result = tune_shape(
-                job.op, shape, job.dtype, deadline, info, device, generator, rank == 0, job.weight_layout
+                job.op, shape, job.dtype, deadline, info, device, generator, rank == 0, job.weight_layout, start, job.vary
             )
         except TuneError as e:  # raised on every rank alike; the shapes tuned so far are still written
             errors.append(f"fluxtp tune: {e}")
@@ -1021,6 +1050,8 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
             "triton": triton_version(),
             "commit": git_commit(),
         }
+        if job.vary:  # heuristic_ms is then the time of the config in use before
+            measured["varied"] = list(job.vary)
         entries.append(Entry(key, result.winner, measured))
         if cuda:
             torch.cuda.empty_cache()  # the next shape's inputs may be larger
@@ -1073,6 +1104,10 @@ def cmd_tune(args) -> int:
         parser.error(str(e))
     if args.budget_seconds <= 0:
         parser.error(f"--budget-seconds must be positive, got {args.budget_seconds}")
+    vary = tuple(f for f in (getattr(args, "vary", None) or "").split(",") if f)
+    fields = {f.name for f in dataclasses.fields(config_class(args.op))}
+    if set(vary) - fields:
+        parser.error(f"--vary {','.join(vary)}: {args.op} configs have the fields {', '.join(sorted(fields))}")
     if local_device_type() != "cuda":
         print(NO_GPU_MESSAGE, file=sys.stderr, flush=True)
         return 2
@@ -1104,6 +1139,7 @@ def cmd_tune(args) -> int:
         getattr(args, "out", None),
         getattr(args, "command_line", "fluxtp tune"),
         getattr(args, "weight_layout", "linear"),
+        vary,
     )
     if under_torchrun():
         return run_torchrun(job, rank_fn=rank_tune)

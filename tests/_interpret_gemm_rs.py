@@ -2,10 +2,11 @@
 be set before triton is imported). Checks the persistent GEMM+ReduceScatter kernel body with W
 ranks simulated in one process: the "symmetric buffers" are CPU tensors addressed through the
 same int64 address table the GPUs use; every rank runs its peer steps (push or pull stores and
-flags) first, then every rank its own-rows step (waits, fixed-order reduction, bias, output).
-Worlds of 2, 3 and 4, push and pull, ragged rows per rank, N and K not tile multiples, bias, the
-weight as a transposed view (the backward's layout, read without a copy), poisoned outputs and
-buffers, determinism, the GEMM-only mode, and that a missing flag stops the kernel.
+flags, or local stores and band counts) first, then (copy engine) the launcher's copy plan moves
+the counted bands and sets their flags, then every rank runs its own-rows step (waits,
+fixed-order reduction, bias, output). Worlds of 2, 3, 4 and 8, push, pull and copy engine,
+ragged rows per rank, N and K not tile multiples, bias, the weight as a transposed view (the
+backward's layout, read without a copy), poisoned outputs and buffers, determinism, the GEMM-only mode, and that a missing flag stops the kernel.
 
 float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
 """
@@ -24,6 +25,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused.gemm_rs import (
     Layout,
     MatmulReduceScatterConfig,
+    copy_plan,
     gemm_only,
     launch_kernel,
 )
@@ -67,11 +69,30 @@ def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=Fa
     for r in range(world):  # peer steps 0..W-2 of every rank
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
+    if cfg.copy_engine:
+        copy_engine(buffers, layout, world)
     for r in range(world):  # then every rank's own rows (step W-1)
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
     flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
     return outs, flags
+
+
+def copy_engine(buffers, layout, world):
+    """What the copy streams do after the peer steps, from the launcher's own plan: every band
+    counted full by its producer's kernel goes into its owner's incoming slot, then its flag."""
+    m, n, bands = layout.rows_per_rank, layout.n, layout.bands
+    slots = [buf[: layout.flags_offset].view(torch.float16)[: 2 * (world - 1) * m * n].view(2 * (world - 1), m, n)
+             for buf in buffers]
+    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+    for rank in range(world):
+        for owner, out_slot, in_slot, band in copy_plan(layout, rank, world):
+            first, end, tiles = layout.band(band)
+            count = flags[rank][(world - 1 + out_slot) * bands + band].item()
+            assert count == tiles, f"rank {rank} counted {count} tiles of band {band} for rank {owner}, not {tiles}"
+            assert flags[owner][in_slot * bands + band] == 0, f"rank {owner}'s flag for band {band} set early"
+            slots[owner][in_slot, first:end] = slots[rank][world - 1 + out_slot, first:end]
+            flags[owner][in_slot * bands + band] = 1
 
 
 def reference(x, w, b):
@@ -84,14 +105,19 @@ def check(out, ref, what):
     assert err < TOL, f"{what}: rel err {err:.2e}"
 
 
+def layout_of(x, w, world, cfg):
+    return Layout.of(x.shape[0] // world, w.shape[0], 2, world, cfg)
+
+
 def case(seed, world, m, n, k_local, with_bias, cfg, transposed=False):
     x, w, b = draw(seed, world, m, n, k_local, with_bias)
     ref = reference(x, w, b)
-    what = f"world={world} m={m} n={n} k_local={k_local} push={cfg.push} transposed={transposed}"
+    what = f"world={world} m={m} n={n} k_local={k_local} {cfg.transport} transposed={transposed}"
     outs, flags = simulate(x, w, b, world, k_local, cfg, float("nan"), transposed=transposed)
     for r in range(world):
         check(outs[r], ref[r * m : (r + 1) * m], f"{what} rank={r}")
-        assert bool((flags[r] == 1).all()), f"{what}: rank {r} has flags never set: {flags[r].tolist()}"
+        set_by_peers = flags[r][: layout_of(x, w, world, cfg).num_flags // 2] if cfg.copy_engine else flags[r]
+        assert bool((set_by_peers == 1).all()), f"{what}: rank {r} has flags never set: {flags[r].tolist()}"
     # Determinism and no stale reads: other poison in the buffers, bitwise the same outputs.
     again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0, transposed=transposed)
     for r in range(world):
@@ -104,10 +130,10 @@ def case(seed, world, m, n, k_local, with_bias, cfg, transposed=False):
         check(own, part, f"{what} gemm_only rank={r}")
 
 
-def missing_flag_stops_kernel(push):
+def missing_flag_stops_kernel(transport):
     """Every flag but one arrives: the owner's wait for that tile must give up (then trap)."""
-    cfg = MatmulReduceScatterConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, push=push)
-    cfg = dataclasses.replace(cfg, epilogue_split=1 if push else 4)
+    cfg = MatmulReduceScatterConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, transport=transport)
+    cfg = dataclasses.replace(cfg, epilogue_split=1 if transport == "push" else 4)
     world, m, n, k_local = 2, 32, 32, 16
     x, w, _ = draw(0, world, m, n, k_local, False)
     layout = Layout.of(m, n, 2, world, cfg)
@@ -115,7 +141,7 @@ def missing_flag_stops_kernel(push):
     out = torch.zeros(m, n, dtype=torch.float16)
     x1, w1 = shards(x, w, 1, k_local)
     launch_kernel(x1, w1, None, torch.zeros_like(out), ptrs, layout.flags_offset, 1, world, cfg, 0, 0)
-    holder = buffers[0] if push else buffers[1]
+    holder = buffers[0] if transport == "push" else buffers[1]
     flags = holder[layout.flags_offset :].view(torch.int32)
     assert bool((flags == 1).all()), f"rank 1 did not set every flag of rank 0's rows: {flags.tolist()}"
     flags[2] = 0  # tile 2 of rank 1's partial of rank 0's rows never arrives
@@ -147,10 +173,13 @@ def launch_keeps_no_reference(cfg):
 
 def main():
     seed = int(sys.argv[1])
-    small = MatmulReduceScatterConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4)
-    odd = MatmulReduceScatterConfig(block_m=16, block_n=16, block_k=32, group_m=3, num_stages=1, num_warps=4, epilogue_split=1)
-    pull = dataclasses.replace(small, push=False, epilogue_split=2)
-    odd_pull = dataclasses.replace(odd, push=False, epilogue_split=2)
+    small = MatmulReduceScatterConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4, transport="push")
+    odd = MatmulReduceScatterConfig(
+        block_m=16, block_n=16, block_k=32, group_m=3, num_stages=1, num_warps=4, transport="push", epilogue_split=1
+    )
+    pull = dataclasses.replace(small, transport="pull", epilogue_split=2)
+    odd_pull = dataclasses.replace(odd, transport="pull", epilogue_split=2)
+    ce, odd_ce = (dataclasses.replace(c, transport="copy_engine") for c in (small, odd))
     cases = [
         (2, 32, 64, 32, True, small),  # tile multiples
         (2, 40, 48, 48, False, small),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
@@ -161,13 +190,16 @@ def main():
         (4, 21, 40, 24, False, odd),
         (8, 9, 16, 16, True, odd_pull),  # TP=8: seven peer slots per owner, one tile per rank
         (8, 5, 40, 16, False, small),
+        (2, 40, 48, 48, True, ce),  # copy engine: bands of 2 tile rows (the last one short)
+        (3, 70, 20, 24, False, odd_ce),  # 5 tile rows: bands of 3 and 2, three ranks
+        (4, 9, 40, 16, True, ce),
     ]
     for i, (world, m, n, k_local, with_bias, cfg) in enumerate(cases):
         case(seed + i, world, m, n, k_local, with_bias, cfg)
     case(seed + len(cases), 2, 40, 48, 48, True, small, transposed=True)  # N not a tile multiple
     case(seed + len(cases) + 1, 3, 17, 40, 24, False, odd_pull, transposed=True)  # K tail, pull
     launch_keeps_no_reference(small)
-    messages = [missing_flag_stops_kernel(push) for push in (True, False)]
+    messages = [missing_flag_stops_kernel(transport) for transport in ("push", "pull")]
     print("ok;", messages[0][:80])
 
 

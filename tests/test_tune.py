@@ -107,7 +107,7 @@ def test_search_space_fits_shared_memory_without_duplicates(op, M, N, K):
     assert {c.num_warps for c in space} == {4, 8}
     assert {c.group_m for c in space} == {4, 8, 16}
     if op == RS:
-        assert {c.push for c in space} == {True, False}
+        assert {c.transport for c in space} == {"push", "pull", "copy_engine"}
         assert {c.epilogue_split for c in space} == {1, 2, 4}
     else:
         assert len({c.chunk_rows for c in space}) >= 2
@@ -153,7 +153,7 @@ def test_m_bucket_rounds_up_to_powers_of_two():
 def test_cache_round_trip(cache):
     entries = [
         entry(m=4096, block_n=128, num_stages=4, chunk_rows=1024),
-        entry(op=RS, n=8192, k=28672, m=8192, push=False, epilogue_split=2),
+        entry(op=RS, n=8192, k=28672, m=8192, transport="pull", epilogue_split=2),
     ]
     assert tune.write_entries(entries) == cache
     data = json.loads(cache.read_text())
@@ -213,9 +213,9 @@ def test_weight_layouts_have_keys_of_their_own_and_fall_back_to_linear(cache):
     assert near.source == "nearest" and near.config.group_m == 16  # its own layout's nearest bucket first
     linear = tune.choose(AG, H200, 2, "bfloat16", 8192, 28672, 8192)
     assert linear.source == "nearest" and linear.config.group_m == 4  # not the transposed entry
-    tune.write_entries([entry(op=RS, n=8192, k=28672, m=8192, push=False)])
+    tune.write_entries([entry(op=RS, n=8192, k=28672, m=8192, transport="pull")])
     fallback = tune.choose(RS, H200, 2, "bfloat16", 8192, 8192, 28672, weight_layout="transposed")
-    assert fallback.source == "exact" and fallback.config.push is False
+    assert fallback.source == "exact" and fallback.config.transport == "pull"
     assert "from the linear layout (none tuned for transposed)" in fallback.why
     # The launchers' lookup reads the layout off the weight's strides.
     tune.write_entries([entry(gpu="cpu", n=64, k=32, m=256, layout="transposed", group_m=16)])
@@ -235,7 +235,7 @@ def test_launcher_lookup_converts_local_shapes_to_the_global_key(cache):
     # CPU tensors: the GPU name is "cpu". all_gather_matmul holds x_shard [M/W, K], w [N/W, K];
     # matmul_reduce_scatter x [M, K/W], w [N, K/W]; the cache keys the layer's global M, N, K.
     ag = entry(gpu="cpu", world=2, n=64, k=32, m=256, block_n=128, chunk_rows=256)
-    rs = entry(op=RS, gpu="cpu", world=2, n=64, k=32, m=256, push=False)
+    rs = entry(op=RS, gpu="cpu", world=2, n=64, k=32, m=256, transport="pull")
     tune.write_entries([ag, rs])
     x, w = torch.empty(128, 32, dtype=torch.bfloat16), torch.empty(32, 32, dtype=torch.bfloat16)
     assert tune.tuned_config(AG, x, w, 2) == ag.config
@@ -471,7 +471,7 @@ def _merge(*args):
 
 def test_merge_defaults_puts_tuned_entries_into_the_shipped_table(tmp_path, shipped):
     tuned = tmp_path / "tuned" / tune.CACHE_FILE  # FLUXTP_CACHE_DIR=tmp/tuned fluxtp tune ... writes this
-    first = [measured_entry(m=1024), measured_entry(op=RS, n=8192, k=28672, m=8192, push=False)]
+    first = [measured_entry(m=1024), measured_entry(op=RS, n=8192, k=28672, m=8192, transport="pull")]
     tune.write_entries(first, tuned)
     shipped.parent.mkdir(parents=True)
     shipped.write_text(tune.dumps([]))  # as the package ships it before any GPU numbers
@@ -715,6 +715,25 @@ def test_rank_tune_of_the_transposed_layout_keys_its_entries_by_it(tmp_path):
     assert problem is None and list(entries) == [tune.Key("cpu", 2, "float32", AG, 64, 32, 1024, "transposed")]
 
 
+def test_rank_tune_can_vary_only_some_fields_of_the_config_in_use(tmp_path):
+    path = tmp_path / "cache" / tune.CACHE_FILE
+    shape = Shape(1024, 64, 32)
+    in_use = dataclasses.replace(AllGatherMatmulConfig(), block_n=128, num_stages=4, group_m=8, chunk_rows=512)
+    key = tune.Key("cpu", 2, "float32", AG, 64, 32, 1024)
+    tune.write_entries([tune.Entry(key, in_use, {"M": 1024, "ms": 1.0})], path)
+    job = tune.TuneJob(AG, (shape,), torch.float32, 6.0, str(path), None, "fluxtp tune --vary group_m", vary=("group_m",))
+    run_on_ranks(_rank_tune_on_cpu, 2, job, str(tmp_path), backend="gloo", timeout_s=300)
+    assert json.loads((tmp_path / "rank0.json").read_text())["code"] == 0
+    e = tune.load(path)[0][key]
+    assert e.config == dataclasses.replace(in_use, group_m=4)  # BEST's group_m, nothing else moved
+    assert e.measured["candidates"] == 3 and e.measured["varied"] == ["group_m"]  # group_m 4, 8, 16
+    assert e.measured["ms"] < e.measured["heuristic_ms"]  # the baseline: the config in use before
+    space = tune.varied_space(AG, in_use, ("group_m",), 1024, 64, 32, 2)
+    assert space[0] == in_use and {c.group_m for c in space} == {4, 8, 16}
+    with pytest.raises(ValueError, match="no field"):
+        tune.varied_space(AG, in_use, ("transport",), 1024, 64, 32, 2)
+
+
 LUCKY = [False]  # the stand-in below: BEST is fast until the confirmation measures it
 
 
@@ -804,6 +823,7 @@ def test_tune_command_on_a_cpu_host(tmp_path):
         (("--op", AG, "--shapes", "64x64x64", "--budget-seconds", "0"), "--budget-seconds must be positive"),
         (("--op", "matmul_all_reduce", "--shapes", "64x64x64"), "invalid choice"),
         (("--shapes", "64x64x64",), "--op"),
+        (("--op", AG, "--shapes", "64x64x64", "--vary", "transport"), "all_gather_matmul configs have the fields"),
     ],
 )  # fmt: skip
 def test_tune_rejects_bad_options(args, message, capsys):

@@ -18,6 +18,13 @@ The pair (src, owner) lives in the buffer of its `holder` at slot `other - (othe
   set the flag there.
 - pull: holder = src, other = owner. The producer stores into its own buffer and sets the flag
   there; the owner waits on the flag and loads the tile over NVLink.
+- copy engine (PUSH and COPY_ENGINE): the producer stores the tile into its own buffer (slot
+  W-1 + other: outgoing slots follow the incoming ones) and counts it, release, into a counter
+  per band of GROUP_M tile rows there (the W-1 rows of counters follow the W-1 rows of flags).
+  A copy stream waits for a band's count, copies the band into the owner's buffer as push
+  would have stored it, then sets the owner's flag for the band (one flag per band, not per
+  tile). The SMs never write over NVLink: their stores all land at once at the end of each wave
+  of tiles, and the NVLink burst held them there (docs/perf-log.md).
 The owner, for each own tile after its K loop, waits (acquire, bounded) for every peer's flag, then adds the peers' partials in rank
 order to its float32 accumulator (a fixed order: bitwise deterministic, and push and pull give
 the same bits), adds the bias once and rounds once into out [m, N]. Flags must read 0 before
@@ -63,6 +70,7 @@ def _epilogue(
     WORLD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PUSH: tl.constexpr,
+    COPY_ENGINE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = acc.shape[0]
     WIDTH: tl.constexpr = acc.shape[1]
@@ -92,7 +100,10 @@ def _epilogue(
             acc += bias.to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=mask)
     else:
-        if PUSH:
+        if COPY_ENGINE:  # this rank's outgoing slots follow its W-1 incoming ones
+            holder = RANK
+            slot = (WORLD - 1) + owner - (owner > RANK).to(tl.int32)
+        elif PUSH:
             holder = owner
             slot = RANK - (owner < RANK).to(tl.int32)
         else:
@@ -131,12 +142,14 @@ def matmul_reduce_scatter_kernel(
     NUM_STAGES: tl.constexpr,
     EPI_SPLIT: tl.constexpr,  # the epilogue works on 1, 2 or 4 column slices (fewer live registers)
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
+    COPY_ENGINE: tl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
     k_tiles = tl.cdiv(K, BLOCK_K)
+    bands = tl.cdiv(tiles_m, GROUP_M)  # copy-engine mode: one flag per GROUP_M rows of tiles
     first_tile = first_step * tiles_per_segment + tl.program_id(0)
     end_tile = (last_step + 1) * tiles_per_segment
     # A peer tile's flag is released only after the next tile's K loop (or after the last tile),
@@ -179,44 +192,56 @@ def matmul_reduce_scatter_kernel(
                         holder = src
                         slot = RANK - (RANK > src)
                     flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
-                    flag_ptr = flags + slot * tiles_per_segment + tile
+                    if COPY_ENGINE:
+                        flag_ptr = flags + slot * bands + pid_m // GROUP_M
+                    else:
+                        flag_ptr = flags + slot * tiles_per_segment + tile
                     if not wait_flag(flag_ptr, 1, max_spins, "sys"):
                         give_up(report_ptr, flag_ptr, src, tile, RANK)
             tl.debug_barrier()
 
         if EPI_SPLIT == 1:
             _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
         elif EPI_SPLIT == 2:
             a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
             _epilogue(a0, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
             _epilogue(a1, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
         else:
             a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
             a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
             a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
             _epilogue(a00, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
             _epilogue(a01, own, owner, row_in_segment, col0 + BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
             _epilogue(a10, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
             _epilogue(a11, own, owner, row_in_segment, col0 + 3 * BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
 
         if not own:
-            # The tile's flag, released after the next tile's K loop (above) or after the loop.
-            if PUSH:
-                holder = owner
-                slot = RANK - (owner < RANK).to(tl.int32)
+            if COPY_ENGINE:
+                # Count the tile into its band, in this rank's memory, where the copy stream waits
+                # for the band to fill. At once: the fence waits only for local stores, and a late
+                # count would hold the last band's copy back by a whole tile.
+                tl.debug_barrier()
+                counters = (tl.load(buffer_ptrs + RANK) + flags_offset).to(tl.pointer_type(tl.int32))
+                slot = (WORLD - 1) + owner - (owner > RANK).to(tl.int32)
+                tl.atomic_add(counters + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")
             else:
-                holder = RANK
-                slot = owner - (owner > RANK).to(tl.int32)
-            flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
-            pending_flag = flags + slot * tiles_per_segment + tile
-            pending = 1
+                # The tile's flag, released after the next tile's K loop (above) or after the loop.
+                if PUSH:
+                    holder = owner
+                    slot = RANK - (owner < RANK).to(tl.int32)
+                else:
+                    holder = RANK
+                    slot = owner - (owner > RANK).to(tl.int32)
+                flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
+                pending_flag = flags + slot * tiles_per_segment + tile
+                pending = 1
 
     if pending != 0:
         tl.debug_barrier()

@@ -2,7 +2,7 @@
 
 Tests the synchronization as well as the math: poisoned outputs and workspaces (stale partials
 read as NaN, stale flags read as "arrived", so a missing reset or a read before its flag shows),
-ragged rows per rank, bias, both dtypes, push and pull, error no worse than NCCL's
+ragged rows per rank, bias, both dtypes, push, pull and copy-engine push, error no worse than NCCL's
 reduce-scatter of rounded partials, 200 back-to-back calls with fresh data and no host sync, a
 producer delayed on purpose (before the call, and between the barrier and the kernel so the
 owner's in-kernel waits really wait), CUDA graph capture and replay, two process groups used
@@ -60,18 +60,21 @@ def _check(out, x, w, b, rank, world, what):
     return err
 
 
-def _config(x_local, w_local, push):
+MODES = gemm_rs.TRANSPORTS  # how the partial tiles reach their owners
+
+
+def _config(x_local, w_local, mode):
     world = dist.get_world_size()
     config = gemm_rs.MatmulReduceScatterConfig.heuristic(x_local.shape[0], w_local.shape[0], x_local.shape[1], world)
-    return dataclasses.replace(config, push=push)
+    return dataclasses.replace(config, transport=mode)
 
 
-def _fused(x_local, w_local, b, push=True, group=None):
-    """The op through the public API (push, the default config) or the launcher (pull)."""
-    if push:
+def _fused(x_local, w_local, b, mode=None, group=None):
+    """The op through the public API (mode None: the config it picks) or the launcher in `mode`."""
+    if mode is None:
         return fluxtp.matmul_reduce_scatter(x_local, w_local, bias=b, group=group, backend="fused")
     info = resolve_group(group)
-    return gemm_rs.matmul_reduce_scatter(x_local, w_local, b, info, _config(x_local, w_local, push))
+    return gemm_rs.matmul_reduce_scatter(x_local, w_local, b, info, _config(x_local, w_local, mode))
 
 
 def _poison_output_pool(rows, n, dtype):
@@ -106,14 +109,14 @@ def _shapes_body(rank, world, seed):
     for d, dtype in enumerate(DTYPES):
         for s, (rows, n, k_local) in enumerate(SHAPES):
             m_total = rows * world
-            for push in (True, False):
-                with_bias = (d + s + push) % 2 == 0  # each shape and dtype: with and without bias
+            for i, mode in enumerate(MODES):
+                with_bias = (d + s + i) % 2 == 0  # each shape and dtype: with and without bias
                 x, w, b, xl, wl = _inputs(seed + 10 * case, world, rank, m_total, n, k_local, dtype, with_bias)
-                what = f"{dtype} M={m_total} N={n} k={k_local} push={push} bias={with_bias}"
-                _fused(xl, wl, b, push)  # creates (or grows) the workspace for this shape
-                _poison_workspace(xl, wl, _config(xl, wl, push))
+                what = f"{dtype} M={m_total} N={n} k={k_local} {mode} bias={with_bias}"
+                _fused(xl, wl, b, mode)  # creates (or grows) the workspace for this shape
+                _poison_workspace(xl, wl, _config(xl, wl, mode))
                 _poison_output_pool(rows, n, dtype)
-                err = _check(_fused(xl, wl, b, push), x, w, b, rank, world, what)
+                err = _check(_fused(xl, wl, b, mode), x, w, b, rank, world, what)
                 nccl = fluxtp.matmul_reduce_scatter(xl, wl, bias=b, backend="nccl")
                 err_nccl = _check(nccl, x, w, b, rank, world, f"{what} (nccl)")
                 if nccl.numel() >= 10_000:  # a normwise error over enough elements to compare
@@ -121,8 +124,8 @@ def _shapes_body(rank, world, seed):
                 case += 1
 
 
-def test_shapes_dtypes_push_and_pull():
-    # Many kernel variants to compile (dtype, config, push/pull, bias, alignment): a longer deadline.
+def test_shapes_dtypes_modes():
+    # Many kernel variants to compile (dtype, config, mode, bias, alignment): a longer deadline.
     run_on_ranks(_shapes_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=540)
 
 
@@ -147,18 +150,19 @@ def _back_to_back_body(rank, world, seed):
     for m_total, n, k_local in shapes:  # warm-up: compile every variant, allocate, rendezvous
         _, _, b, xl, wl = _inputs(seed, world, rank, m_total, n, k_local, torch.bfloat16, True)
         for bias in (b, None):
-            _fused(xl, wl, bias)
-            _fused(xl, wl, bias, push=False)
+            for mode in (None, *MODES):
+                _fused(xl, wl, bias, mode)
     torch.cuda.synchronize()
     inputs = []
     for i in range(calls):
         m_total, n, k_local = shapes[i % 2]
         inputs.append(_inputs(seed + 3 * i, world, rank, m_total, n, k_local, torch.bfloat16, i % 3 == 0))
     torch.cuda.synchronize()
-    # No host synchronization from here to the checks; every 4th call pulls instead of pushing.
-    outputs = [_fused(xl, wl, b, push=i % 4 != 3) for i, (_, _, b, xl, wl) in enumerate(inputs)]
+    # No host synchronization from here to the checks; the public op and the three modes in turn.
+    modes = [(None, *MODES)[i % 4] for i in range(calls)]
+    outputs = [_fused(xl, wl, b, modes[i]) for i, (_, _, b, xl, wl) in enumerate(inputs)]
     for i, ((x, w, b, _, _), out) in enumerate(zip(inputs, outputs)):
-        _check(out, x, w, b, rank, world, f"call {i} push={i % 4 != 3}")
+        _check(out, x, w, b, rank, world, f"call {i} mode={modes[i]}")
 
 
 def test_back_to_back_without_sync():
@@ -171,18 +175,18 @@ SLEEP_CYCLES = 100_000_000  # ~50 ms
 def _delayed_body(rank, world, seed):
     m_total, n, k_local = 2048, 2048, 1024
     case = 0
-    for push in (True, False):
+    for mode in MODES:
         for delay_rank in (0, 1):
             for inside in (False, True):
                 x, w, b, xl, wl = _inputs(seed + 5 * case, world, rank, m_total, n, k_local, torch.bfloat16, True)
-                config = _config(xl, wl, push)
-                what = f"push={push} delayed rank={delay_rank} between barrier and kernel={inside}"
+                config = _config(xl, wl, mode)
+                what = f"{mode} delayed rank={delay_rank} between barrier and kernel={inside}"
                 info = resolve_group(None)
                 gemm_rs.matmul_reduce_scatter(xl, wl, b, info, config)  # workspace for this shape
                 _poison_workspace(xl, wl, config)
                 if inside:
                     # The peer's kernel starts right after the barrier; its own rows must wait
-                    # in the kernel for this rank's partials (push), or for its flags (pull).
+                    # in the kernel for this rank's partials (push, copy engine), or its flags (pull).
                     call = gemm_rs.prepare(xl, wl, info, config)
                     if rank == delay_rank:
                         torch.cuda._sleep(SLEEP_CYCLES)
@@ -202,9 +206,9 @@ def test_delayed_producer():
 def _graph_body(rank, world, seed):
     m_total, n, k_local = 1000, 768, 512
     info = resolve_group(None)
-    for push in (True, False):
+    for mode in MODES:  # copy engine: the copy stream's waits for the kernel's counts are captured too
         x, w, b, xl, wl = _inputs(seed, world, rank, m_total, n, k_local, torch.bfloat16, True)
-        config = _config(xl, wl, push)
+        config = _config(xl, wl, mode)
         static_x, static_w = xl.clone(), wl.clone()
         for _ in range(2):  # warm-up: compile, allocate and rendezvous the workspace outside capture
             gemm_rs.matmul_reduce_scatter(static_x, static_w, b, info, config)
@@ -219,7 +223,7 @@ def _graph_body(rank, world, seed):
             static_w.copy_(wl)
             static_out.fill_(NAN)
             graph.replay()
-            _check(static_out, x, w, b, rank, world, f"push={push} replay {i}")
+            _check(static_out, x, w, b, rank, world, f"{mode} replay {i}")
         cases = [_inputs(seed + 9 * (i + 1), world, rank, m_total, n, k_local, torch.bfloat16, False) for i in range(30)]
         torch.cuda.synchronize()
         results = []
@@ -229,7 +233,7 @@ def _graph_body(rank, world, seed):
             graph.replay()
             results.append(static_out.clone())
         for i, ((x, w, _, _, _), out) in enumerate(zip(cases, results)):
-            _check(out, x, w, b, rank, world, f"push={push} back-to-back replay {i}")
+            _check(out, x, w, b, rank, world, f"{mode} back-to-back replay {i}")
 
 
 def test_cuda_graph_replay():
@@ -242,7 +246,7 @@ def _two_groups_body(rank, world, seed):
         group = other if i % 2 else None
         m_total, n, k_local = (1024, 640, 512) if i % 4 < 2 else (600, 520, 256)  # alternating shapes too
         x, w, b, xl, wl = _inputs(seed + 11 * i, world, rank, m_total, n, k_local, torch.float16, i % 3 == 0)
-        out = _fused(xl, wl, b, push=i % 6 < 3, group=group)
+        out = _fused(xl, wl, b, MODES[i // 2 % 3], group=group)
         _check(out, x, w, b, rank, world, f"call {i} group={'other' if group else 'world'}")
 
 
@@ -254,14 +258,15 @@ def _determinism_body(rank, world, seed):
     m_total, n, k_local = 4096, 5120, 2048
     x, w, b, xl, wl = _inputs(seed, world, rank, m_total, n, k_local, torch.bfloat16, True)
     first = {}
-    for push in (True, False):
-        first[push] = _fused(xl, wl, b, push)
-        _check(first[push], x, w, b, rank, world, f"push={push}")
-        runs = [_fused(xl, wl, b, push) for _ in range(20)]
+    for mode in MODES:
+        first[mode] = _fused(xl, wl, b, mode)
+        _check(first[mode], x, w, b, rank, world, mode)
+        runs = [_fused(xl, wl, b, mode) for _ in range(20)]
         for i, out in enumerate(runs):
-            assert torch.equal(out, first[push]), f"push={push} run {i}: output differs from the first run"
-    # Both variants add the same numbers in the same order.
-    assert torch.equal(first[True], first[False]), "push and pull give different bits"
+            assert torch.equal(out, first[mode]), f"{mode} run {i}: output differs from the first run"
+    # Every mode adds the same numbers in the same order.
+    for mode in MODES[1:]:
+        assert torch.equal(first[mode], first["push"]), f"{mode} and push give different bits"
 
 
 def test_bitwise_deterministic():

@@ -124,7 +124,7 @@ def test_a_cached_config_other_than_the_heuristic_is_launched(op, tmp_path):
             c for c in space if c.chunk_rows != base.chunk_rows and c == dataclasses.replace(base, group_m=4, chunk_rows=c.chunk_rows)
         )
     else:
-        other = dataclasses.replace(base, group_m=4, push=not base.push)
+        other = dataclasses.replace(base, group_m=4, transport="pull" if base.transport != "pull" else "push")
     assert other != base and other in space
     gpu = torch.cuda.get_device_name(0)
     key = tune.Key(gpu, WORLD, "bfloat16", op, shape.N, shape.K, tune.m_bucket(shape.M))

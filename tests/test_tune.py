@@ -129,6 +129,17 @@ def test_heuristic_config_is_in_the_space_and_tried_first(op, M, N, K):
     assert distances == sorted(distances)
 
 
+def test_reduce_scatter_transport_heuristic_and_check():
+    # the copy engine where a segment of rows has two waves of tiles or more, else push
+    assert MatmulReduceScatterConfig.heuristic(8192, 8192, 14336, 2).transport == "copy_engine"  # 32 x 32 tiles
+    assert MatmulReduceScatterConfig.heuristic(2048, 8192, 14336, 2).transport == "copy_engine"  # 8 x 64
+    assert MatmulReduceScatterConfig.heuristic(1024, 4096, 7168, 2).transport == "push"  # 4 x 32
+    with pytest.raises(ValueError, match="transport must be one of push, pull, copy_engine, got 'nvlink'"):
+        MatmulReduceScatterConfig(transport="nvlink")
+    with pytest.raises(tune.CacheFileError, match="transport must be one of"):
+        tune.config_from_dict(RS, {**dataclasses.asdict(MatmulReduceScatterConfig()), "transport": "nvlink"})
+
+
 def test_what_does_not_fit_is_pruned():
     space = set(tune.candidates(AG, 8192, 28672, 8192, 2))
     shapes = {(c.block_m, c.block_n, c.block_k, c.num_stages, c.num_warps) for c in space}

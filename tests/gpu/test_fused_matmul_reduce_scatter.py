@@ -337,7 +337,7 @@ _TIMEOUT_SCRIPT = """
 import torch
 from fluxtp.backends.fused import gemm_rs
 
-cfg = gemm_rs.MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)
+cfg = gemm_rs.MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2, transport="push")  # a flag per tile
 world, m, n, k = 2, 256, 512, 128
 x = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

@@ -22,6 +22,7 @@ surfaces at the next synchronization); timeout_report() and an exit hook name th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -43,6 +44,11 @@ BARRIER_TIMEOUT_MS = 60_000
 MAX_SPINS = 1 << 26
 _TAG = "matmul_reduce_scatter"
 TRANSPORTS = ("push", "pull", "copy_engine")
+# The copy engine's transport wants the SMs to have other tiles to compute while a band's
+# copy runs: with a segment of rows of one wave of tiles or less it lost badly (1024x4096x14336,
+# 64 tiles: 0.69x NCCL against push's 1.09x; docs/perf-log.md). Below two waves (H100 / H200:
+# 132 SMs) the heuristic pushes; the shipped table has measured choices for its shapes.
+MIN_COPY_ENGINE_TILES = 256
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,15 @@ class MatmulReduceScatterConfig(GemmTiling):
 
     @staticmethod
     def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
-        """Measured on H200 (DESIGN.md): 128x256x64/3 stages at large M, 128x128x64/4 at M <= 2048."""
+        """Measured on H200 (docs/perf-log.md): 128x256x64/3 stages at large M, 128x128x64/4 at
+        M <= 2048; the copy engine's transport where a segment of rows has MIN_COPY_ENGINE_TILES
+        tiles or more, else push."""
         if GemmTiling.prefers_small_tiles(m_total, n):
-            return MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)
-        return MatmulReduceScatterConfig()
+            config = MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)
+        else:
+            config = MatmulReduceScatterConfig()
+        tiles = triton.cdiv(m_total // world, config.block_m) * triton.cdiv(n, config.block_n)
+        return config if tiles >= MIN_COPY_ENGINE_TILES else dataclasses.replace(config, transport="push")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ TWO = GroupInfo(None, 0, 2)
 
 def test_all_gather_matmul_counts_gathered_tokens():
     w = torch.empty(14336, 64, device="meta")  # LLaMA-70B gate projection per rank at TP=2
-    threshold = fused.AUTO_MIN_TOKENS["all_gather_matmul"]
+    threshold = fused.AUTO_MIN_TOKENS["all_gather_matmul"][0]
     assert not fused.preferred("all_gather_matmul", torch.empty(threshold // 2 - 1, 64, device="meta"), w, TWO)
     assert fused.preferred("all_gather_matmul", torch.empty(threshold // 2, 64, device="meta"), w, TWO)
 
@@ -27,18 +27,23 @@ def test_all_gather_matmul_needs_enough_output_per_rank():
     assert fused.preferred("all_gather_matmul", torch.empty(4096, 64, device="meta"), q, TWO)
 
 
-def test_matmul_reduce_scatter_counts_rows():
-    w = torch.empty(8, 64)
-    threshold = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"]
-    assert not fused.preferred("matmul_reduce_scatter", torch.empty(threshold - 2, 64), w, TWO)
-    assert fused.preferred("matmul_reduce_scatter", torch.empty(threshold, 64), w, TWO)
+def test_matmul_reduce_scatter_counts_rows_at_any_width():
+    threshold = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"][0]
+    for n in (8, 12288):  # GPT-3 dims (N 12288) won too with the copy-engine transport
+        w = torch.empty(n, 64, device="meta")
+        assert not fused.preferred("matmul_reduce_scatter", torch.empty(threshold - 2, 64, device="meta"), w, TWO)
+        assert fused.preferred("matmul_reduce_scatter", torch.empty(threshold, 64, device="meta"), w, TWO)
 
 
-def test_matmul_reduce_scatter_not_past_measured_widths():
-    rows = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"]
-    widest = fused.AUTO_MAX_N["matmul_reduce_scatter"]
-    assert fused.preferred("matmul_reduce_scatter", torch.empty(rows, 64), torch.empty(widest, 64), TWO)
-    assert not fused.preferred("matmul_reduce_scatter", torch.empty(rows, 64), torch.empty(widest + 8, 64), TWO)
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_more_ranks_need_more_tokens(op):
+    four = GroupInfo(None, 0, 4)
+    w = torch.empty(1 << 16, 64, device="meta")  # wide: only the token count decides
+    two_ranks, more_ranks = fused.AUTO_MIN_TOKENS[op]
+    assert more_ranks > two_ranks
+    per_rank = (lambda tokens: tokens // 4) if op == "all_gather_matmul" else (lambda tokens: tokens)
+    assert not fused.preferred(op, torch.empty(per_rank(two_ranks), 64, device="meta"), w, four)
+    assert fused.preferred(op, torch.empty(per_rank(more_ranks), 64, device="meta"), w, four)
 
 
 def test_matmul_all_reduce_only_at_decode_rows():

@@ -54,6 +54,22 @@ def _halves(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _handover(owner, RANK: tl.constexpr, WORLD: tl.constexpr, PUSH: tl.constexpr, COPY_ENGINE: tl.constexpr):
+    """(holder, slot): the buffer and partial slot where this rank's tile of `owner`'s rows goes;
+    the flag (or, copy engine, the band counter) of that slot is in the same buffer."""
+    if COPY_ENGINE:  # this rank's outgoing slots follow its W-1 incoming ones
+        holder = RANK
+        slot = (WORLD - 1) + owner - (owner > RANK).to(tl.int32)
+    elif PUSH:
+        holder = owner
+        slot = RANK - (owner < RANK).to(tl.int32)
+    else:
+        holder = RANK
+        slot = owner - (owner > RANK).to(tl.int32)
+    return holder, slot
+
+
+@triton.jit
 def _epilogue(
     acc,  # float32 [BLOCK_M, width]: columns col.. of the tile
     own,  # this rank owns the tile's rows: reduce and write out; else hand the partial over
@@ -100,15 +116,7 @@ def _epilogue(
             acc += bias.to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=mask)
     else:
-        if COPY_ENGINE:  # this rank's outgoing slots follow its W-1 incoming ones
-            holder = RANK
-            slot = (WORLD - 1) + owner - (owner > RANK).to(tl.int32)
-        elif PUSH:
-            holder = owner
-            slot = RANK - (owner < RANK).to(tl.int32)
-        else:
-            holder = RANK
-            slot = owner - (owner > RANK).to(tl.int32)
+        holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)
         part_ptr = tl.multiple_of(tl.load(buffer_ptrs + holder).to(tl.pointer_type(dtype)), 16)
         rows = (slot * rows_per_rank + offs_m).to(tl.int64)
         tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask)
@@ -223,23 +231,16 @@ def matmul_reduce_scatter_kernel(
                       rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
 
         if not own:
+            holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)
+            flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
             if COPY_ENGINE:
                 # Count the tile into its band, in this rank's memory, where the copy stream waits
                 # for the band to fill. At once: the fence waits only for local stores, and a late
                 # count would hold the last band's copy back by a whole tile.
                 tl.debug_barrier()
-                counters = (tl.load(buffer_ptrs + RANK) + flags_offset).to(tl.pointer_type(tl.int32))
-                slot = (WORLD - 1) + owner - (owner > RANK).to(tl.int32)
-                tl.atomic_add(counters + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")
+                tl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")
             else:
                 # The tile's flag, released after the next tile's K loop (above) or after the loop.
-                if PUSH:
-                    holder = owner
-                    slot = RANK - (owner < RANK).to(tl.int32)
-                else:
-                    holder = RANK
-                    slot = owner - (owner > RANK).to(tl.int32)
-                flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
                 pending_flag = flags + slot * tiles_per_segment + tile
                 pending = 1
 

@@ -3,11 +3,12 @@
 Search space (`search_space(op, m_total, n, k, world)`, shapes are the layer's global sizes as
 in `fluxtp bench --shapes`): tiles 128x128 / 128x256 / 256x128, block_k 64 / 128, 4 / 8 warps,
 3 / 4 / 5 stages, group_m 4 / 8 / 16, plus the op's own knobs: chunk_rows (all_gather_matmul:
-the rows per rank in 1, 2, 4 or 8 copy chunks) and transport copy_engine / push / pull and epilogue_split 1 / 2 / 4
-(matmul_reduce_scatter). Pruned before anything runs: what needs more shared memory than an
-H100/H200 block may have (`smem_bytes`), and tilings whose float32 accumulator would not fit
-the registers (more than 128 per thread; 64 with an unsplit reduce-scatter epilogue). The
-estimate is an estimate: a candidate the compiler still rejects is dropped on every rank.
+the rows per rank in 1, 2, 4 or 8 copy chunks) and transport copy_engine / push / pull and
+epilogue_split 1 / 2 / 4 (matmul_reduce_scatter). Pruned before anything runs: what needs more
+shared memory than an H100/H200 block may have (`smem_bytes`), and tilings whose float32
+accumulator would not fit the registers (more than 128 per thread; 64 with an unsplit
+reduce-scatter epilogue). The estimate is an estimate: a candidate the compiler still rejects
+is dropped on every rank.
 
 Cache: one JSON file, `$FLUXTP_CACHE_DIR/configs.json` (default `$XDG_CACHE_HOME/fluxtp`, else
 `~/.cache/fluxtp`):

@@ -15,8 +15,8 @@ from fluxtp.tune import measured_verdict
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
-# "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS on H200s:
-# from a number of global tokens on, (at TP=2, at TP=4 and more). All-gather at TP=2 from 4096
+# "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS on H200s,
+# from a number of global tokens on: one for TP=2, one for TP >= 4. All-gather at TP=2 from 4096
 # (1.01-1.06x at both model dims: ops-h200-x2-2026-11-22-*.json); at TP=4 from 8192 (4096 read
 # 0.98x, 8192 1.20x: ops-h200-x4-2026-11-22-*.json). Reduce-scatter at TP=2 from 2048 with the
 # copy-engine transport (1.02-1.17x at every measured shape of LLaMA-70B, GPT-3, Qwen2-72B and

@@ -57,8 +57,9 @@ class MatmulReduceScatterConfig(GemmTiling):
 
     # How partial tiles reach their owners (see the kernel): "push", the SMs store them into the
     # owner's buffer; "pull", they store locally and the owner's SMs read them; "copy_engine", they
-    # store locally and a copy stream pushes each finished band of group_m tile rows. The copy
-    # engine's was 1-4% faster than either at every measured size up to M = 8192 (perf log).
+    # store locally and a copy stream pushes each finished band of group_m tile rows. On 2x H200
+    # the copy engine's was the fastest at 17 of 20 tuned shapes (1-5%), and slow where a segment
+    # has a wave of tiles or less (heuristic below; docs/perf-log.md).
     transport: str = "copy_engine"
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).

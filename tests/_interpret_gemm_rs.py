@@ -22,10 +22,11 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch
 
 from fluxtp._dist import GroupInfo
+from fluxtp.symm import SymmBuffer
 from fluxtp.backends.fused.gemm_rs import (
     Layout,
     MatmulReduceScatterConfig,
-    copy_plan,
+    _Workspace,
     gemm_only,
     launch_kernel,
 )
@@ -70,7 +71,7 @@ def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=Fa
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
     if cfg.copy_engine:
-        copy_engine(buffers, layout, world)
+        copy_engine(buffers, ptrs, layout, world)
     for r in range(world):  # then every rank's own rows (step W-1)
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
@@ -78,21 +79,36 @@ def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=Fa
     return outs, flags
 
 
-def copy_engine(buffers, layout, world):
-    """What the copy streams do after the peer steps, from the launcher's own plan: every band
-    counted full by its producer's kernel goes into its owner's incoming slot, then its flag."""
-    m, n, bands = layout.rows_per_rank, layout.n, layout.bands
-    slots = [buf[: layout.flags_offset].view(torch.float16)[: 2 * (world - 1) * m * n].view(2 * (world - 1), m, n)
-             for buf in buffers]
+class _Handle:
+    """Stands in for torch's symmetric-memory handle over the simulated ranks' CPU buffers."""
+
+    def __init__(self, buffers, rank):
+        self.buffers, self.rank = buffers, rank
+
+    def get_buffer(self, rank, shape, dtype, storage_offset):
+        numel = 1
+        for size in shape:
+            numel *= size
+        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
+
+
+def copy_engine(buffers, ptrs, layout, world):
+    """What the copy streams do after the peer steps, by the launcher's own steps (its views of
+    the buffers): every band counted full by its producer's kernel goes into its owner's
+    incoming slot, then its flag."""
     flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
     for rank in range(world):
-        for owner, out_slot, in_slot, band in copy_plan(layout, rank, world):
-            first, end, tiles = layout.band(band)
-            count = flags[rank][(world - 1 + out_slot) * bands + band].item()
-            assert count == tiles, f"rank {rank} counted {count} tiles of band {band} for rank {owner}, not {tiles}"
-            assert flags[owner][in_slot * bands + band] == 0, f"rank {owner}'s flag for band {band} set early"
-            slots[owner][in_slot, first:end] = slots[rank][world - 1 + out_slot, first:end]
-            flags[owner][in_slot * bands + band] = 1
+        ws = _Workspace(SymmBuffer(buffers[rank], _Handle(buffers, rank), buffers[rank].numel()), ptrs)
+        counters, steps = ws.copy_engine_steps(layout, torch.float16, rank, world)
+        assert len(steps) == (world - 1) * layout.bands
+        for step in steps:
+            count = counters[step.counter].item()
+            assert count == step.tiles, f"rank {rank} counted {count} tiles at counter {step.counter}, not {step.tiles}"
+            owner_flags = step.owner_flags.view(torch.int32)
+            assert owner_flags[step.flag] == 0, f"rank {rank}: the owner's flag {step.flag} was set before its band came"
+            step.target.copy_(step.source)
+            owner_flags[step.flag] = 1
+    assert all(bool((f[: layout.num_flags // 2] == 1).all()) for f in flags), "a band never copied"
 
 
 def reference(x, w, b):

@@ -143,14 +143,16 @@ def copy_plan(layout: Layout, rank: int, world: int) -> list[tuple[int, int, int
 
 
 @dataclass(frozen=True)
-class _CopyViews:
-    """What a copy-engine call touches: this rank's outgoing slots [W-1, m, n] and tile counters,
-    and per owner its incoming slots [W-1, m, n] and flags (views into its buffer)."""
+class _BandCopy:
+    """One step of a copy-engine call's copy stream, its views made once per layout (slicing
+    them costs host time on every call)."""
 
-    outgoing: torch.Tensor
-    counters: torch.Tensor
-    incoming: list[torch.Tensor]
-    peer_flags: list[torch.Tensor]
+    counter: int  # index into this rank's tile counters
+    tiles: int  # the count that says the band is complete
+    source: torch.Tensor  # the band in this rank's outgoing slot
+    target: torch.Tensor  # its place in the owner's incoming slot
+    owner_flags: torch.Tensor  # uint32 view of the owner's flags
+    flag: int
 
 
 @dataclass
@@ -158,7 +160,7 @@ class _Workspace:
     buffer: symm.SymmBuffer
     buffer_ptrs: torch.Tensor  # int64 [W], every rank's buffer base as this GPU addresses it
     flag_views: dict = field(default_factory=dict)  # Layout -> this rank's flags as an int32 tensor
-    copy_views: dict = field(default_factory=dict)  # (Layout, dtype) -> _CopyViews
+    band_copies: dict = field(default_factory=dict)  # (Layout, dtype) -> (counters, [_BandCopy])
 
     def flags(self, layout: Layout) -> torch.Tensor:
         """This rank's flags for `layout` (the view made once per layout: get_buffer costs ~9 us)."""
@@ -167,20 +169,33 @@ class _Workspace:
             view = self.flag_views[layout] = self.buffer.local(torch.int32, (layout.num_flags,), layout.flags_offset)
         return view
 
-    def copy_engine_views(self, layout: Layout, dtype: torch.dtype, world: int) -> _CopyViews:
-        """The copy-engine mode's views for `layout` (made once per layout and dtype)."""
-        views = self.copy_views.get((layout, dtype))
-        if views is None:
+    def copy_engine_steps(self, layout: Layout, dtype: torch.dtype, rank: int, world: int):
+        """(this rank's tile counters, its copy_plan as _BandCopy steps), made once per layout and dtype."""
+        steps = self.band_copies.get((layout, dtype))
+        if steps is None:
             slots = (world - 1, layout.rows_per_rank, layout.n)
             slot_bytes = layout.rows_per_rank * layout.n * torch.empty((), dtype=dtype).element_size()
-            flags = (layout.num_flags,)
-            views = self.copy_views[(layout, dtype)] = _CopyViews(
-                outgoing=self.buffer.local(dtype, slots, (world - 1) * slot_bytes),
-                counters=self.flags(layout)[layout.num_flags // 2 :],
-                incoming=[self.buffer.peer(r, dtype, slots) for r in range(world)],
-                peer_flags=[self.buffer.peer(r, torch.int32, flags, layout.flags_offset) for r in range(world)],
-            )
-        return views
+            outgoing = self.buffer.local(dtype, slots, (world - 1) * slot_bytes)
+            incoming = {r: self.buffer.peer(r, dtype, slots) for r in range(world) if r != rank}
+            flags = {
+                r: self.buffer.peer(r, torch.int32, (layout.num_flags,), layout.flags_offset).view(torch.uint32)
+                for r in incoming
+            }
+            plan = []
+            for owner, out_slot, in_slot, band in copy_plan(layout, rank, world):
+                first, end, tiles = layout.band(band)
+                plan.append(
+                    _BandCopy(
+                        out_slot * layout.bands + band,
+                        tiles,
+                        outgoing[out_slot, first:end],
+                        incoming[owner][in_slot, first:end],
+                        flags[owner],
+                        in_slot * layout.bands + band,
+                    )
+                )
+            steps = self.band_copies[(layout, dtype)] = (self.flags(layout)[layout.num_flags // 2 :], plan)
+        return steps
 
 
 _workspaces: dict[tuple[str, int], _Workspace] = {}
@@ -328,18 +343,13 @@ def _push_bands(call: Call, dtype: torch.dtype, compute: torch.cuda.Stream, copy
     waits need no bound of their own: the counters are this rank's, filled by its own kernel.
     The caller's stream joins the copy stream, so the next call's reset of the counters comes
     after these waits have read them."""
-    info, layout = call.info, call.layout
-    world, rank = info.world_size, info.rank
-    views = call.ws.copy_engine_views(layout, dtype, world)
+    counters, steps = call.ws.copy_engine_steps(call.layout, dtype, call.info.rank, call.info.world_size)
     torch.cuda.set_stream(copy)  # see ag_gemm: cheaper than a stream context on the host
     try:
-        for owner, out_slot, in_slot, band in copy_plan(layout, rank, world):
-            first, end, tiles = layout.band(band)
-            symm.stream_wait_at_least(views.counters, out_slot * layout.bands + band, tiles)
-            views.incoming[owner][in_slot, first:end].copy_(views.outgoing[out_slot, first:end])
-            torch.ops.symm_mem.stream_write_value32_(
-                views.peer_flags[owner].view(torch.uint32), in_slot * layout.bands + band, 1
-            )
+        for step in steps:
+            symm.stream_wait_at_least(counters, step.counter, step.tiles)
+            step.target.copy_(step.source)
+            torch.ops.symm_mem.stream_write_value32_(step.owner_flags, step.flag, 1)
     finally:
         torch.cuda.set_stream(compute)
     compute.wait_stream(copy)

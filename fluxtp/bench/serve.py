@@ -50,13 +50,12 @@ from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
-from fluxtp.bench.harness import Protocol, Timings, Variant, measure_rounds, overlap_efficiency, speedup, speedup_iqr
+from fluxtp.bench.harness import Protocol, Timings, Variant, measure_rounds
 from fluxtp.bench.ops import BASELINE, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error, select_backends
 from fluxtp.bench.train import MODELS as LAYER_DIMS
-from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims, step_table
+from fluxtp.bench.train import NO_COMM, VERIFY_TOLERANCE, LayerDims, step_metrics, step_table
 
 PHASES = ("prefill", "decode")
-NO_COMM = "no_comm"
 VOCAB = {"llama3-8b": 128256, "llama3-70b": 128256, "tiny": 1024}
 # LLaMA 3's RoPE (rope_theta and the llama3 frequency scaling of 3.1+).
 LLAMA3_ROPE = {
@@ -374,14 +373,8 @@ def run(config: ServeConfig, info: GroupInfo, device: torch.device, show_progres
     return rows, notes
 
 
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
 def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, timings: Timings) -> dict:
-    ms = timings.ms
     tokens = batch * prompt_len if phase == "prefill" else batch
-    t_nccl, t_local = ms[BASELINE], ms[NO_COMM]
     return {
         "phase": phase,
         "model": config.model,
@@ -389,13 +382,7 @@ def _row(phase: str, config: ServeConfig, batch: int, prompt_len: int, names, ti
         "batch": batch,
         "prompt_len": prompt_len,
         "dtype": str(config.dtype).removeprefix("torch."),
-        "ms": {k: round(v, 5) for k, v in ms.items()},
-        "tokens_per_s": {n: round(tokens / (ms[n] / 1e3), 1) for n in names},
-        "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
-        "speedup_vs_nccl_iqr": speedup_iqr(timings, BASELINE, names),
-        "T_exposed_comm": round(t_nccl - t_local, 5),
-        "ideal_speedup": _round(speedup(t_nccl, t_local), 4),
-        "E_overlap": {n: _round(overlap_efficiency(ms[n], t_local, t_nccl), 4) for n in names},
+        **step_metrics(timings, names, tokens, ms_digits=5),
     }
 
 

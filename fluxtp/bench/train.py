@@ -707,21 +707,28 @@ def run(config: TrainConfig, info: GroupInfo, device: torch.device, show_progres
 
 
 def _row(config: TrainConfig, seq: int, names: list[str], timings: Timings) -> dict:
-    ms = timings.ms
-    t_nccl, t_local = ms[BASELINE], ms[NO_COMM]
-    tokens = config.batch * seq
-    exposed = t_nccl - t_local
     return {
         "model": config.model,
         "layers": config.layers,
         "seq": seq,
         "batch": config.batch,
         "dtype": str(config.dtype).removeprefix("torch."),
-        "ms": {k: round(v, 4) for k, v in ms.items()},
+        **step_metrics(timings, names, config.batch * seq, ms_digits=4),
+    }
+
+
+def step_metrics(timings: Timings, names, tokens: int, ms_digits: int) -> dict:
+    """A step row's timing columns (train and serve): ms of every variant, tokens/s, the speedups
+    over nccl and their spread, the exposed communication (nccl minus NO_COMM), the speedup hiding
+    all of it would give, and E_overlap against those two."""
+    ms = timings.ms
+    t_nccl, t_local = ms[BASELINE], ms[NO_COMM]
+    return {
+        "ms": {k: round(v, ms_digits) for k, v in ms.items()},
         "tokens_per_s": {n: round(tokens / (ms[n] / 1e3), 1) for n in names},
         "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
         "speedup_vs_nccl_iqr": speedup_iqr(timings, BASELINE, names),
-        "T_exposed_comm": round(exposed, 4),
+        "T_exposed_comm": round(t_nccl - t_local, ms_digits),
         "ideal_speedup": _round(speedup(t_nccl, t_local), 4),
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_local, t_nccl), 4) for n in names},
     }

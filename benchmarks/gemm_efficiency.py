@@ -1,0 +1,180 @@
+"""Where the fused GEMMs stand against cuBLAS, on one GPU: the fusion's cost apart from Triton's.
+
+    python benchmarks/gemm_efficiency.py [--shapes ag:1024x28672x8192,rs:1024x8192x28672,...]
+        [--world 2] [--rounds 10] [--out FILE.json]
+
+Per shape (the layer's global MxNxK at TP=--world, as `fluxtp bench` takes it), three kernels
+compute the same per-rank GEMM, timed interleaved by the benchmark harness (one GPU, no peers):
+- `cublas`: F.linear of the whole per-rank operands (what NCCL-then-GEMM runs after the collective);
+- `fused`: the fused op's GEMM-only mode (every flag preset, exactly the kernel and config the op
+  launches as rank 0; issues 3 and 4 ask for it within 5% of cuBLAS);
+- `plain`: a persistent TMA GEMM with the same tiling, stages, warps and tile grouping, and none
+  of the fusion (no segments, waits, flags or partial hand-over): the fused kernel minus its
+  fusion, so fused/plain is what the fusion costs and plain/cublas what Triton's code costs.
+Every output is checked against cuBLAS's before timing. One GPU is enough: this is the part of
+the fused ops' targets that peers do not enter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import subprocess
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from tabulate import tabulate
+
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused import ag_gemm, gemm_rs
+from fluxtp.backends.fused._launch import descriptor, num_sms
+from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, measure_rounds
+from fluxtp.bench.results import command_line, envelope, write_json
+from fluxtp.kernels._tiles import grouped_tile
+
+# The issues' shapes at TP=2 (LLaMA-70B and GPT-3-175B layer dims), both ops.
+DEFAULT_SHAPES = ",".join(
+    [f"ag:{m}x28672x8192" for m in (1024, 2048, 4096, 8192, 16384)]
+    + [f"ag:{m}x49152x12288" for m in (1024, 4096, 16384)]
+    + [f"rs:{m}x8192x28672" for m in (1024, 2048, 4096, 8192, 16384)]
+    + [f"rs:{m}x12288x49152" for m in (1024, 4096, 16384)]
+)
+
+
+@triton.jit
+def plain_matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                        NUM_STAGES: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr):
+    """C = A @ B^T, persistent over tiles in grouped order, the fused kernels' K loop and epilogue."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tile_id_c = tl.program_id(0) - NUM_SMS
+    for tile_id in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=True, num_stages=NUM_STAGES):
+        pid_m, pid_n = grouped_tile(tile_id, tiles_m, tiles_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T, acc)
+        tile_id_c += NUM_SMS  # the epilogue's own counter, as in the fused kernels (no loop-carried tile)
+        pid_m_c, pid_n_c = grouped_tile(tile_id_c, tiles_m, tiles_n, GROUP_M)
+        if EPILOGUE_SUBTILE:
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc0.to(c_desc.dtype))
+            c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
+        else:
+            c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config):
+    """A launcher of plain_matmul_kernel for x [M, K] @ weight[N, K]^T with a fused op's tiling."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    subtile = getattr(config, "epilogue_subtile", True)
+    store_n = config.block_n // 2 if subtile else config.block_n
+    a_desc = descriptor(x, [config.block_m, config.block_k])
+    b_desc = descriptor(weight, [config.block_n, config.block_k])
+    c_desc = descriptor(out, [config.block_m, store_n])
+    sms = min(num_sms(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
+
+    def run():
+        plain_matmul_kernel[(sms,)](
+            a_desc, b_desc, c_desc, m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, NUM_SMS=sms, NUM_STAGES=config.num_stages, EPILOGUE_SUBTILE=subtile,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out
+
+    return run
+
+
+def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype) -> tuple[list[Variant], dict]:
+    """The three variants of one shape, each output checked against cuBLAS's, and the config used."""
+    info = GroupInfo(None, 0, world)  # rank 0 of a world-`world` op: its config, its kernel, no peers
+    if op == "ag":  # x_shard [M/W, K], w [N/W, K]: y [M, N/W] from the gathered x
+        x_shard = torch.randn(m // world, k, device="cuda", dtype=dtype)
+        weight = torch.randn(n // world, k, device="cuda", dtype=dtype) / math.sqrt(k)
+        x = x_shard.repeat(world, 1)
+        config = ag_gemm._config_for(x_shard, weight, world, None)
+        fused = ag_gemm.gemm_only(x_shard, weight, None, info)
+        expect = lambda out: out  # noqa: E731 - every segment of the GEMM-only mode is the own shard's
+    else:  # x [M, K/W], w [N, K/W]: the partial [M, N], this rank's rows of it (GEMM-only: no peer sums)
+        x = torch.randn(m, k // world, device="cuda", dtype=dtype)
+        weight = torch.randn(n, k // world, device="cuda", dtype=dtype) / math.sqrt(k)
+        config = gemm_rs._config_for(x, weight, world, None)
+        fused = gemm_rs.gemm_only(x, weight, None, info)
+        expect = lambda out: out[: m // world]  # noqa: E731 - the fused op's rows: rank 0's
+    plain = plain_matmul(x, weight, config)
+    cublas = lambda: F.linear(x, weight)  # noqa: E731
+    ref = cublas().float()
+    for name, run, want in (("fused", fused, expect(ref)), ("plain", plain, ref)):
+        got = run().float()
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 1e-2:
+            raise AssertionError(f"{op} {m}x{n}x{k}: {name} differs from cuBLAS (relative error {err:.2e})")
+    variants = [Variant("cublas", (cublas,)), Variant("fused", (fused,)), Variant("plain", (plain,))]
+    return variants, config
+
+
+def gpu_state() -> str:
+    query = "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
+    try:
+        return subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "nvidia-smi not found"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="op:MxNxK,... (op ag or rs; the layer's global sizes)")
+    parser.add_argument("--world", type=int, default=2, help="the TP degree whose per-rank GEMM is timed")
+    parser.add_argument("--rounds", type=int, default=GPU_PROTOCOL.rounds)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    protocol = Protocol(rounds=args.rounds, warmup_rounds=GPU_PROTOCOL.warmup_rounds,
+                        calls_per_sample=GPU_PROTOCOL.calls_per_sample)
+    device = torch.device("cuda", torch.cuda.current_device())
+    print("GPU before:", gpu_state())
+    rows = []
+    for spec in args.shapes.split(","):
+        op, dims = spec.split(":")
+        m, n, k = map(int, dims.split("x"))
+        variants, config = shape_variants(op, m, n, k, args.world, dtype)
+        timings = measure_rounds(variants, protocol, GroupInfo(None, 0, 1), device)
+        ms = {name: round(t, 4) for name, t in timings.ms.items()}
+        rows.append({
+            "op": {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}[op], "M": m, "N": n, "K": k,
+            "world": args.world, "dtype": args.dtype, "ms": ms,
+            "fused_vs_cublas": round(ms["fused"] / ms["cublas"], 4),
+            "plain_vs_cublas": round(ms["plain"] / ms["cublas"], 4),
+            "fused_vs_plain": round(ms["fused"] / ms["plain"], 4),
+            # middle half of the per-round time ratios (paired within a round: drift cancels)
+            "fused_vs_cublas_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "cublas")[::2]],
+            "fused_vs_plain_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "plain")[::2]],
+            "config": dataclasses.asdict(config),
+        })
+        print(f"{spec}: {ms}", flush=True)
+    print("GPU after:", gpu_state())
+    device_name = torch.cuda.get_device_name()
+    table = [
+        [r["op"], f'{r["M"]}x{r["N"]}x{r["K"]}', r["ms"]["cublas"], r["ms"]["plain"], r["ms"]["fused"],
+         f'{r["plain_vs_cublas"]:.3f}', f'{r["fused_vs_cublas"]:.3f} ({r["fused_vs_cublas_iqr"][0]:.3f}-'
+         f'{r["fused_vs_cublas_iqr"][1]:.3f})', f'{r["fused_vs_plain"]:.3f}']
+        for r in rows
+    ]
+    print(f"{device_name}, TP={args.world} per-rank GEMMs, {args.dtype}, ms (median of {args.rounds} interleaved rounds);"
+          " ratios are time over time (above 1: slower than the reference)")
+    print(tabulate(table, headers=["op", "layer MxNxK", "cuBLAS", "plain", "fused", "plain/cuBLAS",
+                                   "fused/cuBLAS (middle half)", "fused/plain"]))
+    if args.out:
+        data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=args.world, command=command_line())
+        print("wrote", write_json(data, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -22,14 +22,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch
 
 from fluxtp._dist import GroupInfo
-from fluxtp.symm import SymmBuffer
-from fluxtp.backends.fused.gemm_rs import (
-    Layout,
-    MatmulReduceScatterConfig,
-    _Workspace,
-    gemm_only,
-    launch_kernel,
-)
+from fluxtp.backends.fused.gemm_rs import Layout, MatmulReduceScatterConfig, gemm_only, launch_kernel
+from _rs_simulation import make_buffers, shards, simulate  # a sibling: this script runs as a file
 
 # fp16 output rounding (u = 2^-11), plus the peers' partials rounded to fp16 before the sum
 # (partials can be larger than their sum), plus fp32 accumulation: normwise.
@@ -43,72 +37,6 @@ def draw(seed, world, m, n, k_local, with_bias):
     w = (torch.randn(n, k, generator=g) * k**-0.5).half()
     b = torch.randn(n, generator=g).half() if with_bias else None
     return x, w, b
-
-
-def shards(x, w, rank, k_local, transposed=False):
-    cols = slice(rank * k_local, (rank + 1) * k_local)
-    # transposed: [n, k_local] with strides (1, n), as ColumnParallelLinear's backward passes W^T
-    wr = w[:, cols].t().contiguous().t() if transposed else w[:, cols].contiguous()
-    return x[:, cols].contiguous(), wr
-
-
-def make_buffers(world, layout, poison):
-    """One byte buffer per rank: partial slots poisoned (never-written data must not leak), flags 0."""
-    buffers = []
-    for _ in range(world):
-        buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
-        buf[: layout.flags_offset].view(torch.float16).fill_(poison)
-        buffers.append(buf)
-    return buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-
-
-def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
-    m, n = x.shape[0] // world, w.shape[0]
-    layout = Layout.of(m, n, 2, world, cfg)
-    buffers, ptrs = make_buffers(world, layout, poison)
-    outs = [torch.full((m, n), float("nan"), dtype=torch.float16) for _ in range(world)]
-    for r in range(world):  # peer steps 0..W-2 of every rank
-        xr, wr = shards(x, w, r, k_local, transposed)
-        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
-    if cfg.copy_engine:
-        copy_engine(buffers, ptrs, layout, world)
-    for r in range(world):  # then every rank's own rows (step W-1)
-        xr, wr = shards(x, w, r, k_local, transposed)
-        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
-    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
-    return outs, flags
-
-
-class _Handle:
-    """Stands in for torch's symmetric-memory handle over the simulated ranks' CPU buffers."""
-
-    def __init__(self, buffers, rank):
-        self.buffers, self.rank = buffers, rank
-
-    def get_buffer(self, rank, shape, dtype, storage_offset):
-        numel = 1
-        for size in shape:
-            numel *= size
-        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
-
-
-def copy_engine(buffers, ptrs, layout, world):
-    """What the copy streams do after the peer steps, by the launcher's own steps (its views of
-    the buffers): every band counted full by its producer's kernel goes into its owner's
-    incoming slot, then its flag."""
-    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
-    for rank in range(world):
-        ws = _Workspace(SymmBuffer(buffers[rank], _Handle(buffers, rank), buffers[rank].numel()), ptrs)
-        counters, steps = ws.copy_engine_steps(layout, torch.float16, rank, world)
-        assert len(steps) == (world - 1) * layout.bands
-        for step in steps:
-            count = counters[step.counter].item()
-            assert count == step.tiles, f"rank {rank} counted {count} tiles at counter {step.counter}, not {step.tiles}"
-            owner_flags = step.owner_flags.view(torch.int32)
-            assert owner_flags[step.flag] == 0, f"rank {rank}: the owner's flag {step.flag} was set before its band came"
-            step.target.copy_(step.source)
-            owner_flags[step.flag] = 1
-    assert all(bool((f[: layout.num_flags // 2] == 1).all()) for f in flags), "a band never copied"
 
 
 def reference(x, w, b):
@@ -209,6 +137,7 @@ def main():
         (2, 40, 48, 48, True, ce),  # copy engine: bands of 2 tile rows (the last one short)
         (3, 70, 20, 24, False, odd_ce),  # 5 tile rows: bands of 3 and 2, three ranks
         (4, 9, 40, 16, True, ce),
+        (3, 70, 20, 24, True, dataclasses.replace(odd_ce, flatten=True)),  # the flattened tile loop's path
     ]
     for i, (world, m, n, k_local, with_bias, cfg) in enumerate(cases):
         case(seed + i, world, m, n, k_local, with_bias, cfg)

@@ -1,0 +1,87 @@
+"""W ranks of the fused GEMM+ReduceScatter simulated in one process, on one device (CPU under the
+Triton interpreter, or one GPU): the "symmetric buffers" are ordinary tensors addressed through
+the same int64 address table the GPUs use, and a stand-in handle gives the launcher its views of
+them. Used by tests/_interpret_gemm_rs.py and tests/gpu/test_rs_kernel_one_gpu.py."""
+
+from __future__ import annotations
+
+import torch
+
+from fluxtp.backends.fused.gemm_rs import Layout, _Workspace, launch_kernel
+from fluxtp.symm import SymmBuffer
+
+
+class Handle:
+    """Stands in for torch's symmetric-memory handle over the simulated ranks' buffers."""
+
+    def __init__(self, buffers, rank):
+        self.buffers, self.rank = buffers, rank
+
+    def get_buffer(self, rank, shape, dtype, storage_offset):
+        numel = 1
+        for size in shape:
+            numel *= size
+        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        """Ranks of one process are ordered by their streams: nothing to wait for."""
+
+
+def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
+    """One byte buffer per rank: partial slots poisoned (never-written data must not leak), flags 0."""
+    buffers = []
+    for _ in range(world):
+        buf = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+        buf[: layout.flags_offset].view(dtype).fill_(poison)
+        buffers.append(buf)
+    return buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+
+
+def workspace(buffers, ptrs, rank) -> _Workspace:
+    """Rank `rank`'s workspace over the simulated buffers, as the launcher builds it."""
+    return _Workspace(SymmBuffer(buffers[rank], Handle(buffers, rank), buffers[rank].numel()), ptrs)
+
+
+def copy_engine(buffers, ptrs, layout, world, dtype=torch.float16):
+    """What the copy streams do after the peer steps, by the launcher's own steps (its views of
+    the buffers): every band counted full by its producer's kernel goes into its owner's
+    incoming slot, then its flag."""
+    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+    for rank in range(world):
+        counters, steps = workspace(buffers, ptrs, rank).copy_engine_steps(layout, dtype, rank, world)
+        assert len(steps) == (world - 1) * layout.bands
+        for step in steps:
+            count = counters[step.counter].item()
+            assert count == step.tiles, f"rank {rank} counted {count} tiles at counter {step.counter}, not {step.tiles}"
+            owner_flags = step.owner_flags.view(torch.int32)
+            assert owner_flags[step.flag] == 0, f"rank {rank}: the owner's flag {step.flag} was set before its band came"
+            step.target.copy_(step.source)
+            owner_flags[step.flag] = 1
+    assert all(bool((f[: layout.num_flags // 2] == 1).all()) for f in flags), "a band never copied"
+
+
+def shards(x, w, rank, k_local, transposed=False):
+    """Rank `rank`'s columns of x and w (its part of K)."""
+    cols = slice(rank * k_local, (rank + 1) * k_local)
+    # transposed: [n, k_local] with strides (1, n), as ColumnParallelLinear's backward passes W^T
+    wr = w[:, cols].t().contiguous().t() if transposed else w[:, cols].contiguous()
+    return x[:, cols].contiguous(), wr
+
+
+def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
+    """Every rank's peer steps, then (copy engine) the copy plan, then every rank's own-rows step:
+    returns every rank's output [M/W, N] and int32 flags."""
+    m, n = x.shape[0] // world, w.shape[0]
+    layout = Layout.of(m, n, x.element_size(), world, cfg)
+    buffers, ptrs = make_buffers(world, layout, poison, x.dtype, x.device)
+    outs = [torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device) for _ in range(world)]
+    for r in range(world):  # peer steps 0..W-2 of every rank
+        xr, wr = shards(x, w, r, k_local, transposed)
+        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
+    if cfg.copy_engine:
+        copy_engine(buffers, ptrs, layout, world, x.dtype)
+    for r in range(world):  # then every rank's own rows (step W-1)
+        xr, wr = shards(x, w, r, k_local, transposed)
+        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
+    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+    return outs, flags

@@ -11,14 +11,17 @@ compute the same per-rank GEMM, timed interleaved by the benchmark harness (one 
 - `plain`: a persistent TMA GEMM with the same tiling, stages, warps and tile grouping, and none
   of the fusion (no segments, waits, flags or partial hand-over): the fused kernel minus its
   fusion, so fused/plain is what the fusion costs and plain/cublas what Triton's code costs.
-Every output is checked against cuBLAS's before timing. One GPU is enough: this is the part of
-the fused ops' targets that peers do not enter.
+`--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
+the config negated (an A/B of one knob, interleaved with the rest). Every output is checked
+against cuBLAS's before timing, and the varied kernel's bitwise against the fused one's. One GPU
+is enough: this is the part of the fused ops' targets that peers do not enter.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import subprocess
 
@@ -91,8 +94,8 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config):
     return run
 
 
-def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype) -> tuple[list[Variant], dict]:
-    """The three variants of one shape, each output checked against cuBLAS's, and the config used."""
+def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: str | None = None):
+    """The variants of one shape, each output checked against cuBLAS's, and the config used."""
     info = GroupInfo(None, 0, world)  # rank 0 of a world-`world` op: its config, its kernel, no peers
     if op == "ag":  # x_shard [M/W, K], w [N/W, K]: y [M, N/W] from the gathered x
         x_shard = torch.randn(m // world, k, device="cuda", dtype=dtype)
@@ -100,12 +103,14 @@ def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype) -> tuple[
         x = x_shard.repeat(world, 1)
         config = ag_gemm._config_for(x_shard, weight, world, None)
         fused = ag_gemm.gemm_only(x_shard, weight, None, info)
+        gemm_only = functools.partial(ag_gemm.gemm_only, x_shard, weight, None, info)
         expect = lambda out: out  # noqa: E731 - every segment of the GEMM-only mode is the own shard's
     else:  # x [M, K/W], w [N, K/W]: the partial [M, N], this rank's rows of it (GEMM-only: no peer sums)
         x = torch.randn(m, k // world, device="cuda", dtype=dtype)
         weight = torch.randn(n, k // world, device="cuda", dtype=dtype) / math.sqrt(k)
         config = gemm_rs._config_for(x, weight, world, None)
         fused = gemm_rs.gemm_only(x, weight, None, info)
+        gemm_only = functools.partial(gemm_rs.gemm_only, x, weight, None, info)
         expect = lambda out: out[: m // world]  # noqa: E731 - the fused op's rows: rank 0's
     plain = plain_matmul(x, weight, config)
     cublas = lambda: F.linear(x, weight)  # noqa: E731
@@ -116,7 +121,17 @@ def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype) -> tuple[
         if not err < 1e-2:
             raise AssertionError(f"{op} {m}x{n}x{k}: {name} differs from cuBLAS (relative error {err:.2e})")
     variants = [Variant("cublas", (cublas,)), Variant("fused", (fused,)), Variant("plain", (plain,))]
+    if vary is not None:
+        value = not getattr(config, vary)
+        varied = gemm_only(dataclasses.replace(config, **{vary: value}))
+        if not torch.equal(varied(), fused()):
+            raise AssertionError(f"{op} {m}x{n}x{k}: {vary}={value} changes the fused kernel's output bits")
+        variants.append(Variant(f"fused_{vary}={value}", (varied,)))
     return variants, config
+
+
+def varied_keys(row: dict) -> list[str]:
+    return [key for key in row if key.startswith("fused_") and key.endswith("_vs_fused")]
 
 
 def gpu_state() -> str:
@@ -133,6 +148,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="the TP degree whose per-rank GEMM is timed")
     parser.add_argument("--rounds", type=int, default=GPU_PROTOCOL.rounds)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--vary", help="a boolean config field to time negated as well (e.g. flatten)")
     parser.add_argument("--out")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -144,7 +160,7 @@ def main() -> None:
     for spec in args.shapes.split(","):
         op, dims = spec.split(":")
         m, n, k = map(int, dims.split("x"))
-        variants, config = shape_variants(op, m, n, k, args.world, dtype)
+        variants, config = shape_variants(op, m, n, k, args.world, dtype, args.vary)
         timings = measure_rounds(variants, protocol, GroupInfo(None, 0, 1), device)
         ms = {name: round(t, 4) for name, t in timings.ms.items()}
         rows.append({
@@ -156,6 +172,9 @@ def main() -> None:
             # middle half of the per-round time ratios (paired within a round: drift cancels)
             "fused_vs_cublas_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "cublas")[::2]],
             "fused_vs_plain_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "plain")[::2]],
+            **{f"{name}_vs_fused": round(ms[name] / ms["fused"], 4) for name in ms if name.startswith("fused_")},
+            **{f"{name}_vs_fused_iqr": [round(q, 4) for q in timings.ratio_quartiles(name, "fused")[::2]]
+               for name in ms if name.startswith("fused_")},
             "config": dataclasses.asdict(config),
         })
         print(f"{spec}: {ms}", flush=True)
@@ -165,12 +184,14 @@ def main() -> None:
         [r["op"], f'{r["M"]}x{r["N"]}x{r["K"]}', r["ms"]["cublas"], r["ms"]["plain"], r["ms"]["fused"],
          f'{r["plain_vs_cublas"]:.3f}', f'{r["fused_vs_cublas"]:.3f} ({r["fused_vs_cublas_iqr"][0]:.3f}-'
          f'{r["fused_vs_cublas_iqr"][1]:.3f})', f'{r["fused_vs_plain"]:.3f}']
+        + [f'{r[key]:.3f} ({r[key + "_iqr"][0]:.3f}-{r[key + "_iqr"][1]:.3f})' for key in varied_keys(r)]
         for r in rows
     ]
     print(f"{device_name}, TP={args.world} per-rank GEMMs, {args.dtype}, ms (median of {args.rounds} interleaved rounds);"
           " ratios are time over time (above 1: slower than the reference)")
+    varied = [f"{key[: -len('_vs_fused')]}/fused" for key in varied_keys(rows[0])] if rows else []
     print(tabulate(table, headers=["op", "layer MxNxK", "cuBLAS", "plain", "fused", "plain/cuBLAS",
-                                   "fused/cuBLAS (middle half)", "fused/plain"]))
+                                   "fused/cuBLAS (middle half)", "fused/plain", *varied]))
     if args.out:
         data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=args.world, command=command_line())
         print("wrote", write_json(data, args.out))

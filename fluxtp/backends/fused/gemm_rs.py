@@ -64,6 +64,7 @@ class MatmulReduceScatterConfig(GemmTiling):
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
     epilogue_split: int = 4
+    flatten: bool = False  # one software-pipelined loop over (tile, k), as the all-gather's
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -282,6 +283,7 @@ def launch_kernel(
         EPI_SPLIT=config.epilogue_split,
         B_KN=b_kn,
         COPY_ENGINE=config.copy_engine,
+        FLATTEN=config.flatten and triton.cdiv(k, config.block_k) >= config.num_stages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -2,8 +2,8 @@
 (tests/_rs_simulation.py: the ranks' buffers are local memory behind the same address table).
 
 What peers do not change is tested here at the real tile configs with bf16/fp16 on the GPU: every
-transport, the flattened and the unflattened tile loop (the same bits: the loop's pipelining must
-not change the arithmetic), ragged rows, N not a tile multiple, bias, poisoned buffers and
+transport, and for the copy engine's the flattened and the unflattened tile loop (the same bits:
+the loop's pipelining must not change the arithmetic), ragged rows, N not a tile multiple, bias, poisoned buffers and
 outputs, against float64. And the flag protocol under real waiting: two simulated ranks launched
 by the launcher itself, concurrently on two streams (small shapes, so both persistent kernels fit
 on the GPU at once), the producer delayed on purpose so the owner's in-kernel waits really wait;
@@ -61,6 +61,7 @@ def test_flattened_loop_matches_reference_and_unflattened_bits(transport, world,
         cfg = dataclasses.replace(base, transport=transport, flatten=flatten)
         outs[flatten], flags = simulate(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
         layout = Layout.of(m, n, x.element_size(), world, cfg)
+        assert cfg.flattened(k_local) == (flatten and transport == "copy_engine")
         for r in range(world):
             what = f"flatten={flatten} {transport} world={world} rank={r} seed={seed}"
             err = rel_error(outs[flatten][r], _reference(x, w, b, r, world))

@@ -10,7 +10,10 @@ compute the same per-rank GEMM, timed interleaved by the benchmark harness (one 
   launches as rank 0; issues 3 and 4 ask for it within 5% of cuBLAS);
 - `plain`: a persistent TMA GEMM with the same tiling, stages, warps and tile grouping, and none
   of the fusion (no segments, waits, flags or partial hand-over): the fused kernel minus its
-  fusion, so fused/plain is what the fusion costs and plain/cublas what Triton's code costs.
+  fusion, so fused/plain is what the fusion costs and plain/cublas what Triton's code costs;
+- `plain_ptr_epilogue`: `plain` storing its tiles with pointer stores in the reduce-scatter's
+  column slices (its epilogue_split; 2 for the all-gather) instead of TMA stores, as the
+  reduce-scatter's epilogue must (it writes partial tiles through buffer addresses).
 `--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
 the config negated (an A/B of one knob, interleaved with the rest). Every output is checked
 against cuBLAS's before timing, and the varied kernel's bitwise against the fused one's. One GPU
@@ -48,9 +51,24 @@ DEFAULT_SHAPES = ",".join(
 
 
 @triton.jit
-def plain_matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _halves(x):
+    """Columns [0, W/2) and [W/2, W) of x [BM, W] (the reduce-scatter's epilogue slicing)."""
+    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _store(c_ptr, acc, row0, col0, M, N):
+    """Pointer stores of acc [BM, W] at (row0, col0) of C [M, N] (row-major), as the reduce-scatter stores."""
+    offs_m = row0 + tl.arange(0, acc.shape[0])
+    offs_n = col0 + tl.arange(0, acc.shape[1])
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr):
+                        NUM_STAGES: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, POINTER_SPLIT: tl.constexpr):
     """C = A @ B^T, persistent over tiles in grouped order, the fused kernels' K loop and epilogue."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -63,7 +81,21 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, 
             acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T, acc)
         tile_id_c += NUM_SMS  # the epilogue's own counter, as in the fused kernels (no loop-carried tile)
         pid_m_c, pid_n_c = grouped_tile(tile_id_c, tiles_m, tiles_n, GROUP_M)
-        if EPILOGUE_SUBTILE:
+        if POINTER_SPLIT == 1:
+            _store(c_ptr, acc, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N, M, N)
+        elif POINTER_SPLIT == 2:
+            a0, a1 = _halves(acc)
+            _store(c_ptr, a0, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N, M, N)
+            _store(c_ptr, a1, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2, M, N)
+        elif POINTER_SPLIT == 4:
+            a0, a1 = _halves(acc)
+            a00, a01 = _halves(a0)
+            a10, a11 = _halves(a1)
+            _store(c_ptr, a00, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N, M, N)
+            _store(c_ptr, a01, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 4, M, N)
+            _store(c_ptr, a10, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2, M, N)
+            _store(c_ptr, a11, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + 3 * BLOCK_N // 4, M, N)
+        elif EPILOGUE_SUBTILE:
             acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc0.to(c_desc.dtype))
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
@@ -71,8 +103,9 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, 
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
 
 
-def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config):
-    """A launcher of plain_matmul_kernel for x [M, K] @ weight[N, K]^T with a fused op's tiling."""
+def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: int = 0):
+    """A launcher of plain_matmul_kernel for x [M, K] @ weight[N, K]^T with a fused op's tiling
+    (pointer_split > 0: pointer stores in that many column slices instead of TMA stores)."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -85,8 +118,9 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config):
 
     def run():
         plain_matmul_kernel[(sms,)](
-            a_desc, b_desc, c_desc, m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            a_desc, b_desc, c_desc, out, m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_SMS=sms, NUM_STAGES=config.num_stages, EPILOGUE_SUBTILE=subtile,
+            POINTER_SPLIT=pointer_split,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
@@ -113,14 +147,16 @@ def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: str
         gemm_only = functools.partial(gemm_rs.gemm_only, x, weight, None, info)
         expect = lambda out: out[: m // world]  # noqa: E731 - the fused op's rows: rank 0's
     plain = plain_matmul(x, weight, config)
+    plain_ptr = plain_matmul(x, weight, config, pointer_split=getattr(config, "epilogue_split", 2))
     cublas = lambda: F.linear(x, weight)  # noqa: E731
     ref = cublas().float()
-    for name, run, want in (("fused", fused, expect(ref)), ("plain", plain, ref)):
+    for name, run, want in (("fused", fused, expect(ref)), ("plain", plain, ref), ("plain_ptr_epilogue", plain_ptr, ref)):
         got = run().float()
         err = ((got - want).norm() / want.norm()).item()
         if not err < 1e-2:
             raise AssertionError(f"{op} {m}x{n}x{k}: {name} differs from cuBLAS (relative error {err:.2e})")
-    variants = [Variant("cublas", (cublas,)), Variant("fused", (fused,)), Variant("plain", (plain,))]
+    variants = [Variant("cublas", (cublas,)), Variant("fused", (fused,)), Variant("plain", (plain,)),
+                Variant("plain_ptr_epilogue", (plain_ptr,))]
     if vary is not None:
         value = not getattr(config, vary)
         varied = gemm_only(dataclasses.replace(config, **{vary: value}))
@@ -169,6 +205,9 @@ def main() -> None:
             "fused_vs_cublas": round(ms["fused"] / ms["cublas"], 4),
             "plain_vs_cublas": round(ms["plain"] / ms["cublas"], 4),
             "fused_vs_plain": round(ms["fused"] / ms["plain"], 4),
+            "plain_ptr_epilogue_vs_plain": round(ms["plain_ptr_epilogue"] / ms["plain"], 4),
+            "plain_ptr_epilogue_vs_plain_iqr": [
+                round(q, 4) for q in timings.ratio_quartiles("plain_ptr_epilogue", "plain")[::2]],
             # middle half of the per-round time ratios (paired within a round: drift cancels)
             "fused_vs_cublas_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "cublas")[::2]],
             "fused_vs_plain_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "plain")[::2]],
@@ -183,7 +222,9 @@ def main() -> None:
     table = [
         [r["op"], f'{r["M"]}x{r["N"]}x{r["K"]}', r["ms"]["cublas"], r["ms"]["plain"], r["ms"]["fused"],
          f'{r["plain_vs_cublas"]:.3f}', f'{r["fused_vs_cublas"]:.3f} ({r["fused_vs_cublas_iqr"][0]:.3f}-'
-         f'{r["fused_vs_cublas_iqr"][1]:.3f})', f'{r["fused_vs_plain"]:.3f}']
+         f'{r["fused_vs_cublas_iqr"][1]:.3f})', f'{r["fused_vs_plain"]:.3f}',
+         f'{r["plain_ptr_epilogue_vs_plain"]:.3f} ({r["plain_ptr_epilogue_vs_plain_iqr"][0]:.3f}-'
+         f'{r["plain_ptr_epilogue_vs_plain_iqr"][1]:.3f})']
         + [f'{r[key]:.3f} ({r[key + "_iqr"][0]:.3f}-{r[key + "_iqr"][1]:.3f})' for key in varied_keys(r)]
         for r in rows
     ]
@@ -191,7 +232,7 @@ def main() -> None:
           " ratios are time over time (above 1: slower than the reference)")
     varied = [f"{key[: -len('_vs_fused')]}/fused" for key in varied_keys(rows[0])] if rows else []
     print(tabulate(table, headers=["op", "layer MxNxK", "cuBLAS", "plain", "fused", "plain/cuBLAS",
-                                   "fused/cuBLAS (middle half)", "fused/plain", *varied]))
+                                   "fused/cuBLAS (middle half)", "fused/plain", "ptr epilogue/plain", *varied]))
     if args.out:
         data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=args.world, command=command_line())
         print("wrote", write_json(data, args.out))

@@ -137,7 +137,6 @@ def main():
         (2, 40, 48, 48, True, ce),  # copy engine: bands of 2 tile rows (the last one short)
         (3, 70, 20, 24, False, odd_ce),  # 5 tile rows: bands of 3 and 2, three ranks
         (4, 9, 40, 16, True, ce),
-        (3, 70, 20, 24, True, dataclasses.replace(odd_ce, flatten=True)),  # the flattened tile loop's path
     ]
     for i, (world, m, n, k_local, with_bias, cfg) in enumerate(cases):
         case(seed + i, world, m, n, k_local, with_bias, cfg)

@@ -42,7 +42,7 @@ call, even in a branch never taken, slowed a fused kernel here by 25% (docs/perf
 import triton
 import triton.language as tl
 
-from fluxtp.kernels._sync import cta_barrier, give_up, set_flag, wait_flag
+from fluxtp.kernels._sync import give_up, set_flag, wait_flag
 from fluxtp.kernels._tiles import grouped_tile
 
 
@@ -97,7 +97,7 @@ def _epilogue(
     if own:
         # The peers' partials (their flags were acquired), in rank order, onto the accumulator;
         # a loop, not unrolled, so that one peer's slice at a time is live in registers.
-        for i in tl.static_range(WORLD - 1):
+        for i in range(WORLD - 1):
             src = tl.where(i >= RANK, i + 1, i)
             if PUSH:
                 holder = RANK
@@ -151,7 +151,6 @@ def matmul_reduce_scatter_kernel(
     EPI_SPLIT: tl.constexpr,  # the epilogue works on 1, 2 or 4 column slices (fewer live registers)
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     COPY_ENGINE: tl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
-    FLATTEN: tl.constexpr,  # one software-pipelined loop over (tile, k): the next tile's loads overlap this epilogue
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -168,7 +167,7 @@ def matmul_reduce_scatter_kernel(
     pending = 0
     pending_flag = (tl.load(buffer_ptrs + RANK) + flags_offset).to(tl.pointer_type(tl.int32))
 
-    for tile_id in tl.range(first_tile, end_tile, NUM_SMS, flatten=FLATTEN, num_stages=NUM_STAGES if FLATTEN else 1):
+    for tile_id in tl.range(first_tile, end_tile, NUM_SMS, num_stages=1):
         owner = (RANK + 1 + tile_id // tiles_per_segment) % WORLD
         own = owner == RANK
         pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
@@ -185,7 +184,7 @@ def matmul_reduce_scatter_kernel(
                 acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
 
         if pending != 0:
-            cta_barrier()  # every thread's stores of that tile came before this barrier
+            tl.debug_barrier()  # every thread's stores of that tile came before this barrier
             set_flag(pending_flag, 1, "sys")
         pending = 0
 
@@ -207,7 +206,7 @@ def matmul_reduce_scatter_kernel(
                         flag_ptr = flags + slot * tiles_per_segment + tile
                     if not wait_flag(flag_ptr, 1, max_spins, "sys"):
                         give_up(report_ptr, flag_ptr, src, tile, RANK)
-            cta_barrier()
+            tl.debug_barrier()
 
         if EPI_SPLIT == 1:
             _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
@@ -238,7 +237,7 @@ def matmul_reduce_scatter_kernel(
                 # Count the tile into its band, in this rank's memory, where the copy stream waits
                 # for the band to fill. At once: the fence waits only for local stores, and a late
                 # count would hold the last band's copy back by a whole tile.
-                cta_barrier()
+                tl.debug_barrier()
                 tl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")
             else:
                 # The tile's flag, released after the next tile's K loop (above) or after the loop.
@@ -246,5 +245,5 @@ def matmul_reduce_scatter_kernel(
                 pending = 1
 
     if pending != 0:
-        cta_barrier()
+        tl.debug_barrier()
         set_flag(pending_flag, 1, "sys")

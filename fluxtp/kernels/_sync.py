@@ -8,30 +8,14 @@ the Triton interpreter cannot run: interpreter tests preset every flag so it is 
 Scope: "gpu" for flags written on this GPU (its copy stream), "sys" for flags a peer writes.
 """
 
-import os
-
 import triton
 import triton.language as tl
-
-# The Triton interpreter runs one program at a time and cannot run inline PTX (cta_barrier).
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
 def trap():
     """Abort the kernel (cudaErrorLaunchFailure on the host): a wait that will never finish."""
     tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def cta_barrier():
-    """tl.debug_barrier() (bar.sync: every thread's earlier memory accesses are performed for
-    the block) that Triton's software pipeliner accepts inside a loop: with a debug_barrier in
-    its body, a flattened persistent loop is not pipelined at all (one operand stage; ptxas for
-    sm_90, Triton 3.6). The memory clobber keeps the compiler from moving loads and stores across."""
-    if not _INTERPRETED:
-        tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,~{memory}", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
 
 
 @triton.jit
@@ -73,5 +57,5 @@ def give_up(report_ptr, flag_ptr, src, tile, RANK: tl.constexpr):
     tl.store(report_ptr + 1, tile)
     tl.store(report_ptr + 2, RANK)
     tl.atomic_add(flag_ptr, 0, sem="release", scope="sys")  # its fence makes the record visible first
-    cta_barrier()  # (one thread wrote it) no thread traps before that fence has completed
+    tl.debug_barrier()  # (one thread wrote it) no thread traps before that fence has completed
     trap()

@@ -64,10 +64,6 @@ class MatmulReduceScatterConfig(GemmTiling):
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
     epilogue_split: int = 4
-    # One software-pipelined loop over (tile, k), as the all-gather's: the next tile's operand loads
-    # overlap this tile's epilogue. Copy-engine transport only: with push and pull Triton 3.6
-    # fails to flatten the loop (TritonGPUFuseNestedLoops), and they run it unflattened.
-    flatten: bool = False
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -76,10 +72,6 @@ class MatmulReduceScatterConfig(GemmTiling):
     @property
     def copy_engine(self) -> bool:
         return self.transport == "copy_engine"
-
-    def flattened(self, k: int) -> bool:
-        """Whether the kernel runs the flattened loop for a K of k (it needs num_stages K blocks)."""
-        return self.flatten and self.copy_engine and triton.cdiv(k, self.block_k) >= self.num_stages
 
     @staticmethod
     def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
@@ -290,7 +282,6 @@ def launch_kernel(
         EPI_SPLIT=config.epilogue_split,
         B_KN=b_kn,
         COPY_ENGINE=config.copy_engine,
-        FLATTEN=config.flattened(k),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -136,16 +136,15 @@ def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: str
         weight = torch.randn(n // world, k, device="cuda", dtype=dtype) / math.sqrt(k)
         x = x_shard.repeat(world, 1)
         config = ag_gemm._config_for(x_shard, weight, world, None)
-        fused = ag_gemm.gemm_only(x_shard, weight, None, info)
         gemm_only = functools.partial(ag_gemm.gemm_only, x_shard, weight, None, info)
         expect = lambda out: out  # noqa: E731 - every segment of the GEMM-only mode is the own shard's
     else:  # x [M, K/W], w [N, K/W]: the partial [M, N], this rank's rows of it (GEMM-only: no peer sums)
         x = torch.randn(m, k // world, device="cuda", dtype=dtype)
         weight = torch.randn(n, k // world, device="cuda", dtype=dtype) / math.sqrt(k)
         config = gemm_rs._config_for(x, weight, world, None)
-        fused = gemm_rs.gemm_only(x, weight, None, info)
         gemm_only = functools.partial(gemm_rs.gemm_only, x, weight, None, info)
         expect = lambda out: out[: m // world]  # noqa: E731 - the fused op's rows: rank 0's
+    fused = gemm_only()  # the op's own config
     plain = plain_matmul(x, weight, config)
     plain_ptr = plain_matmul(x, weight, config, pointer_split=getattr(config, "epilogue_split", 2))
     cublas = lambda: F.linear(x, weight)  # noqa: E731

@@ -39,6 +39,7 @@ from fluxtp.backends.fused import ag_gemm, gemm_rs
 from fluxtp.backends.fused._launch import descriptor, num_sms
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
+from fluxtp.kernels._matmul_reduce_scatter import _halves
 from fluxtp.kernels._tiles import grouped_tile
 
 # The issues' shapes at TP=2 (LLaMA-70B and GPT-3-175B layer dims), both ops.
@@ -48,12 +49,6 @@ DEFAULT_SHAPES = ",".join(
     + [f"rs:{m}x8192x28672" for m in (1024, 2048, 4096, 8192, 16384)]
     + [f"rs:{m}x12288x49152" for m in (1024, 4096, 16384)]
 )
-
-
-@triton.jit
-def _halves(x):
-    """Columns [0, W/2) and [W/2, W) of x [BM, W] (the reduce-scatter's epilogue slicing)."""
-    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
 
 
 @triton.jit
@@ -84,19 +79,19 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.cons
         if POINTER_SPLIT == 1:
             _store(c_ptr, acc, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N, M, N)
         elif POINTER_SPLIT == 2:
-            a0, a1 = _halves(acc)
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
             _store(c_ptr, a0, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N, M, N)
             _store(c_ptr, a1, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2, M, N)
         elif POINTER_SPLIT == 4:
-            a0, a1 = _halves(acc)
-            a00, a01 = _halves(a0)
-            a10, a11 = _halves(a1)
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
+            a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
             _store(c_ptr, a00, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N, M, N)
             _store(c_ptr, a01, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 4, M, N)
             _store(c_ptr, a10, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2, M, N)
             _store(c_ptr, a11, pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + 3 * BLOCK_N // 4, M, N)
         elif EPILOGUE_SUBTILE:
-            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            acc0, acc1 = _halves(acc, BLOCK_M, BLOCK_N)
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc0.to(c_desc.dtype))
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
         else:
@@ -198,21 +193,19 @@ def main() -> None:
         variants, config = shape_variants(op, m, n, k, args.world, dtype, args.vary)
         timings = measure_rounds(variants, protocol, GroupInfo(None, 0, 1), device)
         ms = {name: round(t, 4) for name, t in timings.ms.items()}
+
+        def ratio(a: str, b: str) -> dict:
+            """{a}_vs_{b}: time over time; {a}_vs_{b}_iqr: the middle half of the per-round ratios
+            (paired within a round: drift cancels)."""
+            return {f"{a}_vs_{b}": round(ms[a] / ms[b], 4),
+                    f"{a}_vs_{b}_iqr": [round(q, 4) for q in timings.ratio_quartiles(a, b)[::2]]}
+
         rows.append({
             "op": {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}[op], "M": m, "N": n, "K": k,
             "world": args.world, "dtype": args.dtype, "ms": ms,
-            "fused_vs_cublas": round(ms["fused"] / ms["cublas"], 4),
-            "plain_vs_cublas": round(ms["plain"] / ms["cublas"], 4),
-            "fused_vs_plain": round(ms["fused"] / ms["plain"], 4),
-            "plain_ptr_epilogue_vs_plain": round(ms["plain_ptr_epilogue"] / ms["plain"], 4),
-            "plain_ptr_epilogue_vs_plain_iqr": [
-                round(q, 4) for q in timings.ratio_quartiles("plain_ptr_epilogue", "plain")[::2]],
-            # middle half of the per-round time ratios (paired within a round: drift cancels)
-            "fused_vs_cublas_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "cublas")[::2]],
-            "fused_vs_plain_iqr": [round(q, 4) for q in timings.ratio_quartiles("fused", "plain")[::2]],
-            **{f"{name}_vs_fused": round(ms[name] / ms["fused"], 4) for name in ms if name.startswith("fused_")},
-            **{f"{name}_vs_fused_iqr": [round(q, 4) for q in timings.ratio_quartiles(name, "fused")[::2]]
-               for name in ms if name.startswith("fused_")},
+            **ratio("fused", "cublas"), **ratio("plain", "cublas"), **ratio("fused", "plain"),
+            **ratio("plain_ptr_epilogue", "plain"),
+            **{key: v for name in ms if name.startswith("fused_") for key, v in ratio(name, "fused").items()},
             "config": dataclasses.asdict(config),
         })
         print(f"{spec}: {ms}", flush=True)

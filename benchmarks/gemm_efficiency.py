@@ -15,9 +15,11 @@ compute the same per-rank GEMM, timed interleaved by the benchmark harness (one 
   column slices (its epilogue_split; 2 for the all-gather) instead of TMA stores, as the
   reduce-scatter's epilogue must (it writes partial tiles through buffer addresses).
 `--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
-the config negated (an A/B of one knob, interleaved with the rest). Every output is checked
-against cuBLAS's before timing, and the varied kernel's bitwise against the fused one's. One GPU
-is enough: this is the part of the fused ops' targets that peers do not enter.
+the config negated (an A/B of one knob, interleaved with the rest); `--vary NAME=INT` sets a config
+field or a keyword of the op's launcher (e.g. the reduce-scatter's `prefetch_ahead=0`) instead;
+repeat it for more variants. Every output is checked against cuBLAS's before timing, and each varied
+kernel's bitwise against the fused one's. One GPU is enough: this is the part of the fused ops'
+targets that peers do not enter.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     return run
 
 
-def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: str | None = None):
+def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: tuple[str, ...] = ()):
     """The variants of one shape, each output checked against cuBLAS's, and the config used."""
     info = GroupInfo(None, 0, world)  # rank 0 of a world-`world` op: its config, its kernel, no peers
     if op == "ag":  # x_shard [M/W, K], w [N/W, K]: y [M, N/W] from the gathered x
@@ -151,12 +153,16 @@ def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: str
             raise AssertionError(f"{op} {m}x{n}x{k}: {name} differs from cuBLAS (relative error {err:.2e})")
     variants = [Variant("cublas", (cublas,)), Variant("fused", (fused,)), Variant("plain", (plain,)),
                 Variant("plain_ptr_epilogue", (plain_ptr,))]
-    if vary is not None:
-        value = not getattr(config, vary)
-        varied = gemm_only(dataclasses.replace(config, **{vary: value}))
+    for spec in vary:
+        name, _, text = spec.partition("=")
+        value = int(text) if text else not getattr(config, name)
+        if hasattr(config, name):
+            varied = gemm_only(dataclasses.replace(config, **{name: value}))
+        else:
+            varied = gemm_only(config, **{name: value})
         if not torch.equal(varied(), fused()):
-            raise AssertionError(f"{op} {m}x{n}x{k}: {vary}={value} changes the fused kernel's output bits")
-        variants.append(Variant(f"fused_{vary}={value}", (varied,)))
+            raise AssertionError(f"{op} {m}x{n}x{k}: {name}={value} changes the fused kernel's output bits")
+        variants.append(Variant(f"fused_{name}={value}", (varied,)))
     return variants, config
 
 
@@ -178,7 +184,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="the TP degree whose per-rank GEMM is timed")
     parser.add_argument("--rounds", type=int, default=GPU_PROTOCOL.rounds)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--vary", help="a boolean config field to time negated as well (e.g. flatten)")
+    parser.add_argument("--vary", action="append", default=[],
+                        help="time the fused mode with a boolean config field negated (FIELD) or a config field or "
+                             "launcher keyword set (NAME=INT) as well; repeatable")
     parser.add_argument("--out")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)

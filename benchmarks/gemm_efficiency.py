@@ -15,11 +15,11 @@ compute the same per-rank GEMM, timed interleaved by the benchmark harness (one 
   column slices (its epilogue_split; 2 for the all-gather) instead of TMA stores, as the
   reduce-scatter's epilogue must (it writes partial tiles through buffer addresses).
 `--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
-the config negated (an A/B of one knob, interleaved with the rest); `--vary NAME=INT` sets a config
-field or a keyword of the op's launcher (e.g. the reduce-scatter's `prefetch_ahead=0`) instead;
-repeat it for more variants. Every output is checked against cuBLAS's before timing, and each varied
-kernel's bitwise against the fused one's. One GPU is enough: this is the part of the fused ops'
-targets that peers do not enter.
+the config negated (an A/B of one knob, interleaved with the rest); `--vary FIELD=INT` sets an
+integer field instead (e.g. `num_stages=4`); repeat it for more variants. Every output is checked
+against cuBLAS's before timing, and each varied kernel's bitwise against the fused one's (so only
+knobs that keep the order of the sums can be varied). One GPU is enough: this is the part of the
+fused ops' targets that peers do not enter.
 """
 
 from __future__ import annotations
@@ -156,10 +156,7 @@ def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: tup
     for spec in vary:
         name, _, text = spec.partition("=")
         value = int(text) if text else not getattr(config, name)
-        if hasattr(config, name):
-            varied = gemm_only(dataclasses.replace(config, **{name: value}))
-        else:
-            varied = gemm_only(config, **{name: value})
+        varied = gemm_only(dataclasses.replace(config, **{name: value}))
         if not torch.equal(varied(), fused()):
             raise AssertionError(f"{op} {m}x{n}x{k}: {name}={value} changes the fused kernel's output bits")
         variants.append(Variant(f"fused_{name}={value}", (varied,)))
@@ -185,8 +182,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=GPU_PROTOCOL.rounds)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--vary", action="append", default=[],
-                        help="time the fused mode with a boolean config field negated (FIELD) or a config field or "
-                             "launcher keyword set (NAME=INT) as well; repeatable")
+                        help="time the fused mode with a boolean config field negated (FIELD) or an integer one set "
+                             "(FIELD=INT) as well; repeatable")
     parser.add_argument("--out")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)

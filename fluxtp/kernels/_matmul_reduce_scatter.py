@@ -54,30 +54,6 @@ def _halves(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Hint: bring the lines at ptrs into L2 (no registers held, nothing waited for)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_partials(buffer_ptrs, row_in_segment, col0, rows_per_rank, N, dtype: tl.constexpr, RANK: tl.constexpr,
-                       WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Push transports: the peers' partials of an own tile, one address per 128-byte line, into
-    L2, so that the epilogue's loads of them (after the K loop, nothing else to hide them) hit
-    L2 instead of HBM. Only a hint: the epilogue still waits for the flags and loads from L2, the
-    point where the peers' stores land, so a line fetched before a peer's store is never stale.
-    Rows and columns are clamped into the slot (its tail tiles)."""
-    LINE: tl.constexpr = 128 // dtype.primitive_bitwidth * 8
-    base = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(dtype))
-    offs_m = tl.minimum(row_in_segment + tl.arange(0, BLOCK_M), rows_per_rank - 1)
-    offs_n = tl.minimum(col0 + tl.arange(0, BLOCK_N // LINE) * LINE, N - 1)
-    for slot in range(WORLD - 1):
-        rows = (slot * rows_per_rank + offs_m).to(tl.int64)
-        _prefetch_l2(base + rows[:, None] * N + offs_n[None, :])
-
-
-@triton.jit
 def _handover(owner, RANK: tl.constexpr, WORLD: tl.constexpr, PUSH: tl.constexpr, COPY_ENGINE: tl.constexpr):
     """(holder, slot): the buffer and partial slot where this rank's tile of `owner`'s rows goes;
     the flag (or, copy engine, the band counter) of that slot is in the same buffer."""
@@ -175,7 +151,6 @@ def matmul_reduce_scatter_kernel(
     EPI_SPLIT: tl.constexpr,  # the epilogue works on 1, 2 or 4 column slices (fewer live registers)
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     COPY_ENGINE: tl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
-    PREFETCH_AHEAD: tl.constexpr = 0,  # (with PUSH) own tiles prefetch the peers' partials this many K blocks before the end
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -201,12 +176,7 @@ def matmul_reduce_scatter_kernel(
         col0 = pid_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        prefetch_at = tl.maximum(k_tiles - PREFETCH_AHEAD, 0)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
-            if PUSH and PREFETCH_AHEAD > 0:
-                if own and ki == prefetch_at:
-                    _prefetch_partials(buffer_ptrs, row_in_segment, col0, rows_per_rank, N,
-                                       out_ptr.dtype.element_ty, RANK, WORLD, BLOCK_M, BLOCK_N)
             a = a_desc.load([owner * rows_per_rank + row_in_segment, ki * BLOCK_K])
             if B_KN:
                 acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)

@@ -42,9 +42,6 @@ BARRIER_TIMEOUT_MS = 60_000
 # of a peer's over NVLink (pull): about a microsecond or two, so 2^26 spins is a minute or more,
 # far past any real wait (a peer still compiling its first launch included) and short of a hang.
 MAX_SPINS = 1 << 26
-# Own tiles prefetch the peers' partials into L2 this many K blocks before their K loop ends
-# (push and copy-engine transports; 0: off), so the epilogue's loads of them hit L2, not HBM.
-PREFETCH_AHEAD = 4
 _TAG = "matmul_reduce_scatter"
 TRANSPORTS = ("push", "pull", "copy_engine")
 # The copy engine's transport wants the SMs to have other tiles to compute while a band's
@@ -234,7 +231,6 @@ def launch_kernel(
     last_step: int | None = None,
     max_spins: int = MAX_SPINS,
     report: torch.Tensor | None = None,
-    prefetch_ahead: int = PREFETCH_AHEAD,
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
@@ -286,7 +282,6 @@ def launch_kernel(
         EPI_SPLIT=config.epilogue_split,
         B_KN=b_kn,
         COPY_ENGINE=config.copy_engine,
-        PREFETCH_AHEAD=prefetch_ahead if out.is_cuda else 0,  # inline PTX: not under the interpreter
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -371,14 +366,13 @@ def matmul_reduce_scatter(x, weight, bias, info: GroupInfo, config: MatmulReduce
     return launch(prepare(x, weight, info, config), x, weight, bias)
 
 
-def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None, **launch_options):
+def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
     """The fused kernel with communication switched off, for the benchmark.
 
     Returns a zero-argument callable that launches exactly the kernel matmul_reduce_scatter
     launches for these inputs, with every rank's buffer address pointing at local memory: the
     partial tiles of peers' rows go to a local scratch buffer, and the own rows read zero
     partials whose flags are preset. It returns this rank's rows of its own partial plus bias.
-    launch_options go to launch_kernel (the benchmark's A/B of a kernel option).
     """
     x, weight, bias = _ready(x, weight, bias)
     m_total, n = x.shape[0], weight.shape[0]
@@ -395,7 +389,7 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     out = torch.empty(m_total // world, n, dtype=x.dtype, device=x.device)
 
     def run():
-        launch_kernel(x, weight, bias, out, buffer_ptrs, layout.flags_offset, rank, world, config, **launch_options)
+        launch_kernel(x, weight, bias, out, buffer_ptrs, layout.flags_offset, rank, world, config)
         return out
 
     run.workspace = (read, scratch)  # buffer_ptrs holds their raw addresses: keep them alive with run

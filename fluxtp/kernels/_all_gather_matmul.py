@@ -9,7 +9,8 @@ the 1s; the last program to finish resets them to `signal_reset`, 0 in a real ca
 call and every CUDA graph replay start from zero without a host-side reset). Peer segments are
 visited in arrival order (rank+1, rank+2, ...), and each tile waits for the chunk its rows lie
 in BEFORE its K loop, so the pipelined K loop never runs ahead of the data (or, with FLATTEN,
-one tile ahead: see _tiles). chunk_rows is a multiple of BLOCK_M, so a tile lies in one chunk.
+one tile ahead: see _tiles); a program skips the wait when the tile's chunk is the one it waited
+for last. chunk_rows is a multiple of BLOCK_M, so a tile lies in one chunk.
 The two phases are two loops (the same round-robin of tiles over programs as one loop would
 give), so the flattened pipeline of each has no branch between descriptors.
 A tile never spans two segments (m need not be a multiple of BLOCK_M): rows past the segment
@@ -24,16 +25,20 @@ from fluxtp.kernels._tiles import grouped_tile
 
 
 @triton.jit
-def _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
+def _wait_for_tile(tile_id, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
                    max_spins, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """Acquire-wait for the one chunk holding this tile's rows (chunk_rows is a BLOCK_M multiple)."""
+    """Acquire-wait for the one chunk holding this tile's rows (chunk_rows is a BLOCK_M multiple),
+    unless it is `ready`, the chunk this program waited for last (signals only go from 0 to 1
+    during a launch, so a chunk once seen stays ready). Returns the tile's chunk."""
     segment = (RANK + tile_id // tiles_per_segment) % WORLD
     pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-    chunk = pid_m * BLOCK_M // chunk_rows
-    # No device_print here: its printf call alone made the whole kernel ~25% slower (measured
-    # on H200, docs/perf-log.md). A chunk that never arrives traps the kernel instead.
-    if not wait_flag(signal_ptr + segment * chunks_per_rank + chunk, 1, max_spins, "gpu"):
-        trap()
+    chunk = segment * chunks_per_rank + pid_m * BLOCK_M // chunk_rows
+    if chunk != ready:
+        # No device_print here: its printf call alone made the whole kernel ~25% slower (measured
+        # on H200, docs/perf-log.md). A chunk that never arrives traps the kernel instead.
+        if not wait_flag(signal_ptr + chunk, 1, max_spins, "gpu"):
+            trap()
+    return chunk
 
 
 @triton.jit
@@ -47,14 +52,15 @@ def _tiles(
 ):
     """Tiles first_tile, first_tile + NUM_SMS, ... below end_tile: K loop, bias, store into C."""
     dtype = c_ptr.dtype.element_ty
+    ready = -1  # the chunk this program waited for last: tiles of the same chunk skip the wait
     if not OWN:
         if FLATTEN:
             # The flattened loop prefetches the next tile's first K blocks during this tile's last
             # ones (NUM_STAGES - 1 < k_tiles, the launcher checks): so wait one tile ahead, at the
             # start of the previous tile, and for the first tile before the loop.
             if first_tile < end_tile:
-                _wait_for_tile(first_tile, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                               chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+                ready = _wait_for_tile(first_tile, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                                       chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
     # The epilogue recomputes its tile from its own counter instead of reusing the prologue's
     # values: that keeps the flattened loop's pipelining free of prologue-to-epilogue dependencies.
     tile_id_c = first_tile - NUM_SMS
@@ -62,12 +68,12 @@ def _tiles(
         if not OWN:
             if FLATTEN:
                 if tile_id + NUM_SMS < end_tile:
-                    _wait_for_tile(tile_id + NUM_SMS, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                                   chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+                    ready = _wait_for_tile(tile_id + NUM_SMS, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment,
+                                           chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
             else:
                 # Wait before the K loop, never inside it, so its pipelining cannot run ahead of the data.
-                _wait_for_tile(tile_id, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                               chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+                ready = _wait_for_tile(tile_id, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                                       chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
         pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
         if OWN:
             row0 = pid_m * BLOCK_M

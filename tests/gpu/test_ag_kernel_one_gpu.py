@@ -1,28 +1,22 @@
 """The fused AllGather+GEMM kernel on ONE GPU, its waits really waiting: one simulated rank's
 kernel runs while a copy stream delivers the peers' rows chunk by chunk, each chunk held back
-by the host for a few milliseconds.
-
-The copy stream waits on gate words in host-pinned memory (cuStreamWaitValue32: the GPU's front
-end polls them, no SM is used, so the gates work beside a persistent kernel that fills every
-SM; a sleep kernel would need an SM the GEMM holds). The host opens the gates one by one and
-checks, before the last one, that the kernel has not finished: it cannot, unless it computed on
-rows that had not arrived. Every row a tile could read before its chunk arrives is NaN until
-the copy, and the output is checked against float64. NVLink, the symmetric barriers, graphs and
-two groups need the multi-GPU file.
+by the host for a few milliseconds (tests/_gates.py). Before the last chunk the kernel must still
+be running: it cannot finish unless it computed on rows that had not arrived. Every row a tile
+could read before its chunk arrives is NaN until the copy, and the output is checked against
+float64. NVLink, the symmetric barriers, graphs and two groups need the multi-GPU file.
 """
 
 import dataclasses
 import random
-import time
 
 import pytest
 import torch
 import triton
 
-from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig, launch_gemm
 from tests._cases import TOLERANCE, draw, rel_error
+from tests._gates import HostGates
 
 pytestmark = pytest.mark.gpus(1)
 
@@ -33,21 +27,15 @@ MAX_SPINS = 1 << 26  # a chunk 4 ms late is far inside it; a lost one still trap
 
 
 def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
-    """On the current stream: each peer's rows in ring order, chunk by chunk, each behind its gate."""
+    """On the current stream: each peer's rows in ring order, chunk by chunk, each behind a gate."""
     chunks = triton.cdiv(m, chunk_rows)
-    wait_value32 = symm._driver_wait_value32()
-    stream = torch.cuda.current_stream().cuda_stream
-    gate = 0
     for step in range(1, world):
         segment = (rank + step) % world
         for c in range(chunks):
             r0, r1 = segment * m + c * chunk_rows, segment * m + min((c + 1) * chunk_rows, m)
-            status = wait_value32(stream, gates.data_ptr() + 4 * gate, 1, 0)  # 0: until >= 1
-            assert status == 0, f"cuStreamWaitValue32 on host memory failed: CUDA driver error {status}"
+            gates.hold()
             x_gathered[r0:r1].copy_(source[r0:r1])
             torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), segment * chunks + c, 1)
-            gate += 1
-    return gate
 
 
 @pytest.mark.parametrize("flatten", [True, False])
@@ -72,7 +60,7 @@ def test_waits_hold_tiles_until_their_chunk_arrives(flatten, world, rank, m, n, 
     chunks = triton.cdiv(m, cfg.chunk_rows_for(m))
     signals = torch.zeros(world * chunks, dtype=torch.int32, device="cuda")
     done = torch.zeros(1, dtype=torch.int32, device="cuda")
-    gates = torch.zeros(world * chunks, dtype=torch.int32, pin_memory=True)
+    gates = HostGates((world - 1) * chunks)
     compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
     finished = torch.cuda.Event()
     copy.wait_stream(compute)  # the poison is in place before any copy
@@ -80,15 +68,8 @@ def test_waits_hold_tiles_until_their_chunk_arrives(flatten, world, rank, m, n, 
     launch_gemm(x_gathered, x_own, w, b, y, signals, done, m, cfg.chunk_rows_for(m), info, cfg, max_spins=MAX_SPINS)
     finished.record(compute)
     with torch.cuda.stream(copy):
-        num_gates = _deliver(x_gathered, x, signals, gates, rank, world, m, cfg.chunk_rows_for(m))
-    try:
-        for gate in range(num_gates):
-            time.sleep(GATE_DELAY_S)
-            if gate == num_gates - 1:
-                assert not finished.query(), f"{what}: the kernel finished before the last chunk arrived"
-            gates[gate] = 1
-    finally:
-        gates.fill_(1)  # never leave the copy stream waiting
+        _deliver(x_gathered, x, signals, gates, rank, world, m, cfg.chunk_rows_for(m))
+    gates.open_slowly(finished, GATE_DELAY_S, what)
     torch.cuda.synchronize()
     ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
     err = rel_error(y, ref)

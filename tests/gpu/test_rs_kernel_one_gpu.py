@@ -5,8 +5,10 @@ rows; the ranks' buffers are local memory behind the same address table the GPUs
 What peers do not change is tested here with the compiled kernels at real tile shapes, bf16 and
 fp16: every transport, ragged rows, N not a tile multiple, bias, poisoned buffers and outputs,
 against float64 and bitwise across runs; the interpreter test runs the same simulation at toy
-tile sizes on CPU. Waits that really wait (a delayed producer), NVLink, the symmetric barriers,
-graphs and two groups need the multi-GPU file.
+tile sizes on CPU. Waits that really wait: after the peer steps, the owner's partials and flags
+are taken back and a copy stream delivers them again, tile by tile (or band by band), each
+behind a gate the host opens a few milliseconds apart (tests/_gates.py), while the owner's
+kernel runs. NVLink, the symmetric barriers, graphs and two groups need the multi-GPU file.
 """
 
 import dataclasses
@@ -16,15 +18,18 @@ import pytest
 import torch
 
 from fluxtp.backends.fused import gemm_rs
-from fluxtp.backends.fused.gemm_rs import Layout, MatmulReduceScatterConfig
+from fluxtp.backends.fused.gemm_rs import Layout, MatmulReduceScatterConfig, launch_kernel
 from tests._cases import TOLERANCE, draw, rel_error
-from tests._rs_simulation import simulate
+from tests._gates import HostGates
+from tests._rs_simulation import copy_engine, make_buffers, shards, simulate
 
 pytestmark = pytest.mark.gpus(1)
 
 WIDE = MatmulReduceScatterConfig()  # 128x256x64, 3 stages, 8 warps: the large-M heuristic
 NARROW = MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)  # the small-M heuristic
 DEEP = MatmulReduceScatterConfig(num_stages=4, group_m=4)  # the shipped table's deepest wide pipeline
+GATE_DELAY_S = 0.003
+MAX_SPINS = 1 << 26  # deliveries a few milliseconds apart are far inside it
 
 
 def _inputs(seed, world, m, n, k_local, dtype, with_bias):
@@ -65,3 +70,74 @@ def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n
     again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0, max_spins=1 << 20)  # other poison
     for r in range(world):
         assert torch.equal(outs[r], again[r]), f"rank {r}: outputs differ between identical runs ({transport})"
+
+
+def _deliveries(layout, cfg, owner, world):
+    """What the owner's own-rows step waits for: (holder, slot, flag index, rows, cols) per
+    (peer, tile), or per (peer, band) with the copy engine; rows and cols within the slot."""
+    out = []
+    for src in range(world):
+        if src == owner:
+            continue
+        holder, slot = (src, owner - (owner > src)) if cfg.transport == "pull" else (owner, src - (src > owner))
+        if cfg.copy_engine:
+            for band in range(layout.bands):
+                first, end, _ = layout.band(band)
+                out.append((holder, slot, slot * layout.bands + band, slice(first, end), slice(0, layout.n)))
+        else:
+            for pid_m in range(layout.tiles_m):
+                for pid_n in range(layout.tiles_n):
+                    rows = slice(pid_m * cfg.block_m, min((pid_m + 1) * cfg.block_m, layout.rows_per_rank))
+                    cols = slice(pid_n * cfg.block_n, min((pid_n + 1) * cfg.block_n, layout.n))
+                    flag = slot * layout.tiles_m * layout.tiles_n + pid_m * layout.tiles_n + pid_n
+                    out.append((holder, slot, flag, rows, cols))
+    return out
+
+
+@pytest.mark.parametrize("transport", gemm_rs.TRANSPORTS)
+@pytest.mark.parametrize(
+    "world, owner, m, n, k_local, base, dtype, with_bias",
+    [
+        (2, 1, 500, 600, 2048, WIDE, torch.bfloat16, True),  # ragged: 4 x 3 tiles of 128 x 256
+        (4, 2, 256, 512, 1024, dataclasses.replace(NARROW, group_m=1), torch.float16, False),  # 2 bands per peer
+    ],
+)
+def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_local, base, dtype, with_bias):
+    seed = random.randrange(1 << 30)
+    what = f"{transport} world={world} owner={owner} seed={seed}"
+    x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
+    cfg = dataclasses.replace(base, transport=transport)
+    layout = Layout.of(m, n, x.element_size(), world, cfg)
+    buffers, ptrs = make_buffers(world, layout, float("nan"), dtype, "cuda")
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    for r in range(world):  # every rank's peer steps (and the copy plan): the partials the owner will read
+        xr, wr = shards(x, w, r, k_local)
+        launch_kernel(xr, wr, b, out, ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, 1 << 20)
+    if cfg.copy_engine:
+        copy_engine(buffers, ptrs, layout, world, dtype)
+    slots = 2 * (world - 1) if cfg.copy_engine else world - 1
+    parts = [buf[: slots * m * n * x.element_size()].view(dtype).view(slots, m, n) for buf in buffers]
+    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+    deliveries = _deliveries(layout, cfg, owner, world)
+    saved = []
+    for holder, slot, flag, rows, cols in deliveries:  # take them back: NaN and flag 0 until delivered again
+        assert flags[holder][flag].item() == 1, f"{what}: flag {flag} of rank {holder} was never set"
+        saved.append(parts[holder][slot, rows, cols].clone())
+        parts[holder][slot, rows, cols] = float("nan")
+        flags[holder][flag] = 0
+    compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
+    copy.wait_stream(compute)
+    finished = torch.cuda.Event()
+    xr, wr = shards(x, w, owner, k_local)
+    launch_kernel(xr, wr, b, out, ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS)
+    finished.record(compute)
+    gates = HostGates(len(deliveries))
+    with torch.cuda.stream(copy):  # last tile first: every program of the kernel waits for a while
+        for (holder, slot, flag, rows, cols), data in reversed(list(zip(deliveries, saved))):
+            gates.hold()
+            parts[holder][slot, rows, cols].copy_(data)
+            torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, 1)
+    gates.open_slowly(finished, GATE_DELAY_S, what)
+    torch.cuda.synchronize()
+    err = rel_error(out, _reference(x, w, b, owner, world))
+    assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"

@@ -1,0 +1,42 @@
+"""Host-held gates for one-GPU tests of the fused kernels' waits: a copy stream queues each
+delivery (rows or a partial tile, then its flag) behind a gate word in host-pinned memory, and
+the host opens the gates one by one while the kernel waits. The GPU's front end polls the words
+(cuStreamWaitValue32), so no SM is used: a sleep kernel would need an SM that a persistent GEMM
+filling every SM holds, and two persistent kernels on one GPU cannot wait for each other for
+the same reason (the second never starts)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fluxtp import symm
+
+
+class HostGates:
+    def __init__(self, count: int):
+        self.words = torch.zeros(count, dtype=torch.int32, pin_memory=True)
+        self.queued = 0
+
+    def hold(self) -> None:
+        """The current stream's later work waits until the next gate opens."""
+        if self.queued >= self.words.numel():
+            raise ValueError(f"only {self.words.numel()} gates")
+        stream = torch.cuda.current_stream().cuda_stream
+        address = self.words.data_ptr() + self.words.element_size() * self.queued
+        status = symm._driver_wait_value32()(stream, address, 1, 0)  # 0: until the word is >= 1
+        assert status == 0, f"cuStreamWaitValue32 on host memory failed: CUDA driver error {status}"
+        self.queued += 1
+
+    def open_slowly(self, kernel_done: torch.cuda.Event, delay_s: float, what: str) -> None:
+        """Open the queued gates one by one, `delay_s` apart; before the last one, the kernel
+        (whose end `kernel_done` marks) must still be waiting. Every gate is open on return."""
+        try:
+            for gate in range(self.queued):
+                time.sleep(delay_s)
+                if gate == self.queued - 1:
+                    assert not kernel_done.query(), f"{what}: the kernel finished before the last delivery"
+                self.words[gate] = 1
+        finally:
+            self.words.fill_(1)  # never leave a stream waiting

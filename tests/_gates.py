@@ -1,9 +1,8 @@
 """Host-held gates for one-GPU tests of the fused kernels' waits: a copy stream queues each
 delivery (rows or a partial tile, then its flag) behind a gate word in host-pinned memory, and
 the host opens the gates one by one while the kernel waits. The GPU's front end polls the words
-(cuStreamWaitValue32), so no SM is used: a sleep kernel would need an SM that a persistent GEMM
-filling every SM holds, and two persistent kernels on one GPU cannot wait for each other for
-the same reason (the second never starts)."""
+(cuStreamWaitValue32), so the delay needs no SM, unlike a sleep kernel, which may not get one
+beside a persistent GEMM that holds every SM."""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ from fluxtp import symm
 
 
 class HostGates:
+    """`count` gates in pinned host memory, queued in order by hold() and opened by open_slowly()."""
+
     def __init__(self, count: int):
         self.words = torch.zeros(count, dtype=torch.int32, pin_memory=True)
         self.queued = 0

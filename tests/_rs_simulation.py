@@ -39,11 +39,16 @@ def workspace(buffers, ptrs, rank) -> _Workspace:
     return _Workspace(SymmBuffer(buffers[rank], Handle(buffers, rank), buffers[rank].numel()), ptrs)
 
 
+def flag_views(buffers, layout):
+    """Every rank's int32 flags (and, copy engine, tile counters after them)."""
+    return [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+
+
 def copy_engine(buffers, ptrs, layout, world, dtype=torch.float16):
     """What the copy streams do after the peer steps, by the launcher's own steps (its views of
     the buffers): every band counted full by its producer's kernel goes into its owner's
     incoming slot, then its flag."""
-    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+    flags = flag_views(buffers, layout)
     for rank in range(world):
         counters, steps = workspace(buffers, ptrs, rank).copy_engine_steps(layout, dtype, rank, world)
         assert len(steps) == (world - 1) * layout.bands
@@ -65,20 +70,26 @@ def shards(x, w, rank, k_local, transposed=False):
     return x[:, cols].contiguous(), wr
 
 
-def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
-    """Every rank's peer steps, then (copy engine) the copy plan, then every rank's own-rows step:
-    returns every rank's output [M/W, N] and int32 flags."""
+def peer_steps(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
+    """Every rank's peer steps (0..W-2), then (copy engine) the copy plan: returns the layout,
+    the buffers, their address table and every rank's output [M/W, N], still NaN."""
     m, n = x.shape[0] // world, w.shape[0]
     layout = Layout.of(m, n, x.element_size(), world, cfg)
     buffers, ptrs = make_buffers(world, layout, poison, x.dtype, x.device)
     outs = [torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device) for _ in range(world)]
-    for r in range(world):  # peer steps 0..W-2 of every rank
+    for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
     if cfg.copy_engine:
         copy_engine(buffers, ptrs, layout, world, x.dtype)
-    for r in range(world):  # then every rank's own rows (step W-1)
+    return layout, buffers, ptrs, outs
+
+
+def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
+    """peer_steps, then every rank's own-rows step (W-1): returns every rank's output [M/W, N]
+    and int32 flags."""
+    layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, poison, max_spins, transposed)
+    for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
-    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
-    return outs, flags
+    return outs, flag_views(buffers, layout)

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig, launch_gemm
+from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig, _set_signal, launch_gemm
 from tests._cases import TOLERANCE, draw, rel_error
 from tests._gates import HostGates
 
@@ -35,7 +35,7 @@ def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
             r0, r1 = segment * m + c * chunk_rows, segment * m + min((c + 1) * chunk_rows, m)
             gates.hold()
             x_gathered[r0:r1].copy_(source[r0:r1])
-            torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), segment * chunks + c, 1)
+            _set_signal(signals, segment * chunks + c)
 
 
 @pytest.mark.parametrize("flatten", [True, False])
@@ -57,7 +57,8 @@ def test_waits_hold_tiles_until_their_chunk_arrives(flatten, world, rank, m, n, 
     x_own = x[rank * m : (rank + 1) * m].clone()
     x_gathered = torch.full_like(x, float("nan"))  # the kernel reads its own rows from x_own, the rest once copied
     y = torch.full((world * m, n), float("nan"), dtype=dtype, device="cuda")
-    chunks = triton.cdiv(m, cfg.chunk_rows_for(m))
+    chunk_rows = cfg.chunk_rows_for(m)
+    chunks = triton.cdiv(m, chunk_rows)
     signals = torch.zeros(world * chunks, dtype=torch.int32, device="cuda")
     done = torch.zeros(1, dtype=torch.int32, device="cuda")
     gates = HostGates((world - 1) * chunks)
@@ -65,10 +66,10 @@ def test_waits_hold_tiles_until_their_chunk_arrives(flatten, world, rank, m, n, 
     finished = torch.cuda.Event()
     copy.wait_stream(compute)  # the poison is in place before any copy
     info = GroupInfo(None, rank, world)
-    launch_gemm(x_gathered, x_own, w, b, y, signals, done, m, cfg.chunk_rows_for(m), info, cfg, max_spins=MAX_SPINS)
+    launch_gemm(x_gathered, x_own, w, b, y, signals, done, m, chunk_rows, info, cfg, max_spins=MAX_SPINS)
     finished.record(compute)
     with torch.cuda.stream(copy):
-        _deliver(x_gathered, x, signals, gates, rank, world, m, cfg.chunk_rows_for(m))
+        _deliver(x_gathered, x, signals, gates, rank, world, m, chunk_rows)
     gates.open_slowly(finished, GATE_DELAY_S, what)
     torch.cuda.synchronize()
     ref = x.double() @ w.double().T + (b.double() if with_bias else 0)

@@ -21,7 +21,7 @@ from fluxtp.backends.fused import gemm_rs
 from fluxtp.backends.fused.gemm_rs import Layout, MatmulReduceScatterConfig, launch_kernel
 from tests._cases import TOLERANCE, draw, rel_error
 from tests._gates import HostGates
-from tests._rs_simulation import copy_engine, make_buffers, shards, simulate
+from tests._rs_simulation import flag_views, peer_steps, shards, simulate
 
 pytestmark = pytest.mark.gpus(1)
 
@@ -107,17 +107,11 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     what = f"{transport} world={world} owner={owner} seed={seed}"
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
     cfg = dataclasses.replace(base, transport=transport)
-    layout = Layout.of(m, n, x.element_size(), world, cfg)
-    buffers, ptrs = make_buffers(world, layout, float("nan"), dtype, "cuda")
-    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    for r in range(world):  # every rank's peer steps (and the copy plan): the partials the owner will read
-        xr, wr = shards(x, w, r, k_local)
-        launch_kernel(xr, wr, b, out, ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, 1 << 20)
-    if cfg.copy_engine:
-        copy_engine(buffers, ptrs, layout, world, dtype)
+    # Every rank's peer steps (and the copy plan): the partials the owner will read.
+    layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
     slots = 2 * (world - 1) if cfg.copy_engine else world - 1
     parts = [buf[: slots * m * n * x.element_size()].view(dtype).view(slots, m, n) for buf in buffers]
-    flags = [buf[layout.flags_offset :].view(torch.int32) for buf in buffers]
+    flags = flag_views(buffers, layout)
     deliveries = _deliveries(layout, cfg, owner, world)
     saved = []
     for holder, slot, flag, rows, cols in deliveries:  # take them back: NaN and flag 0 until delivered again
@@ -129,7 +123,7 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     copy.wait_stream(compute)
     finished = torch.cuda.Event()
     xr, wr = shards(x, w, owner, k_local)
-    launch_kernel(xr, wr, b, out, ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS)
+    launch_kernel(xr, wr, b, outs[owner], ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS)
     finished.record(compute)
     gates = HostGates(len(deliveries))
     with torch.cuda.stream(copy):  # last tile first: every program of the kernel waits for a while
@@ -139,5 +133,5 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
             torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, 1)
     gates.open_slowly(finished, GATE_DELAY_S, what)
     torch.cuda.synchronize()
-    err = rel_error(out, _reference(x, w, b, owner, world))
+    err = rel_error(outs[owner], _reference(x, w, b, owner, world))
     assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"

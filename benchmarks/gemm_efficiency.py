@@ -1,32 +1,34 @@
 """Where the fused GEMMs stand against cuBLAS, on one GPU: the fusion's cost apart from Triton's.
 
     python benchmarks/gemm_efficiency.py [--shapes ag:1024x28672x8192,rs:1024x8192x28672,...]
-        [--world 2] [--rounds 10] [--out FILE.json]
+        [--world 2] [--dtype bfloat16] [--weight-layout linear] [--rounds 10] [--out FILE.json]
+    python benchmarks/gemm_efficiency.py --grid full [--rounds 6] [--out FILE.json]
 
-Per shape (the layer's global MxNxK at TP=--world, as `fluxtp bench` takes it), three kernels
-compute the same per-rank GEMM, timed interleaved by the benchmark harness (one GPU, no peers):
+Per case (a layer's global MxNxK at one TP degree, as `fluxtp bench` takes it; --grid names a
+grid of fluxtp/bench/gemm_grid.py: both ops, TP 2/4/8, four models' MLP dims, 1024-16384
+tokens, bf16 and fp16, the backward's transposed weights), kernels computing the same per-rank
+GEMM are timed interleaved by the benchmark harness (one GPU, no peers):
 - `cublas`: F.linear of the whole per-rank operands (what NCCL-then-GEMM runs after the collective);
 - `fused`: the fused op's GEMM-only mode (every flag preset, exactly the kernel and config the op
-  launches as rank 0; issues 3 and 4 ask for it within 5% of cuBLAS);
+  launches as rank 0: the user's cache, the shipped table or the heuristic);
 - `plain`: a persistent TMA GEMM with the same tiling, stages, warps and tile grouping, and none
   of the fusion (no segments, waits, flags or partial hand-over): the fused kernel minus its
   fusion, so fused/plain is what the fusion costs and plain/cublas what Triton's code costs;
-- `plain_ptr_epilogue`: `plain` storing its tiles with pointer stores in the reduce-scatter's
-  column slices (its epilogue_split; 2 for the all-gather) instead of TMA stores, as the
-  reduce-scatter's epilogue must (it writes partial tiles through buffer addresses).
+- `plain_ptr_epilogue` (--pointer-epilogue): `plain` storing its tiles with pointer stores in the
+  reduce-scatter's column slices (its epilogue_split; 2 for the all-gather) instead of TMA
+  stores, as the reduce-scatter's epilogue must (it writes partial tiles through buffer addresses).
 `--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
 the config negated (an A/B of one knob, interleaved with the rest); `--vary FIELD=INT` sets an
 integer field instead (e.g. `num_stages=4`); repeat it for more variants. Every output is checked
 against cuBLAS's before timing, and each varied kernel's bitwise against the fused one's (so only
-knobs that keep the order of the sums can be varied). One GPU is enough: this is the part of the
-fused ops' targets that peers do not enter.
+knobs that keep the order of the sums can be varied). The table ends with fused/cuBLAS per op and
+TP degree: geometric mean and worst case.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import math
 import subprocess
 
@@ -35,10 +37,22 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from tabulate import tabulate
+from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused import ag_gemm, gemm_rs
-from fluxtp.backends.fused._launch import descriptor, num_sms
+from fluxtp.backends.fused._launch import descriptor, num_sms, weight_operand
+from fluxtp.bench.gemm_grid import (
+    GRIDS,
+    GemmCase,
+    case_inputs,
+    expected_rows,
+    gathered,
+    gemm_only_case,
+    grid,
+    launched_config,
+    parse_cases,
+    relative_error,
+)
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.kernels._matmul_reduce_scatter import _halves
@@ -65,7 +79,8 @@ def _store(c_ptr, acc, row0, col0, M, N):
 @triton.jit
 def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, POINTER_SPLIT: tl.constexpr):
+                        NUM_STAGES: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, POINTER_SPLIT: tl.constexpr,
+                        B_KN: tl.constexpr):
     """C = A @ B^T, persistent over tiles in grouped order, the fused kernels' K loop and epilogue."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -75,7 +90,10 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.cons
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
             a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-            acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T, acc)
+            if B_KN:  # the backward's transposed weight, read through its [K, N] base as the fused kernels do
+                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N]), acc)
+            else:
+                acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T, acc)
         tile_id_c += NUM_SMS  # the epilogue's own counter, as in the fused kernels (no loop-carried tile)
         pid_m_c, pid_n_c = grouped_tile(tile_id_c, tiles_m, tiles_n, GROUP_M)
         if POINTER_SPLIT == 1:
@@ -109,7 +127,8 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     subtile = getattr(config, "epilogue_subtile", True)
     store_n = config.block_n // 2 if subtile else config.block_n
     a_desc = descriptor(x, [config.block_m, config.block_k])
-    b_desc = descriptor(weight, [config.block_n, config.block_k])
+    b, b_kn = weight_operand(weight)
+    b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
     c_desc = descriptor(out, [config.block_m, store_n])
     sms = min(num_sms(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
 
@@ -117,7 +136,7 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
         plain_matmul_kernel[(sms,)](
             a_desc, b_desc, c_desc, out, m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_SMS=sms, NUM_STAGES=config.num_stages, EPILOGUE_SUBTILE=subtile,
-            POINTER_SPLIT=pointer_split,
+            POINTER_SPLIT=pointer_split, B_KN=b_kn,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
@@ -125,40 +144,29 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     return run
 
 
-def shape_variants(op: str, m: int, n: int, k: int, world: int, dtype, vary: tuple[str, ...] = ()):
-    """The variants of one shape, each output checked against cuBLAS's, and the config used."""
-    info = GroupInfo(None, 0, world)  # rank 0 of a world-`world` op: its config, its kernel, no peers
-    if op == "ag":  # x_shard [M/W, K], w [N/W, K]: y [M, N/W] from the gathered x
-        x_shard = torch.randn(m // world, k, device="cuda", dtype=dtype)
-        weight = torch.randn(n // world, k, device="cuda", dtype=dtype) / math.sqrt(k)
-        x = x_shard.repeat(world, 1)
-        config = ag_gemm._config_for(x_shard, weight, world, None)
-        gemm_only = functools.partial(ag_gemm.gemm_only, x_shard, weight, None, info)
-        expect = lambda out: out  # noqa: E731 - every segment of the GEMM-only mode is the own shard's
-    else:  # x [M, K/W], w [N, K/W]: the partial [M, N], this rank's rows of it (GEMM-only: no peer sums)
-        x = torch.randn(m, k // world, device="cuda", dtype=dtype)
-        weight = torch.randn(n, k // world, device="cuda", dtype=dtype) / math.sqrt(k)
-        config = gemm_rs._config_for(x, weight, world, None)
-        gemm_only = functools.partial(gemm_rs.gemm_only, x, weight, None, info)
-        expect = lambda out: out[: m // world]  # noqa: E731 - the fused op's rows: rank 0's
-    fused = gemm_only()  # the op's own config
-    plain = plain_matmul(x, weight, config)
-    plain_ptr = plain_matmul(x, weight, config, pointer_split=getattr(config, "epilogue_split", 2))
-    cublas = lambda: F.linear(x, weight)  # noqa: E731
+def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: bool = False):
+    """The variants of one case, each output checked against cuBLAS's, and the config used."""
+    x, weight = case_inputs(case, "cuda")
+    full = gathered(case, x)  # what cuBLAS multiplies after the collective
+    config = launched_config(case, x, weight)
+    fused = gemm_only_case(case, x, weight)
+    cublas = lambda: F.linear(full, weight)  # noqa: E731
     ref = cublas().float()
-    for name, run, want in (("fused", fused, expect(ref)), ("plain", plain, ref), ("plain_ptr_epilogue", plain_ptr, ref)):
-        got = run().float()
-        err = ((got - want).norm() / want.norm()).item()
+    runs = {"cublas": cublas, "fused": fused, "plain": plain_matmul(full, weight, config)}
+    if pointer_epilogue:
+        runs["plain_ptr_epilogue"] = plain_matmul(full, weight, config, pointer_split=getattr(config, "epilogue_split", 2))
+    for name, run in runs.items():
+        want = expected_rows(case, ref) if name == "fused" else ref
+        err = relative_error(run(), want)
         if not err < 1e-2:
-            raise AssertionError(f"{op} {m}x{n}x{k}: {name} differs from cuBLAS (relative error {err:.2e})")
-    variants = [Variant("cublas", (cublas,)), Variant("fused", (fused,)), Variant("plain", (plain,)),
-                Variant("plain_ptr_epilogue", (plain_ptr,))]
+            raise AssertionError(f"{case.label()}: {name} differs from cuBLAS (relative error {err:.2e})")
+    variants = [Variant(name, (run,)) for name, run in runs.items()]
     for spec in vary:
         name, _, text = spec.partition("=")
         value = int(text) if text else not getattr(config, name)
-        varied = gemm_only(dataclasses.replace(config, **{name: value}))
+        varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **{name: value}))
         if not torch.equal(varied(), fused()):
-            raise AssertionError(f"{op} {m}x{n}x{k}: {name}={value} changes the fused kernel's output bits")
+            raise AssertionError(f"{case.label()}: {name}={value} changes the fused kernel's output bits")
         variants.append(Variant(f"fused_{name}={value}", (varied,)))
     return variants, config
 
@@ -177,25 +185,31 @@ def gpu_state() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="op:MxNxK,... (op ag or rs; the layer's global sizes)")
-    parser.add_argument("--world", type=int, default=2, help="the TP degree whose per-rank GEMM is timed")
+    cases = parser.add_mutually_exclusive_group()
+    cases.add_argument("--shapes", default=DEFAULT_SHAPES, help="op:MxNxK,... (op ag or rs; the layer's global sizes)")
+    cases.add_argument("--grid", choices=tuple(GRIDS), help="a named grid of cases (fluxtp/bench/gemm_grid.py) instead")
+    parser.add_argument("--world", type=int, default=2, help="with --shapes: the TP degree whose per-rank GEMM is timed")
     parser.add_argument("--rounds", type=int, default=GPU_PROTOCOL.rounds)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="with --shapes")
+    parser.add_argument("--weight-layout", default="linear", choices=("linear", "transposed"), help="with --shapes")
+    parser.add_argument("--pointer-epilogue", action="store_true",
+                        help="also time the plain kernel storing through pointers in the reduce-scatter's column slices")
     parser.add_argument("--vary", action="append", default=[],
                         help="time the fused mode with a boolean config field negated (FIELD) or an integer one set "
                              "(FIELD=INT) as well; repeatable")
     parser.add_argument("--out")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
+    if args.grid:
+        todo = grid(args.grid)
+    else:
+        todo = parse_cases(args.shapes, args.world, args.dtype, args.weight_layout)
     protocol = Protocol(rounds=args.rounds, warmup_rounds=GPU_PROTOCOL.warmup_rounds,
                         calls_per_sample=GPU_PROTOCOL.calls_per_sample)
     device = torch.device("cuda", torch.cuda.current_device())
     print("GPU before:", gpu_state())
     rows = []
-    for spec in args.shapes.split(","):
-        op, dims = spec.split(":")
-        m, n, k = map(int, dims.split("x"))
-        variants, config = shape_variants(op, m, n, k, args.world, dtype, args.vary)
+    for case in tqdm(todo, unit="case", mininterval=10):
+        variants, config = case_variants(case, tuple(args.vary), args.pointer_epilogue)
         timings = measure_rounds(variants, protocol, GroupInfo(None, 0, 1), device)
         ms = {name: round(t, 4) for name, t in timings.ms.items()}
 
@@ -205,34 +219,54 @@ def main() -> None:
             return {f"{a}_vs_{b}": round(ms[a] / ms[b], 4),
                     f"{a}_vs_{b}_iqr": [round(q, 4) for q in timings.ratio_quartiles(a, b)[::2]]}
 
+        pointer = ratio("plain_ptr_epilogue", "plain") if "plain_ptr_epilogue" in ms else {}
         rows.append({
-            "op": {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}[op], "M": m, "N": n, "K": k,
-            "world": args.world, "dtype": args.dtype, "ms": ms,
-            **ratio("fused", "cublas"), **ratio("plain", "cublas"), **ratio("fused", "plain"),
-            **ratio("plain_ptr_epilogue", "plain"),
+            **dataclasses.asdict(case), "ms": ms,
+            **ratio("fused", "cublas"), **ratio("plain", "cublas"), **ratio("fused", "plain"), **pointer,
             **{key: v for name in ms if name.startswith("fused_") for key, v in ratio(name, "fused").items()},
             "config": dataclasses.asdict(config),
         })
-        print(f"{spec}: {ms}", flush=True)
+        del variants
+        torch.cuda.empty_cache()
     print("GPU after:", gpu_state())
     device_name = torch.cuda.get_device_name()
+    print(f"{device_name}, per-rank GEMMs, ms (median of {args.rounds} interleaved rounds); ratios are time over time "
+          "(above 1: slower than the reference)")
+    print(format_table(rows))
+    print(format_summary(rows))
+    if args.out:
+        worlds = sorted({r["world"] for r in rows})
+        data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=worlds[0] if len(worlds) == 1 else 0,
+                        command=command_line())
+        print("wrote", write_json(data, args.out))
+
+
+def format_table(rows: list[dict]) -> str:
+    def spread(r, key):
+        low, high = r[key + "_iqr"]
+        return f"{r[key]:.3f} ({low:.3f}-{high:.3f})"
+
+    extra = [key for key in ("plain_ptr_epilogue_vs_plain",) if rows and key in rows[0]] + (varied_keys(rows[0]) if rows else [])
     table = [
-        [r["op"], f'{r["M"]}x{r["N"]}x{r["K"]}', r["ms"]["cublas"], r["ms"]["plain"], r["ms"]["fused"],
-         f'{r["plain_vs_cublas"]:.3f}', f'{r["fused_vs_cublas"]:.3f} ({r["fused_vs_cublas_iqr"][0]:.3f}-'
-         f'{r["fused_vs_cublas_iqr"][1]:.3f})', f'{r["fused_vs_plain"]:.3f}',
-         f'{r["plain_ptr_epilogue_vs_plain"]:.3f} ({r["plain_ptr_epilogue_vs_plain_iqr"][0]:.3f}-'
-         f'{r["plain_ptr_epilogue_vs_plain_iqr"][1]:.3f})']
-        + [f'{r[key]:.3f} ({r[key + "_iqr"][0]:.3f}-{r[key + "_iqr"][1]:.3f})' for key in varied_keys(r)]
+        [GemmCase(**{f: r[f] for f in GemmCase.__dataclass_fields__}).label(), r["ms"]["cublas"], r["ms"]["plain"],
+         r["ms"]["fused"], f'{r["plain_vs_cublas"]:.3f}', spread(r, "fused_vs_cublas"), f'{r["fused_vs_plain"]:.3f}']
+        + [spread(r, key) for key in extra]
         for r in rows
     ]
-    print(f"{device_name}, TP={args.world} per-rank GEMMs, {args.dtype}, ms (median of {args.rounds} interleaved rounds);"
-          " ratios are time over time (above 1: slower than the reference)")
-    varied = [f"{key[: -len('_vs_fused')]}/fused" for key in varied_keys(rows[0])] if rows else []
-    print(tabulate(table, headers=["op", "layer MxNxK", "cuBLAS", "plain", "fused", "plain/cuBLAS",
-                                   "fused/cuBLAS (middle half)", "fused/plain", "ptr epilogue/plain", *varied]))
-    if args.out:
-        data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=args.world, command=command_line())
-        print("wrote", write_json(data, args.out))
+    headers = ["case", "cuBLAS", "plain", "fused", "plain/cuBLAS", "fused/cuBLAS (middle half)", "fused/plain"]
+    return tabulate(table, headers=headers + [key.removesuffix("_vs_plain").removesuffix("_vs_fused") + "/ref" for key in extra])
+
+
+def format_summary(rows: list[dict]) -> str:
+    """fused/cuBLAS per (op, TP degree): geometric mean and worst case over the cases timed."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["world"]), []).append(r["fused_vs_cublas"])
+    table = [
+        [op, world, len(v), f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}", f"{max(v):.3f}"]
+        for (op, world), v in sorted(groups.items())
+    ]
+    return tabulate(table, headers=["op", "TP", "cases", "fused/cuBLAS geomean", "worst"])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     fluxtp info                      versions, GPUs and their links, which backends run here
     fluxtp bench [ops] [options]     verify, then time the ops on every local GPU (a gloo demo on CPU)
     fluxtp tune --op OP --shapes ... measure the fused kernels' configs, write the winners to the cache
+    fluxtp tune --one-gpu --grid G   the same for the GEMM tiling alone, on one GPU (no peers)
     fluxtp info --configs            which config each shape would use, and why (no GPU needed)
 
 `fluxtp bench` launches one process per local GPU itself, or joins a torchrun launch
@@ -266,8 +267,18 @@ def _add_tune_parser(subparsers) -> None:
         "1.3x the best so far, and write the winner (the same on every rank) to $FLUXTP_CACHE_DIR/configs.json, "
         "which the op then uses for that GPU, world size, dtype, N, K, M bucket and weight layout. Needs NVIDIA GPUs.",
     )
-    tune.add_argument("--op", required=True, choices=("all_gather_matmul", "matmul_reduce_scatter"))
-    tune.add_argument("--shapes", required=True, metavar="MxNxK,...", help="global layer sizes, as for fluxtp bench")
+    tune.add_argument("--op", choices=("all_gather_matmul", "matmul_reduce_scatter"), help="required without --one-gpu")
+    tune.add_argument(
+        "--shapes", metavar="MxNxK,...", help="global layer sizes, as for fluxtp bench (required without --one-gpu)"
+    )
+    one_gpu = tune.add_argument_group(
+        "--one-gpu: tune only the GEMM tiling of the fused ops' GEMM-only modes on GPU 0, per TP degree "
+        "(communication knobs stay at their heuristic; fluxtp/tune_gemm.py)"
+    )
+    one_gpu.add_argument("--one-gpu", action="store_true", help="tune the GEMM tiling on one GPU, no peers needed")
+    one_gpu.add_argument("--grid", help="a named grid of cases (fluxtp/bench/gemm_grid.py: full, bf16, llama3-70b, smoke)")
+    one_gpu.add_argument("--worlds", default="2,4,8", help="with --shapes: the TP degrees to tune for (default 2,4,8)")
+    one_gpu.add_argument("--cache", metavar="FILE.json", help="the cache file to write (default: the user's cache)")
     tune.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     tune.add_argument(
         "--budget-seconds", type=float, default=600.0, help="for all shapes together (default: 600), split evenly"
@@ -297,6 +308,12 @@ def _add_tune_parser(subparsers) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.one_gpu:
+        from fluxtp import tune_gemm
+
+        return tune_gemm.cmd_tune_one_gpu(args)
+    if not (args.op and args.shapes):
+        args.parser.error("--op and --shapes are required (or --one-gpu with --grid)")
     from fluxtp import tune
 
     return tune.cmd_tune(args)

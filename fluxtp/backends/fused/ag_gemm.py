@@ -59,14 +59,14 @@ class AllGatherMatmulConfig(GemmTiling):
             config = AllGatherMatmulConfig(block_n=128, num_stages=4)
         else:
             config = AllGatherMatmulConfig()
-        # The peers' rows in four chunks from 4096 rows per rank on, else one: measured when the
-        # own rows were copied in chunks too (their first chunk delayed the GEMM's start). Now the
-        # GEMM reads its own rows in place and needs a peer's only after them, so fewer chunks
-        # may do as well (not re-measured). Each chunk costs two host calls (a copy and a
-        # signal, 20-40 us each on the H200 hosts: docs/perf-log.md).
+        return config.with_communication_heuristic(rows_per_rank)
+
+    def with_communication_heuristic(self, rows_per_rank: int) -> AllGatherMatmulConfig:
+        """This tiling with the heuristic's copy chunks: the peers' rows in four chunks from 4096
+        rows per rank on, else one (each chunk costs two host calls, a copy and a signal)."""
         pieces = 4 if rows_per_rank >= 4096 else 1
-        chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, pieces), config.block_m) * config.block_m)
-        return dataclasses.replace(config, chunk_rows=chunk)
+        chunk = max(self.block_m, triton.cdiv(triton.cdiv(rows_per_rank, pieces), self.block_m) * self.block_m)
+        return dataclasses.replace(self, chunk_rows=chunk)
 
     def chunk_rows_for(self, rows_per_rank: int) -> int:
         rows = triton.cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m

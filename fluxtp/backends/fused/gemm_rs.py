@@ -82,8 +82,13 @@ class MatmulReduceScatterConfig(GemmTiling):
             config = MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)
         else:
             config = MatmulReduceScatterConfig()
-        tiles = triton.cdiv(m_total // world, config.block_m) * triton.cdiv(n, config.block_n)
-        return config if tiles >= MIN_COPY_ENGINE_TILES else dataclasses.replace(config, transport="push")
+        return config.with_communication_heuristic(m_total, n, world)
+
+    def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
+        """This tiling with the heuristic's transport: the copy engine's where a segment of rows has
+        MIN_COPY_ENGINE_TILES tiles or more, else push."""
+        tiles = triton.cdiv(m_total // world, self.block_m) * triton.cdiv(n, self.block_n)
+        return dataclasses.replace(self, transport="copy_engine" if tiles >= MIN_COPY_ENGINE_TILES else "push")
 
 
 @dataclass(frozen=True)

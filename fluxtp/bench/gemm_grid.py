@@ -1,0 +1,179 @@
+"""The per-rank GEMMs of the fused ops at the shapes tensor-parallel users run, as named grids.
+
+A case is one layer (global MxNxK, the sizes `fluxtp bench --shapes` takes) at one TP degree:
+- all_gather_matmul (column-parallel, MLP up/gate): N = ffn, K = hidden; each rank computes
+  [M, K] x [N/W, K]^T from the gathered rows;
+- matmul_reduce_scatter (row-parallel, MLP down): N = hidden, K = ffn; each rank computes
+  [M, K/W] x [N, K/W]^T, keeps its M/W rows of the sum.
+weight_layout "transposed" is the backward's W^T view (the same dims: the down projection's
+input gradient is an all-gather GEMM over the down weight's transpose, and the reverse).
+M is any multiple of W (the rows must split evenly over the ranks), tile multiple or not.
+
+`gemm_only_case` builds what one GPU can time of a case: the fused kernel exactly as rank 0 of
+a W-rank call launches it, with its communication switched off (the backends' gemm_only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fluxtp._dist import GroupInfo
+from fluxtp.bench.ops import Shape, random_weight, shard_shapes
+
+OP_NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}
+# (hidden, ffn) of the models' MLPs: the widest GEMMs of a transformer layer.
+MODELS = {
+    "llama3-8b": (4096, 14336),
+    "llama3-70b": (8192, 28672),
+    "llama3-405b": (16384, 53248),
+    "gpt3-175b": (12288, 49152),
+}
+TP_DEGREES = (2, 4, 8)
+TOKENS = (1024, 2048, 4096, 8192, 16384)
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    op: str  # all_gather_matmul or matmul_reduce_scatter
+    M: int  # the layer's global sizes
+    N: int
+    K: int
+    world: int
+    dtype: str = "bfloat16"
+    weight_layout: str = "linear"
+    model: str = ""
+
+    def __post_init__(self):
+        if self.op not in OP_NAMES.values():
+            raise ValueError(f"op must be one of {', '.join(OP_NAMES.values())}, got {self.op!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.weight_layout not in ("linear", "transposed"):
+            raise ValueError(f"weight_layout must be linear or transposed, got {self.weight_layout!r}")
+        if self.M % self.world:
+            raise ValueError(f"{self}: M={self.M} must be divisible by the TP degree {self.world}")
+        self.shard_shapes  # noqa: B018 - the other sizes must divide too (ValueError)
+
+    @property
+    def shard_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(x, weight) as one rank holds them (fluxtp.bench.ops.shard_shapes)."""
+        return shard_shapes(self.op, Shape(self.M, self.N, self.K), self.world)
+
+    @property
+    def gemm_shape(self) -> tuple[int, int, int]:
+        """(m, n, k) of one rank's whole GEMM: what cuBLAS computes after the collective."""
+        (_, k), (n, _) = self.shard_shapes
+        return self.M, n, k
+
+    @property
+    def flops(self) -> int:
+        m, n, k = self.gemm_shape
+        return 2 * m * n * k
+
+    def label(self) -> str:
+        short = {v: k for k, v in OP_NAMES.items()}[self.op]
+        layout = " T" if self.weight_layout == "transposed" else ""
+        return f"{short} {self.M}x{self.N}x{self.K} TP{self.world} {self.dtype}{layout}"
+
+
+def model_cases(model: str, tokens=TOKENS, worlds=TP_DEGREES, dtypes=("bfloat16",), layouts=("linear",)):
+    """Both ops of `model`'s MLP at every (tokens, TP degree, dtype, layout)."""
+    hidden, ffn = MODELS[model]
+    dims = {"all_gather_matmul": (ffn, hidden), "matmul_reduce_scatter": (hidden, ffn)}
+    return [
+        GemmCase(op, m, *dims[op], world, dtype, layout, model)
+        for dtype, layout, op, world, m in itertools.product(dtypes, layouts, dims, worlds, tokens)
+    ]
+
+
+def _full() -> list[GemmCase]:
+    cases = [c for model in MODELS for c in model_cases(model, dtypes=tuple(DTYPE_NAMES))]
+    return cases + model_cases("llama3-70b", layouts=("transposed",))
+
+
+GRIDS = {
+    # Both ops, TP 2/4/8, the four models, 1024-16384 tokens, bf16 and fp16, and the backward's
+    # transposed weights at llama3-70b (bf16): what the shipped GEMM tables cover.
+    "full": _full,
+    "bf16": lambda: [c for c in _full() if c.dtype == "bfloat16"],
+    "llama3-70b": lambda: model_cases("llama3-70b", layouts=("linear", "transposed")),
+    # A quick look (a few seconds of GPU time): one model, the smallest and a middle M, ragged M too.
+    "smoke": lambda: model_cases("llama3-8b", tokens=(1024, 3000), worlds=(2, 8)),
+}
+
+
+def grid(name: str) -> list[GemmCase]:
+    if name not in GRIDS:
+        raise ValueError(f"unknown grid {name!r}; choose one of {', '.join(GRIDS)}")
+    return GRIDS[name]()
+
+
+def parse_cases(text: str, world: int, dtype: str = "bfloat16", weight_layout: str = "linear") -> list[GemmCase]:
+    """`ag:MxNxK,rs:MxNxK,...` (the layers' global sizes) at one TP degree."""
+    cases = []
+    for spec in text.split(","):
+        op, _, dims = spec.strip().partition(":")
+        if op not in OP_NAMES or dims.count("x") != 2:
+            raise ValueError(f"a shape is op:MxNxK with op ag or rs, got {spec!r}")
+        m, n, k = map(int, dims.split("x"))
+        cases.append(GemmCase(OP_NAMES[op], m, n, k, world, dtype, weight_layout))
+    return cases
+
+
+def case_inputs(case: GemmCase, device, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (x, weight) of one rank, never zeros; the weight in the case's layout."""
+    dtype = DTYPE_NAMES[case.dtype]
+    x_shape, w_shape = case.shard_shapes
+    x = torch.randn(x_shape, dtype=dtype, device=device, generator=generator)
+    return x, random_weight(w_shape, dtype, device, generator, w_shape[1] ** -0.5, case.weight_layout)
+
+
+def gathered(case: GemmCase, x: torch.Tensor) -> torch.Tensor:
+    """The input of one rank's whole GEMM: the all-gather's W copies of the shard (what its
+    GEMM-only mode reads), or x itself for the reduce-scatter."""
+    return x.repeat(case.world, 1) if case.op == "all_gather_matmul" else x
+
+
+def expected_rows(case: GemmCase, full: torch.Tensor) -> torch.Tensor:
+    """The rows of one rank's whole GEMM that its GEMM-only mode returns (rank 0's, reduce-scatter)."""
+    return full if case.op == "all_gather_matmul" else full[: case.M // case.world]
+
+
+def heuristic_config(case: GemmCase):
+    """The config the launcher takes when no table has an entry for the case."""
+    from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
+    from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+
+    (rows, k), (n, _) = case.shard_shapes
+    if case.op == "all_gather_matmul":
+        return AllGatherMatmulConfig.heuristic(rows, n, k, case.world)
+    return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
+
+
+def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor):
+    """The config a call of the case launches now (the user's cache, the shipped table, or the heuristic)."""
+    from fluxtp.backends.fused import ag_gemm, gemm_rs
+
+    module = ag_gemm if case.op == "all_gather_matmul" else gemm_rs
+    return module._config_for(x, weight, case.world, None)
+
+
+def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None):
+    """A zero-argument callable launching the fused kernel of rank 0 of the case with
+    communication switched off, with `config` (default: the one a call would launch)."""
+    from fluxtp.backends.fused import ag_gemm, gemm_rs
+
+    module = ag_gemm if case.op == "all_gather_matmul" else gemm_rs
+    return module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config=config)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float32 (NaN compares as an error of inf)."""
+    got, want = got.float(), want.float()
+    err = ((got - want).norm() / want.norm()).item()
+    return err if math.isfinite(err) else math.inf

@@ -1,0 +1,330 @@
+"""`fluxtp tune --one-gpu`: the fused ops' GEMM tiling, tuned on one GPU.
+
+What peers do not change can be tuned without them: the tile shape, pipelining depth, warps and
+tile grouping of each fused op's GEMM-only mode (the op's own kernel, exactly as rank 0 of a
+W-rank call launches it, every flag preset; fluxtp.bench.gemm_grid). Per case (GPU, world,
+dtype, op, N, K, M bucket, weight layout; the cache's key):
+1. the tilings of ONE_GPU_TILINGS that fit (fluxtp.tune.fits), each with the communication knobs
+   the heuristic gives that tiling (copy chunks; the reduce-scatter's transport), are checked
+   against cuBLAS on random data and screened in one short interleaved measurement;
+2. the three fastest and the heuristic's config are timed interleaved with cuBLAS
+   (fluxtp.bench.harness; medians of the rounds);
+3. the fastest there is written to the cache (the same file and lookup as `fluxtp tune`), with
+   "measured" {M, ms, heuristic_ms, cublas_ms, mode "gemm_only", date, versions, commit}.
+Keys whose shipped entry was measured with communication (it records nccl_ms) are left alone:
+a multi-GPU `fluxtp tune` measured their tiling and their communication knobs together.
+Before any timing, the distinct kernels of the whole job are compiled by a pool of processes
+into Triton's on-disk cache (compiling dominated a job's time when done one by one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fluxtp._dist import GroupInfo
+from fluxtp.bench.gemm_grid import (
+    GemmCase,
+    case_inputs,
+    expected_rows,
+    gathered,
+    gemm_only_case,
+    heuristic_config,
+    relative_error,
+)
+from fluxtp.bench.harness import Protocol, Variant, cache_bytes, input_copies, measure_rounds
+from fluxtp.tune import Entry, Key, describe, fits, load, m_bucket, write_entries
+
+# (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue
+# handles a 256-wide tile in 4 column slices, a narrower one in 2 (register pressure).
+ONE_GPU_TILINGS = (
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 4, 5),
+    (128, 128, 64, 8, 4),
+    (256, 128, 64, 8, 3),
+    (128, 128, 128, 4, 3),
+    (64, 256, 64, 4, 4),
+)
+FINALISTS = 3
+SCREEN = Protocol(rounds=2, warmup_rounds=1, calls_per_sample=1)
+FINAL_ROUNDS = 6
+SAMPLE_MS = 2.0  # calls per sample: enough that one sample lasts about this long
+MAX_CALLS = 10
+RELATIVE_ERROR_LIMIT = 1e-2  # bf16 operands, float32 accumulation: ~1e-3 when right, O(1) when a tile is wrong
+COMPILE_WORKERS = 8
+
+
+def candidates(case: GemmCase) -> list:
+    """The tilings to screen for a case, each with the communication knobs of the heuristic."""
+    base = heuristic_config(case)
+    out = []
+    for bm, bn, bk, warps, stages in ONE_GPU_TILINGS:
+        tiling = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=8)
+        if case.op == "matmul_reduce_scatter":
+            tiling["epilogue_split"] = 4 if bn >= 256 else 2
+        config = with_communication_heuristic(case, dataclasses.replace(base, **tiling))
+        if fits(case.op, config):
+            out.append(config)
+    return list(dict.fromkeys([base, *out]))
+
+
+def with_communication_heuristic(case: GemmCase, config):
+    """`config`'s tiling with the communication knobs the heuristic gives it for the case."""
+    (rows, _), (n, _) = case.shard_shapes
+    if case.op == "all_gather_matmul":
+        return config.with_communication_heuristic(rows)
+    return config.with_communication_heuristic(case.M, n, case.world)
+
+
+@dataclass
+class CaseResult:
+    case: GemmCase
+    tuned: object
+    heuristic: object
+    ms: dict  # cublas, heuristic, tuned (the final interleaved measurement's medians)
+    screened: int
+    failed: list  # (config, why): rejected by the compiler or the launch
+    wrong: list  # (config, why): computed a wrong result
+
+
+class _Case:
+    """A case's inputs (rotated copies when they fit in the cache) and its reference output."""
+
+    def __init__(self, case: GemmCase, device: torch.device, generator: torch.Generator):
+        x, w = case_inputs(case, device, generator)
+        copies = input_copies(x.numel() * x.element_size() + w.numel() * w.element_size(), cache_bytes(device))
+        self.case = case
+        self.inputs = [(x, w)] + [case_inputs(case, device, generator) for _ in range(copies - 1)]
+        self.full_inputs = [(gathered(case, x), w) for x, w in self.inputs]
+        self.reference = expected_rows(case, F.linear(*self.full_inputs[0]))
+
+    def variant(self, name: str, config) -> Variant:
+        return Variant(name, tuple(gemm_only_case(self.case, x, w, config) for x, w in self.inputs))
+
+    def cublas(self) -> Variant:
+        return Variant("cublas", tuple(lambda x=x, w=w: F.linear(x, w) for x, w in self.full_inputs))
+
+    def check(self, config) -> tuple[str | None, bool]:
+        """(why the config is dropped, whether it computed a wrong result), or (None, False)."""
+        x, w = self.inputs[0]
+        try:
+            out = gemm_only_case(self.case, x, w, config)()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - OutOfResources and other compiler rejections
+            return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200], False
+        error = relative_error(out, self.reference)
+        if not error <= RELATIVE_ERROR_LIMIT:
+            return f"relative error {error:.3g} against cuBLAS", True
+        return None, False
+
+
+def _calls_per_sample(run, device) -> int:
+    """Calls that make a sample of about SAMPLE_MS (one call timed after a warm one)."""
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize(device)
+    return max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(start.elapsed_time(end), 1e-3))))
+
+
+def tune_case(case: GemmCase, device: torch.device, generator: torch.Generator) -> CaseResult:
+    state = _Case(case, device, generator)
+    info = GroupInfo(None, 0, 1)
+    cublas = state.cublas()
+    calls = _calls_per_sample(cublas.calls[0], device)
+    base = heuristic_config(case)
+    failed, wrong = [], []
+
+    def working(configs) -> list:
+        """The configs that compile, launch and compute the right result; the rest recorded."""
+        ok = []
+        for config in configs:
+            why, is_wrong = state.check(config)
+            if why is None:
+                ok.append(config)
+            else:
+                (wrong if is_wrong else failed).append((config, why))
+        return ok
+
+    screened = working(candidates(case))
+    if base not in screened:
+        raise RuntimeError(f"{case.label()}: the heuristic config {describe(base)} fails: {(failed + wrong)[0][1]}")
+    names = {f"c{i}": c for i, c in enumerate(screened)}
+    screen = dataclasses.replace(SCREEN, calls_per_sample=calls)
+    ms = measure_rounds([state.variant(n, c) for n, c in names.items()], screen, info, device).ms
+    best = [names[n] for n in sorted(names, key=lambda n: ms[n])[:FINALISTS]]
+    finalists = list(dict.fromkeys([base, *best]))
+    final_names = {("heuristic" if c == base else f"f{i}"): c for i, c in enumerate(finalists)}
+    final = Protocol(rounds=FINAL_ROUNDS, warmup_rounds=1, calls_per_sample=calls)
+    variants = [cublas] + [state.variant(n, c) for n, c in final_names.items()]
+    timed = measure_rounds(variants, final, info, device).ms
+    winner = min(final_names, key=lambda n: (timed[n], n != "heuristic"))
+    ms = {"cublas": timed["cublas"], "heuristic": timed["heuristic"], "tuned": timed[winner]}
+    return CaseResult(case, final_names[winner], base, ms, len(screened), failed, wrong)
+
+
+# ---------------------------------------------------------------- compiling ahead, in parallel
+
+
+def _compile_jobs(cases: list[GemmCase]) -> list[tuple[GemmCase, object]]:
+    """One (case, config) per distinct kernel the job will launch, on the smallest case that
+    launches it: shapes are runtime arguments, specialized only by divisibility (by 16, and the
+    all-gather's TMA store by block_m), and the all-gather's chunk_rows is a runtime argument."""
+    jobs = {}
+    for case in sorted(cases, key=lambda c: c.M):
+        (rows, _), _ = case.shard_shapes
+        for config in candidates(case):
+            fields = dataclasses.asdict(config)
+            fields.pop("chunk_rows", None)
+            spec = (rows % 16 == 0, rows % config.block_m == 0)
+            key = (case.op, case.world, case.dtype, case.weight_layout, spec, tuple(fields.items()))
+            jobs.setdefault(key, (case, config))
+    return list(jobs.values())
+
+
+def _compile_worker(jobs: list[tuple[GemmCase, object]]) -> int:
+    torch.cuda.set_device(0)
+    compiled = 0
+    for case, config in jobs:
+        x, w = case_inputs(case, "cuda")
+        try:
+            gemm_only_case(case, x, w, config)()
+            compiled += 1
+        except Exception:  # noqa: BLE001 - the tuner reports rejections itself
+            pass
+    torch.cuda.synchronize()
+    return compiled
+
+
+def precompile(cases: list[GemmCase], workers: int = COMPILE_WORKERS) -> int:
+    """Compile every kernel the job will launch, in `workers` processes, into Triton's disk cache."""
+    jobs = _compile_jobs(cases)
+    workers = max(1, min(workers, len(jobs), (os.cpu_count() or 2) - 1))
+    slices = [jobs[i::workers] for i in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return sum(pool.map(_compile_worker, slices))
+
+
+# ---------------------------------------------------------------- the job
+
+
+def multi_gpu_keys() -> set[Key]:
+    """Keys of the shipped table measured with communication (a multi-GPU `fluxtp tune`)."""
+    entries, _ = load(shipped=True)
+    return {k for k, e in entries.items() if "nccl_ms" in e.measured}
+
+
+def case_key(case: GemmCase, gpu: str) -> Key:
+    return Key(gpu, case.world, case.dtype, case.op, case.N, case.K, m_bucket(case.M), case.weight_layout)
+
+
+def entry_of(result: CaseResult, gpu: str) -> Entry:
+    from fluxtp.bench.results import git_commit, triton_version
+
+    measured = {
+        "M": result.case.M,
+        "ms": round(result.ms["tuned"], 5),
+        "heuristic_ms": round(result.ms["heuristic"], 5),
+        "cublas_ms": round(result.ms["cublas"], 5),
+        "mode": "gemm_only",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "commit": git_commit(),
+    }
+    return Entry(case_key(result.case, gpu), result.tuned, measured)
+
+
+def result_row(result: CaseResult) -> dict:
+    ms = result.ms
+    return {
+        **dataclasses.asdict(result.case),
+        "ms": {k: round(v, 5) for k, v in ms.items()},
+        "tuned_vs_cublas": round(ms["tuned"] / ms["cublas"], 4),
+        "heuristic_vs_cublas": round(ms["heuristic"] / ms["cublas"], 4),
+        "tuned_config": dataclasses.asdict(result.tuned),
+        "heuristic_config": dataclasses.asdict(result.heuristic),
+        "screened": result.screened,
+        "failed": [f"{describe(c)}: {why}" for c, why in result.failed + result.wrong],
+    }
+
+
+def run(cases: list[GemmCase], cache_path: str | None, out: str | None, command: str, show_progress=True) -> int:
+    """Tune every case on GPU 0, write the winners into the cache at cache_path (default: the
+    user's cache) and the rows into `out` (a results JSON, or a folder for the default name).
+    Returns the process's exit status: 1 when a candidate computed a wrong result."""
+    from tabulate import tabulate
+    from tqdm import tqdm
+
+    from fluxtp.bench.results import envelope, result_filename, write_json
+
+    device = torch.device("cuda", 0)
+    gpu = torch.cuda.get_device_name(device)
+    keep = multi_gpu_keys()
+    todo = [c for c in cases if case_key(c, gpu) not in keep]
+    for case in cases:
+        if case not in todo:
+            print(f"kept {case.label()}: its shipped entry was measured with communication", flush=True)
+    print(f"compiled {precompile(todo)} kernels ahead", flush=True)
+    generator = torch.Generator(device=device).manual_seed(20261124)
+    path = out
+    if out and (out.endswith(("/", os.sep)) or os.path.isdir(out)):
+        path = os.path.join(out, result_filename("tune_gemm", gpu, 1, datetime.date.today().isoformat()))
+    results = []
+    # Written after every case, so that a job cut short keeps what it measured.
+    for case in tqdm(todo, disable=not show_progress, unit="case", desc="tune --one-gpu", mininterval=10):
+        results.append(tune_case(case, device, generator))
+        written = write_entries([entry_of(results[-1], gpu)], cache_path)
+        if path:
+            write_json(envelope("tune_gemm", [result_row(r) for r in results], device=gpu, gpus=1, world=1,
+                                command=command), path)
+        torch.cuda.empty_cache()
+    if results:
+        print(f"wrote {len(results)} entries to {written}" + (f" and the results to {path}" if path else ""), flush=True)
+    table = [
+        [r.case.label(), f"{r.ms['cublas']:.4g}", f"{r.ms['heuristic'] / r.ms['cublas']:.3f}",
+         f"{r.ms['tuned'] / r.ms['cublas']:.3f}", describe(r.tuned)]
+        for r in results
+    ]
+    print(tabulate(table, headers=["case", "cuBLAS ms", "heuristic/cuBLAS", "tuned/cuBLAS", "tuned config"]))
+    wrong = [(r.case, c, why) for r in results for c, why in r.wrong]
+    for case, config, why in wrong:
+        print(f"fluxtp tune: {case.label()}: {describe(config)} computed a WRONG result ({why})", flush=True)
+    return 1 if wrong else 0
+
+
+def cmd_tune_one_gpu(args) -> int:
+    """`fluxtp tune --one-gpu`: the cases of --grid, or of --op/--shapes at each of --worlds."""
+    from fluxtp.bench.gemm_grid import GemmCase, grid
+    from fluxtp.bench.ops import parse_shapes
+    from fluxtp.tune import NO_GPU_MESSAGE
+
+    parser = args.parser
+    try:
+        if args.grid:
+            cases = grid(args.grid)
+        elif args.op and args.shapes:
+            worlds = [int(w) for w in args.worlds.split(",")]
+            layout = getattr(args, "weight_layout", "linear")
+            cases = [
+                GemmCase(args.op, s.M, s.N, s.K, w, args.dtype, layout) for w in worlds for s in parse_shapes(args.shapes)
+            ]
+        else:
+            parser.error("--one-gpu needs --grid, or --op and --shapes")
+    except ValueError as e:
+        parser.error(str(e))
+    if not torch.cuda.is_available():
+        print(NO_GPU_MESSAGE, file=sys.stderr, flush=True)
+        return 2
+    return run(cases, args.cache, getattr(args, "out", None), getattr(args, "command_line", "fluxtp tune --one-gpu"))

@@ -7,7 +7,8 @@
 Per case (a layer's global MxNxK at one TP degree, as `fluxtp bench` takes it; --grid names a
 grid of fluxtp/bench/gemm_grid.py: both ops, TP 2/4/8, four models' MLP dims, 1024-16384
 tokens, bf16 and fp16, the backward's transposed weights), kernels computing the same per-rank
-GEMM are timed interleaved by the benchmark harness (one GPU, no peers):
+GEMM are timed interleaved by the benchmark harness as CUDA graph replays (one GPU, no peers;
+graphs, so that small GEMMs are timed by the GPU, not by the host's launch):
 - `cublas`: F.linear of the whole per-rank operands (what NCCL-then-GEMM runs after the collective);
 - `fused`: the fused op's GEMM-only mode (every flag preset, exactly the kernel and config the op
   launches as rank 0: the user's cache, the shipped table or the heuristic);
@@ -53,7 +54,7 @@ from fluxtp.bench.gemm_grid import (
     parse_cases,
     relative_error,
 )
-from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, measure_rounds
+from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.kernels._matmul_reduce_scatter import _halves
 from fluxtp.kernels._tiles import grouped_tile
@@ -160,14 +161,14 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
         err = relative_error(run(), want)
         if not err < 1e-2:
             raise AssertionError(f"{case.label()}: {name} differs from cuBLAS (relative error {err:.2e})")
-    variants = [Variant(name, (run,)) for name, run in runs.items()]
+    variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
     for spec in vary:
         name, _, text = spec.partition("=")
         value = int(text) if text else not getattr(config, name)
         varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **{name: value}))
         if not torch.equal(varied(), fused()):
             raise AssertionError(f"{case.label()}: {name}={value} changes the fused kernel's output bits")
-        variants.append(Variant(f"fused_{name}={value}", (varied,)))
+        variants.append(Variant(f"fused_{name}={value}", (graphed(varied),)))
     return variants, config
 
 

@@ -183,6 +183,23 @@ def round_order(round_index: int, n: int) -> list[int]:
     return row
 
 
+def graphed(call):
+    """`call` captured in a CUDA graph after two warm-up calls (compiles, allocates workspaces)
+    on a side stream; returns the replay. Every rank captures the same variants in the same order
+    (captured NCCL collectives must match across ranks). A replay costs a few microseconds of
+    host time, so kernels shorter than an eager call's host time are timed by the GPU, not the host."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def _barrier(info: GroupInfo) -> None:
     if info.group is not None:
         dist.barrier(group=info.group)

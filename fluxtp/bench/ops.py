@@ -30,7 +30,7 @@ from fluxtp import backends
 from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies
-from fluxtp.bench.harness import format_speedup, measure_rounds, overlap_efficiency, speedup, speedup_iqr
+from fluxtp.bench.harness import format_speedup, graphed, measure_rounds, overlap_efficiency, speedup, speedup_iqr
 from fluxtp.ops import BACKENDS, OPS
 from fluxtp.tune import WEIGHT_LAYOUTS
 
@@ -301,22 +301,6 @@ def _gemm_only(backend: str):
     return fn if callable(fn) else None
 
 
-def _graphed(call):
-    """`call` captured in a CUDA graph after two warm-up calls (compiles, allocates workspaces)
-    on a side stream; returns the replay. Every rank captures the same variants in the same order
-    (captured NCCL collectives must match across ranks)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -359,7 +343,7 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
             continue  # no GEMM-only mode for this op (the same answer on every rank)
         variants.append(Variant(f"{name}_gemm_only", calls))
     if config.cuda_graphs:
-        variants = [Variant(v.name, tuple(_graphed(call) for call in v.calls)) for v in variants]
+        variants = [Variant(v.name, tuple(graphed(call) for call in v.calls)) for v in variants]
     timings = measure_rounds(variants, config.protocol, info, device, on_round)
     ms = timings.ms
 

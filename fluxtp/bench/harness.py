@@ -197,7 +197,12 @@ def graphed(call):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    return graph.replay
+
+    def replay():
+        graph.replay()
+
+    replay.call = call  # the graph reads and writes what `call` holds (workspaces known by address only)
+    return replay
 
 
 def _barrier(info: GroupInfo) -> None:

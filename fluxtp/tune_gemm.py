@@ -93,6 +93,7 @@ class CaseResult:
     tuned: object
     heuristic: object
     ms: dict  # cublas, heuristic, tuned (the final interleaved measurement's medians)
+    screen_ms: dict  # describe(config) -> the screening's median, every working candidate
     screened: int
     failed: list  # (config, why): rejected by the compiler or the launch
     wrong: list  # (config, why): computed a wrong result
@@ -164,8 +165,8 @@ def tune_case(case: GemmCase, device: torch.device, generator: torch.Generator) 
         raise RuntimeError(f"{case.label()}: the heuristic config {describe(base)} fails: {(failed + wrong)[0][1]}")
     names = {f"c{i}": c for i, c in enumerate(screened)}
     screen = dataclasses.replace(SCREEN, calls_per_sample=calls)
-    ms = measure_rounds([state.variant(n, c) for n, c in names.items()], screen, info, device).ms
-    best = [names[n] for n in sorted(names, key=lambda n: ms[n])[:FINALISTS]]
+    ms_screen = measure_rounds([state.variant(n, c) for n, c in names.items()], screen, info, device).ms
+    best = [names[n] for n in sorted(names, key=lambda n: ms_screen[n])[:FINALISTS]]
     finalists = list(dict.fromkeys([base, *best]))
     final_names = {("heuristic" if c == base else f"f{i}"): c for i, c in enumerate(finalists)}
     final = Protocol(rounds=FINAL_ROUNDS, warmup_rounds=1, calls_per_sample=calls)
@@ -173,7 +174,8 @@ def tune_case(case: GemmCase, device: torch.device, generator: torch.Generator) 
     timed = measure_rounds(variants, final, info, device).ms
     winner = min(final_names, key=lambda n: (timed[n], n != "heuristic"))
     ms = {"cublas": timed["cublas"], "heuristic": timed["heuristic"], "tuned": timed[winner]}
-    return CaseResult(case, final_names[winner], base, ms, len(screened), failed, wrong)
+    screen_ms = {describe(c): ms_screen[n] for n, c in names.items()}
+    return CaseResult(case, final_names[winner], base, ms, screen_ms, len(screened), failed, wrong)
 
 
 # ---------------------------------------------------------------- compiling ahead, in parallel
@@ -258,6 +260,7 @@ def result_row(result: CaseResult) -> dict:
         "tuned_config": dataclasses.asdict(result.tuned),
         "heuristic_config": dataclasses.asdict(result.heuristic),
         "screened": result.screened,
+        "screen_ms": {k: round(v, 5) for k, v in result.screen_ms.items()},
         "failed": [f"{describe(c)}: {why}" for c, why in result.failed + result.wrong],
     }
 

@@ -70,6 +70,25 @@ def _handover(owner, RANK: tl.constexpr, WORLD: tl.constexpr, PUSH: tl.constexpr
 
 
 @triton.jit
+def _partial(i, buffer_ptrs, offs_m, offs_n, mask, rows_per_rank, N, dtype: tl.constexpr, RANK: tl.constexpr,
+             PUSH: tl.constexpr):
+    """The i-th peer's (in rank order) partial of this rank's tile slice, as float32."""
+    src = tl.where(i >= RANK, i + 1, i)
+    if PUSH:
+        holder = RANK
+        slot = i
+    else:
+        holder = src
+        slot = tl.where(RANK > src, RANK - 1, RANK)
+    # Buffers are 16-byte aligned: the hint lets N % 8 == 0 rows use 16-byte accesses.
+    part_ptr = tl.multiple_of(tl.load(buffer_ptrs + holder).to(tl.pointer_type(dtype)), 16)
+    rows = (slot * rows_per_rank + offs_m).to(tl.int64)
+    # .cg: from L2, where the peers' stores land, never from a stale L1 line.
+    part = tl.load(part_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return part.to(tl.float32)
+
+
+@triton.jit
 def _epilogue(
     acc,  # float32 [BLOCK_M, width]: columns col.. of the tile
     own,  # this rank owns the tile's rows: reduce and write out; else hand the partial over
@@ -87,6 +106,7 @@ def _epilogue(
     HAS_BIAS: tl.constexpr,
     PUSH: tl.constexpr,
     COPY_ENGINE: tl.constexpr,
+    REDUCE_UNROLL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = acc.shape[0]
     WIDTH: tl.constexpr = acc.shape[1]
@@ -95,22 +115,15 @@ def _epilogue(
     offs_n = col + tl.arange(0, WIDTH)
     mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
     if own:
-        # The peers' partials (their flags were acquired), in rank order, onto the accumulator;
-        # a loop, not unrolled, so that one peer's slice at a time is live in registers.
-        for i in range(WORLD - 1):
-            src = tl.where(i >= RANK, i + 1, i)
-            if PUSH:
-                holder = RANK
-                slot = i
-            else:
-                holder = src
-                slot = tl.where(RANK > src, RANK - 1, RANK)
-            # Buffers are 16-byte aligned: the hint lets N % 8 == 0 rows use 16-byte accesses.
-            part_ptr = tl.multiple_of(tl.load(buffer_ptrs + holder).to(tl.pointer_type(dtype)), 16)
-            rows = (slot * rows_per_rank + offs_m).to(tl.int64)
-            # .cg: from L2, where the peers' stores land, never from a stale L1 line.
-            part = tl.load(part_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            acc += part.to(tl.float32)
+        # The peers' partials (their flags were acquired), in rank order, onto the accumulator.
+        # Unrolled, the loads of every peer can be in flight at once (W-1 round trips to memory
+        # otherwise wait one after the other); rolled, one peer's slice at a time is live.
+        if REDUCE_UNROLL:
+            for i in tl.static_range(WORLD - 1):
+                acc += _partial(i, buffer_ptrs, offs_m, offs_n, mask, rows_per_rank, N, dtype, RANK, PUSH)
+        else:
+            for i in range(WORLD - 1):
+                acc += _partial(i, buffer_ptrs, offs_m, offs_n, mask, rows_per_rank, N, dtype, RANK, PUSH)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -151,6 +164,7 @@ def matmul_reduce_scatter_kernel(
     EPI_SPLIT: tl.constexpr,  # the epilogue works on 1, 2 or 4 column slices (fewer live registers)
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     COPY_ENGINE: tl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
+    REDUCE_UNROLL: tl.constexpr,  # the owner's W-1 partial loads unrolled (all in flight) or one at a time
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -210,25 +224,25 @@ def matmul_reduce_scatter_kernel(
 
         if EPI_SPLIT == 1:
             _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
         elif EPI_SPLIT == 2:
             a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
             _epilogue(a0, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
             _epilogue(a1, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
         else:
             a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
             a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
             a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
             _epilogue(a00, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
             _epilogue(a01, own, owner, row_in_segment, col0 + BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
             _epilogue(a10, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
             _epilogue(a11, own, owner, row_in_segment, col0 + 3 * BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
 
         if not own:
             holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)

@@ -49,6 +49,8 @@ TRANSPORTS = ("push", "pull", "copy_engine")
 # 64 tiles: 0.69x NCCL against push's 1.09x; docs/perf-log.md). Below two waves (H100 / H200:
 # 132 SMs) the heuristic pushes; the shipped table has measured choices for its shapes.
 MIN_COPY_ENGINE_TILES = 256
+# The owner's reduction of the W-1 partials with every peer's loads in flight at once (A/B pending).
+REDUCE_UNROLL = False
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,7 @@ def launch_kernel(
         EPI_SPLIT=config.epilogue_split,
         B_KN=b_kn,
         COPY_ENGINE=config.copy_engine,
+        REDUCE_UNROLL=REDUCE_UNROLL,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -53,6 +53,7 @@ def _reference(x, w, b, rank, world):
         (2, 1000, 1000, 2048, WIDE, torch.bfloat16, True),  # ragged rows (7.8 tiles), N not a tile multiple
         (2, 512, 2048, 4096, NARROW, torch.float16, False),
         (4, 384, 1536, 1024, DEEP, torch.bfloat16, True),
+        (8, 200, 1024, 512, WIDE, torch.bfloat16, False),  # the unrolled reduction (gemm_rs.REDUCE_UNROLL_MIN_WORLD)
     ],
 )
 def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n, k_local, base, dtype, with_bias):

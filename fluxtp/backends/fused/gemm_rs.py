@@ -49,8 +49,10 @@ TRANSPORTS = ("push", "pull", "copy_engine")
 # 64 tiles: 0.69x NCCL against push's 1.09x; docs/perf-log.md). Below two waves (H100 / H200:
 # 132 SMs) the heuristic pushes; the shipped table has measured choices for its shapes.
 MIN_COPY_ENGINE_TILES = 256
-# The owner's reduction of the W-1 partials with every peer's loads in flight at once (A/B pending).
-REDUCE_UNROLL = False
+# From this many ranks on, the owner issues the W-1 partials' loads all at once (unrolled): at
+# W=8 that took 0.91-1.00x the time of one load at a time, at W=2 and 4 it was level (one H200,
+# GEMM-only, docs/perf-log.md), so smaller groups keep the fewer live registers of the loop.
+REDUCE_UNROLL_MIN_WORLD = 8
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,7 @@ def launch_kernel(
         EPI_SPLIT=config.epilogue_split,
         B_KN=b_kn,
         COPY_ENGINE=config.copy_engine,
-        REDUCE_UNROLL=REDUCE_UNROLL,
+        REDUCE_UNROLL=world >= REDUCE_UNROLL_MIN_WORLD,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -574,7 +574,7 @@ def _reference(x, w, info):
 
 def _fake_launchers(op):
     """CPU stand-ins for the fused launchers: the nccl reference plus a sleep that depends on the
-    config; a 256x128 tile "does not compile", and num_warps=4 with 5 stages computes garbage."""
+    config; a 256x128 tile "does not compile", and num_warps=4 with 3 stages computes garbage."""
 
     def cost_s(config):
         if all(getattr(config, k) == v for k, v in BEST.items()):
@@ -584,7 +584,7 @@ def _fake_launchers(op):
     def run(x, w, info, config):
         out, gathered = _reference(x, w, info)
         time.sleep(cost_s(config))
-        if config.num_warps == 4 and config.num_stages == 5:
+        if config.num_warps == 4 and config.num_stages == 3:
             out = out + 1
         return out, gathered
 
@@ -628,7 +628,7 @@ def test_tuner_verifies_prunes_and_agrees_on_one_winner(tmp_path):
     assert r0["winner_ms"] < r0["heuristic_ms"]
     assert r0["pruned"] > 0  # the 3x slower group_m=16 ones
     assert r0["failed"] and all(d.startswith("256x") for d in r0["failed"])
-    assert r0["wrong"] and all(" w4 s5 " in d for d in r0["wrong"])
+    assert r0["wrong"] and all(" w4 s3 " in d for d in r0["wrong"])
 
 
 def test_tuner_stops_at_its_budget(tmp_path):
@@ -661,7 +661,7 @@ def test_rank_tune_writes_every_shape_and_reports_wrong_candidates(tmp_path):
     job = tune.TuneJob(AG, shapes, torch.float32, 8.0, str(path), str(tmp_path / "results") + "/", command)
     run_on_ranks(_rank_tune_on_cpu, 2, job, str(tmp_path), backend="gloo", timeout_s=300)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert r0["code"] == r1["code"] == 1  # the w4 s5 stand-ins computed garbage: a kernel bug, loudly
+    assert r0["code"] == r1["code"] == 1  # the w4 s3 stand-ins computed garbage: a kernel bug, loudly
     assert r0["elapsed"] < 1.5 * 8.0 + 2.0, r0["elapsed"]
     entries, problem = tune.load(path)
     assert problem is None
@@ -694,7 +694,7 @@ def test_rank_tune_writes_every_shape_and_reports_wrong_candidates(tmp_path):
         for key in ("heuristic", "tuned"):
             expected = overlap_efficiency(row["ms"][key], row["ms"]["gemm"], row["ms"]["nccl"])
             assert row["E_overlap"][key] == (None if expected is None else pytest.approx(expected, abs=2e-3))
-        assert 1 <= row["screened"] <= row["candidates"] and row["failed"] >= 1  # the 256x tiles, the w4 s5 ones
+        assert 1 <= row["screened"] <= row["candidates"] and row["failed"] >= 1  # the 256x tiles, the w4 s3 ones
 
 
 def _rank_tune_transposed_on_cpu(rank, world, job, out_dir):
@@ -713,7 +713,7 @@ def _rank_tune_transposed_on_cpu(rank, world, job, out_dir):
     try:
         tune.rank_tune(rank, world, job)
     except SystemExit:
-        pass  # the w4 s5 stand-ins compute garbage (the test above checks that exit)
+        pass  # the w4 s3 stand-ins compute garbage (the test above checks that exit)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(sorted(seen)))
 
 

@@ -1,0 +1,140 @@
+"""The GEMM grid, the one-GPU tuner's search space and records, the tile-width rule, and the
+shipped tables' coverage of the grid (CPU only: the timing itself needs a GPU)."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fluxtp import tune, tune_gemm
+from fluxtp.backends.fused._config import narrow_tiles_win
+from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
+from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+from fluxtp.bench.gemm_grid import GRIDS, GemmCase, case_inputs, expected_rows, gathered, grid, parse_cases
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+SHIPPED_GPUS = ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
+
+
+def test_full_grid_covers_both_ops_every_tp_degree_model_and_dtype():
+    cases = grid("full")
+    assert len(cases) == len(set(cases)) == 2 * 3 * 4 * 5 * 2 + 2 * 3 * 5
+    assert {(c.op, c.world, c.dtype) for c in cases} == {
+        (op, w, d) for op in (AG, RS) for w in (2, 4, 8) for d in ("bfloat16", "float16")
+    }
+    transposed = [c for c in cases if c.weight_layout == "transposed"]
+    assert {c.model for c in transposed} == {"llama3-70b"} and len(transposed) == 30
+    for name in GRIDS:
+        assert grid(name)
+    with pytest.raises(ValueError, match="unknown grid 'nope'"):
+        grid("nope")
+
+
+def test_case_shapes_follow_the_ops_sharding_and_any_multiple_of_w_works():
+    ag = GemmCase(AG, 3000, 14336, 4096, 8)  # 375 rows per rank: not a tile multiple
+    assert ag.shard_shapes == ((375, 4096), (1792, 4096)) and ag.gemm_shape == (3000, 1792, 4096)
+    rs = GemmCase(RS, 3000, 4096, 14336, 8)
+    assert rs.shard_shapes == ((3000, 1792), (4096, 1792)) and rs.flops == 2 * 3000 * 4096 * 1792
+    with pytest.raises(ValueError, match="M=1001 must be divisible by the TP degree 8"):
+        GemmCase(AG, 1001, 14336, 4096, 8)
+    with pytest.raises(ValueError, match="K=100 must be divisible"):
+        GemmCase(RS, 1024, 4096, 100, 8)
+    with pytest.raises(ValueError, match="dtype"):
+        GemmCase(AG, 1024, 4096, 4096, 2, dtype="float32")
+    assert parse_cases("ag:1024x8x16,rs:64x8x16", 2) == [GemmCase(AG, 1024, 8, 16, 2), GemmCase(RS, 64, 8, 16, 2)]
+    with pytest.raises(ValueError, match="op:MxNxK"):
+        parse_cases("xx:1x2x3", 2)
+
+
+@pytest.mark.parametrize("layout", ["linear", "transposed"])
+def test_case_inputs_are_random_in_the_cases_layout(layout):
+    case = GemmCase(RS, 48, 32, 64, 2, "float16", layout)
+    x, w = case_inputs(case, "cpu")
+    assert x.shape == (48, 32) and w.shape == (32, 32) and x.dtype == w.dtype == torch.float16
+    assert (w.stride(0) == 1) == (layout == "transposed")
+    assert x.abs().min() >= 0 and x.float().std() > 0.5 and w.float().std() > 0  # never zeros
+    ag = GemmCase(AG, 48, 32, 64, 2)
+    xs, _ = case_inputs(ag, "cpu")
+    assert torch.equal(gathered(ag, xs), torch.cat([xs, xs])) and gathered(case, x) is x
+    full = torch.randn(48, 32)
+    assert expected_rows(case, full).shape == (24, 32) and expected_rows(ag, full) is full
+
+
+@pytest.mark.parametrize(
+    "tile_rows, n, narrow",
+    [
+        (8, 1792, True),  # 56 wide tiles: under half a wave of 132; 112 narrow ones fill one
+        (32, 3584, True),  # 448 wide tiles = 4 waves (3.4); 896 narrow = 7 waves of half the cost
+        (8, 3584, False),  # 112 wide tiles: one wave either way
+        (16, 3584, False),  # 224 wide = 2 waves; 448 narrow = 4 waves
+        (128, 3584, False),  # 1792 wide = 14 waves (13.6); 3584 narrow = 28 waves
+    ],
+)
+def test_tile_width_follows_wave_quantization(tile_rows, n, narrow):
+    assert narrow_tiles_win(tile_rows, n) is narrow
+    config = AllGatherMatmulConfig.heuristic(tile_rows * 128 // 8, n, 8192, 8)
+    assert (config.block_n, config.num_warps, config.num_stages) == ((128, 4, 5) if narrow else (256, 8, 3))
+
+
+def test_reduce_scatter_heuristic_is_the_wide_tile_everywhere():
+    for m in (1024, 4096, 16384):
+        config = MatmulReduceScatterConfig.heuristic(m, 8192, 3584, 8)
+        assert (config.block_m, config.block_n, config.num_warps, config.num_stages) == (128, 256, 8, 3)
+
+
+def test_one_gpu_candidates_fit_start_at_the_heuristic_and_keep_its_communication_rule():
+    for case in (GemmCase(AG, 8192, 28672, 8192, 8), GemmCase(RS, 1024, 8192, 28672, 4)):
+        space = tune_gemm.candidates(case)
+        assert space[0] == tune_gemm.heuristic_config(case) and len(space) == len(set(space)) >= 6
+        assert all(tune.fits(case.op, c) for c in space)
+        for c in space:  # the comm knobs are the heuristic's for that very tiling
+            assert c == tune_gemm.with_communication_heuristic(case, c)
+        assert {c.block_m for c in space} >= {64, 128, 256}
+
+
+def test_compile_jobs_name_each_distinct_kernel_once():
+    cases = [GemmCase(AG, m, 28672, 8192, 2) for m in (1024, 4096, 8192)]
+    jobs = tune_gemm._compile_jobs(cases)
+    # chunk_rows is a runtime argument: the three M share every kernel, compiled on the smallest
+    assert {case.M for case, _ in jobs} == {1024}
+    tilings = {dataclasses.replace(c, chunk_rows=0) for c in tune_gemm.candidates(cases[0])}
+    assert len(jobs) == len(tilings)
+
+
+def test_tuned_entries_carry_what_shipping_requires_and_are_not_taken_for_multi_gpu_ones():
+    case = GemmCase(RS, 2048, 8192, 28672, 8, "float16", "transposed")
+    config = tune_gemm.heuristic_config(case)
+    result = tune_gemm.CaseResult(case, config, config, {"cublas": 1.0, "heuristic": 1.2, "tuned": 1.1}, {}, 7, [], [])
+    entry = tune_gemm.entry_of(result, "NVIDIA H200")
+    assert entry.key == tune.Key("NVIDIA H200", 8, "float16", RS, 8192, 28672, 2048, "transposed")
+    assert set(tune.SHIPPED_MEASURED_FIELDS) <= set(entry.measured) and entry.measured["mode"] == "gemm_only"
+    assert "nccl_ms" not in entry.measured  # so "auto" does not read a GEMM-only time as an op's
+    row = tune_gemm.result_row(result)
+    assert row["tuned_vs_cublas"] == 1.1 and row["world"] == 8
+
+
+@pytest.mark.parametrize("gpu", SHIPPED_GPUS)
+def test_shipped_table_answers_every_grid_case_with_an_exact_entry(gpu):
+    entries, problem = tune.load(shipped=True)
+    assert problem is None
+    for case in grid("full"):
+        key = tune_gemm.case_key(case, gpu)
+        assert key in entries, f"{gpu}: no shipped entry for {case.label()}"
+        assert tune.fits(case.op, entries[key].config)
+
+
+def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
+    def fluxtp(*args):
+        return subprocess.run([sys.executable, "-m", "fluxtp", *args], capture_output=True, text=True, timeout=120)
+
+    proc = fluxtp("tune", "--one-gpu")
+    assert proc.returncode == 2 and "--one-gpu needs --grid, or --op and --shapes" in proc.stderr
+    proc = fluxtp("tune", "--one-gpu", "--grid", "nope")
+    assert proc.returncode == 2 and "unknown grid 'nope'" in proc.stderr
+    proc = fluxtp("tune")
+    assert proc.returncode == 2 and "--op and --shapes are required" in proc.stderr
+    if not torch.cuda.is_available():
+        proc = fluxtp("tune", "--one-gpu", "--grid", "smoke")
+        assert proc.returncode == 2 and "need NVIDIA GPUs" in proc.stderr

@@ -11,7 +11,7 @@ import torch
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
-from fluxtp.tune import measured_verdict
+from fluxtp.configs import measured_verdict
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -12,7 +12,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fluxtp.tune import weight_layout_of
+from fluxtp.configs import weight_layout_of
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:

@@ -22,7 +22,6 @@ and the in-kernel waits are bounded and fail with an error instead of hanging.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,47 +29,15 @@ import triton
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused._config import GemmTiling
+from fluxtp.configs import AllGatherMatmulConfig, tuned_config
 from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready, weight_operand
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
-from fluxtp.tune import tuned_config
 
 BARRIER_TIMEOUT_MS = 60_000
 # In-kernel spin bound: each spin is one atomic read of local memory (well under a microsecond),
 # so 2^27 spins is tens of seconds, far past any real wait and short of a hang.
 MAX_SPINS = 1 << 27
 _OP = "all_gather_matmul"
-
-
-@dataclass(frozen=True)
-class AllGatherMatmulConfig(GemmTiling):
-    """How one fused AllGather+GEMM call is launched; every rank must use the same one."""
-
-    chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
-    flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
-    tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
-    epilogue_subtile: bool = True  # TMA-store the tile in two halves
-
-    @staticmethod
-    @functools.cache
-    def heuristic(rows_per_rank: int, n: int, k: int, world: int) -> AllGatherMatmulConfig:
-        """Measured on H200 (docs/perf-log.md): 128x256x64/3 stages at large M, 128x128x64/4 at small M."""
-        if GemmTiling.prefers_small_tiles(rows_per_rank * world, n):
-            config = AllGatherMatmulConfig(block_n=128, num_stages=4)
-        else:
-            config = AllGatherMatmulConfig()
-        # The peers' rows in four chunks from 4096 rows per rank on, else one: measured when the
-        # own rows were copied in chunks too (their first chunk delayed the GEMM's start). Now the
-        # GEMM reads its own rows in place and needs a peer's only after them, so fewer chunks
-        # may do as well (not re-measured). Each chunk costs two host calls (a copy and a
-        # signal, 20-40 us each on the H200 hosts: docs/perf-log.md).
-        pieces = 4 if rows_per_rank >= 4096 else 1
-        chunk = max(config.block_m, triton.cdiv(triton.cdiv(rows_per_rank, pieces), config.block_m) * config.block_m)
-        return dataclasses.replace(config, chunk_rows=chunk)
-
-    def chunk_rows_for(self, rows_per_rank: int) -> int:
-        rows = triton.cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m
-        return min(rows, triton.cdiv(rows_per_rank, self.block_m) * self.block_m)
 
 
 @dataclass

@@ -29,8 +29,8 @@ import triton
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
+from fluxtp.configs import AllReduceConfig, MatmulAllReduceConfig
 from fluxtp.backends.fused import _launch
-from fluxtp.backends.fused._config import GemmTiling
 from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready
 from fluxtp.kernels._matmul_all_reduce import matmul_all_reduce_kernel
 
@@ -46,42 +46,6 @@ ONE_SHOT_MAX_ROWS = 256
 ONE_SHOT_MAX_BYTES = 8 << 20
 _GEMM_TAG = "matmul_all_reduce"
 _SUM_TAG = "all_reduce"
-
-
-@dataclass(frozen=True)
-class MatmulAllReduceConfig(GemmTiling):
-    """How one one-shot GEMM+AllReduce call is launched; every rank must use the same one.
-
-    Decode GEMMs stream the weight once (M is tiny): narrow tiles give every SM its own columns,
-    and deep pipelines keep enough of the weight in flight."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
-    group_m: int = 1
-    num_stages: int = 6
-    num_warps: int = 4
-    swap_ab: bool = True  # the tile as (w @ x^T)^T, so that small M is the MMA's narrow side (wgmma)
-
-    @staticmethod
-    def heuristic(m: int, n: int, k: int, world: int) -> MatmulAllReduceConfig:
-        """Measured on 2x H200 under CUDA graphs at N 8192, k 14336 (docs/perf-log.md): swapped
-        operands up to 64 rows (16: 61.7 us vs 63.0 unswapped; 32 rows: 63.3 vs 65.6), then
-        128x64x128 tiles, 4 stages, 8 warps (128 rows: 79.7 us vs 84.0 with 64-wide K blocks)."""
-        if m <= 64:
-            block_m = max(16, 1 << (m - 1).bit_length())
-            return MatmulAllReduceConfig(block_m=block_m, swap_ab=True, num_stages=6 if block_m <= 32 else 5)
-        # 8 warps: 4 would hold the whole tile's pointers and values (ptxas for sm_90).
-        return MatmulAllReduceConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8, swap_ab=False)
-
-
-@dataclass(frozen=True)
-class AllReduceConfig:
-    """Tiles of fluxtp.all_reduce's one-shot kernel over the tensor viewed as rows of block_n."""
-
-    block_m: int = 4
-    block_n: int = 1024
-    num_warps: int = 4  # 32 values a thread: 8x1024 spilled at 4 warps (ptxas for sm_90)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ surfaces at the next synchronization); timeout_report() and an exit hook name th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -31,11 +30,10 @@ import triton
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused._config import GemmTiling
+from fluxtp.configs import MIN_COPY_ENGINE_TILES, TRANSPORTS, MatmulReduceScatterConfig, tuned_config  # noqa: F401
 from fluxtp.backends.fused import _launch
 from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready, weight_operand
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
-from fluxtp.tune import tuned_config
 
 BARRIER_TIMEOUT_MS = 60_000
 # In-kernel spin bound. Each spin is one system-scope acquire read, of local memory (push) or
@@ -43,49 +41,6 @@ BARRIER_TIMEOUT_MS = 60_000
 # far past any real wait (a peer still compiling its first launch included) and short of a hang.
 MAX_SPINS = 1 << 26
 _TAG = "matmul_reduce_scatter"
-TRANSPORTS = ("push", "pull", "copy_engine")
-# The copy engine's transport wants the SMs to have other tiles to compute while a band's
-# copy runs: with a segment of rows of one wave of tiles or less it lost badly (1024x4096x14336,
-# 64 tiles: 0.69x NCCL against push's 1.09x; docs/perf-log.md). Below two waves (H100 / H200:
-# 132 SMs) the heuristic pushes; the shipped table has measured choices for its shapes.
-MIN_COPY_ENGINE_TILES = 256
-
-
-@dataclass(frozen=True)
-class MatmulReduceScatterConfig(GemmTiling):
-    """How one fused GEMM+ReduceScatter call is launched; every rank must use the same one."""
-
-    # How partial tiles reach their owners (see the kernel): "push", the SMs store them into the
-    # owner's buffer; "pull", they store locally and the owner's SMs read them; "copy_engine", they
-    # store locally and a copy stream pushes each finished band of group_m tile rows. On 2x H200
-    # the copy engine's was the fastest at 17 of 20 tuned shapes (1-5%), and slow where a segment
-    # has a wave of tiles or less (heuristic below; docs/perf-log.md).
-    transport: str = "copy_engine"
-    # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
-    # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
-    epilogue_split: int = 4
-
-    def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-
-    @property
-    def copy_engine(self) -> bool:
-        return self.transport == "copy_engine"
-
-    @staticmethod
-    def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
-        """Measured on H200 (docs/perf-log.md): 128x256x64/3 stages at large M, 128x128x64/4 at
-        M <= 2048; the copy engine's transport where a segment of rows has MIN_COPY_ENGINE_TILES
-        tiles or more, else push."""
-        if GemmTiling.prefers_small_tiles(m_total, n):
-            config = MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)
-        else:
-            config = MatmulReduceScatterConfig()
-        tiles = triton.cdiv(m_total // world, config.block_m) * triton.cdiv(n, config.block_n)
-        return config if tiles >= MIN_COPY_ENGINE_TILES else dataclasses.replace(config, transport="push")
-
-
 @dataclass(frozen=True)
 class Layout:
     """Byte layout of one rank's buffer for one call: partial slots [m, n], then int32 flags.

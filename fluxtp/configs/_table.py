@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from fluxtp import _generation
 from fluxtp.configs._classes import FUSED_OPS, config_class, heuristic
 
 SCHEMA = "fluxtp.tune/1"
@@ -305,19 +306,15 @@ def _gpu_name(device_type: str, index: int | None) -> str:
 _table_versions: dict[str, tuple | None] = {}
 _launch_answers: dict[tuple, tuple[Entry | None, str]] = {}
 _MAX_LAUNCH_ANSWERS = 4096
-# Bumped by reload(): whatever was derived from the tables (fluxtp.ops' call plans) is stale.
-generation = 0
-
 
 def reload() -> None:
     """Read the tuning tables afresh at the next lookup, and drop every cached call plan.
 
     Call it on every rank at the same point (SPMD: the ranks must keep launching the same
     config), after a tuning table was rewritten or FLUXTP_CACHE_DIR / SHIPPED_TABLE changed."""
-    global generation
     _table_versions.clear()
     _launch_answers.clear()
-    generation += 1
+    _generation.bump()  # every call plan resolved its config (and "auto" its backend) from them
 
 
 def _version(path: str):

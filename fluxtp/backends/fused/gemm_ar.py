@@ -31,11 +31,10 @@ from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.configs import AllReduceConfig, MatmulAllReduceConfig
 from fluxtp.backends.fused import _launch
-from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready
+from fluxtp.backends.fused._launch import BARRIER_TIMEOUT_MS, MAX_SPINS_PEER, descriptor, launch_compiled, num_sms, tma_ready
 from fluxtp.kernels._matmul_all_reduce import matmul_all_reduce_kernel
 
-BARRIER_TIMEOUT_MS = 60_000
-MAX_SPINS = 1 << 26  # as in gemm_rs: a minute or more of system-scope reads, far past any real wait
+MAX_SPINS = MAX_SPINS_PEER  # system-scope reads of flags the peers push
 # int32 flags at the start of every workspace, one per (tile, source rank) of a call.
 FLAG_CAPACITY = 1 << 16
 # GEMM+AllReduce is one-shot up to this many rows (decode; its narrow tiles lost to cuBLAS + NCCL

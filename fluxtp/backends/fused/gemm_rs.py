@@ -32,14 +32,10 @@ from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.configs import MIN_COPY_ENGINE_TILES, TRANSPORTS, MatmulReduceScatterConfig, tuned_config  # noqa: F401
 from fluxtp.backends.fused import _launch
-from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready, weight_operand
+from fluxtp.backends.fused._launch import BARRIER_TIMEOUT_MS, MAX_SPINS_PEER, descriptor, launch_compiled, num_sms, tma_ready, weight_operand
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 
-BARRIER_TIMEOUT_MS = 60_000
-# In-kernel spin bound. Each spin is one system-scope acquire read, of local memory (push) or
-# of a peer's over NVLink (pull): about a microsecond or two, so 2^26 spins is a minute or more,
-# far past any real wait (a peer still compiling its first launch included) and short of a hang.
-MAX_SPINS = 1 << 26
+MAX_SPINS = MAX_SPINS_PEER  # system-scope reads, of local memory (push) or a peer's (pull)
 _TAG = "matmul_reduce_scatter"
 @dataclass(frozen=True)
 class Layout:

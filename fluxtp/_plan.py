@@ -25,6 +25,7 @@ class PlanCache:
     def __init__(self, max_size: int = 1024):
         self._plans: dict = {}
         self._max_size = max_size
+        self._generation = _generation.value
 
     def get(self, key):
         entry = self._plans.get(key)
@@ -34,8 +35,9 @@ class PlanCache:
 
     def put(self, key, plan):
         """Keep `plan` for `key` (built under the current generation); returns it."""
-        if len(self._plans) >= self._max_size:
-            self._plans.clear()
+        if len(self._plans) >= self._max_size or self._generation != _generation.value:
+            self._plans.clear()  # stale plans go at once: they may hold groups and buffers
+            self._generation = _generation.value
         self._plans[key] = (_generation.value, plan)
         return plan
 

@@ -80,6 +80,24 @@ def preferred(op: str, x, weight, info: GroupInfo) -> bool:
     return tokens >= (two if info.world_size <= 2 else more) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
 
 
+def plan(op: str, x, weight, bias, info: GroupInfo, *options):
+    """The launcher's plan for this call signature, a callable (x, weight, bias) (backends.prepare)."""
+    if op == "all_gather_matmul":
+        from fluxtp.backends.fused import ag_gemm
+
+        return ag_gemm.plan(x, weight, bias, info, *options)
+    if op == "matmul_reduce_scatter":
+        from fluxtp.backends.fused import gemm_rs
+
+        return gemm_rs.plan(x, weight, bias, info)
+    from fluxtp.backends.fused import gemm_ar
+
+    if op == "all_reduce":
+        sum_plan = gemm_ar.plan(x, None, None, info)
+        return lambda x, weight, bias: sum_plan(x)
+    return gemm_ar.plan(x, weight, bias, info)
+
+
 def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):
     from fluxtp.backends.fused import ag_gemm
 

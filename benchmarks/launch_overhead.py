@@ -1,41 +1,135 @@
-"""Host time of one launch of the fused GEMM kernels: Triton's own launch against launch_compiled.
+"""Host time of the fused ops on ONE GPU: whole calls (every host step) for worlds of 2, 4 and 8
+beside F.linear, and one kernel launch through Triton against launch_compiled.
 
-    python benchmarks/launch_overhead.py [--shapes 1024x28672x8192] [--world 2] [--rounds 7]
-        [--calls 50] [--out FILE.json]
+    python benchmarks/launch_overhead.py [--shapes 1024x28672x8192] [--worlds 2,4,8] [--rounds 7]
+        [--calls 20] [--launch-calls 50] [--out FILE.json]
 
-One GPU, no communication: each op's gemm_only mode launches exactly the kernel the op
-launches (descriptors, config lookup and all) for the layer's global MxNxK split over --world
-ranks, as rank 0. "triton" swaps the launchers' launch_compiled (fluxtp/backends/fused/_launch.py)
-for the plain kernel[grid](...) it replaces. The GPU is kept busy by a long sleep so that no
-launch waits on it; the host microseconds per launch are the median of --rounds rounds of
---calls launches, the two launch paths interleaved.
+"call" rows: a world of W simulated on one GPU and one process (SimulatedWorld): the public op
+`fluxtp.all_gather_matmul` / `matmul_reduce_scatter` with backend "fused" (and "auto" where auto
+takes fused) as rank 0 of a group of W, so every host step of a real call runs: the op's plan
+lookup, the launcher's plan, the outputs' allocation, stream forks and joins, the publish copy,
+the barriers, the kernel's launch, the W-1 peers' copies and signals (all-gather) or the
+band copies, waits and flags (reduce-scatter's copy engine). The peers' symmetric buffers are
+local tensors, and torch's symmetric-memory barrier is stood in for by one small kernel launch
+that also marks the peers' data as delivered (so the kernels never wait on the GPU). "F.linear"
+is the host time of the same rank's cuBLAS GEMM ([W*m, K] x [n, K]^T for the all-gather, [M, k] x
+[N, k]^T for the reduce-scatter).
+
+"launch" rows (the earlier measurement): each op's gemm_only mode launches exactly the kernel
+the op launches, "triton" through kernel[grid](...), "compiled" through launch_compiled.
+
+The GPU is kept busy by a long sleep queued first, so no host call waits on it; the host
+microseconds per call are the median of --rounds rounds of --calls calls, the variants
+interleaved round by round. The JSON (fluxtp.bench.results envelope) records the command.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
-from contextlib import ExitStack
+import types
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import torch
-from tabulate import tabulate
 
-from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused import ag_gemm, gemm_rs
-from fluxtp.bench.results import command_line, envelope, write_json
-
-LAUNCHERS = (ag_gemm, gemm_rs)
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+LAUNCH_QUEUE_LIMIT = 1000  # CUDA's launch queue blocks the host past about this many queued items
 
 
-def triton_launch(kernel, grid, *args, **constexprs):
-    kernel[(grid,)](*args, **constexprs)
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="1024x28672x8192", help="layer MxNxK,... (global, as fluxtp bench)")
+    parser.add_argument("--worlds", default="2,4,8", help="simulated world sizes of the call rows")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=20, help="whole calls per sample (each queues ~10-40 items)")
+    parser.add_argument("--launch-calls", type=int, default=50, help="kernel launches per sample (launch rows)")
+    parser.add_argument("--what", default="call,launch", help="call, launch or both (call,launch)")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    args.shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    args.worlds = [int(w) for w in args.worlds.split(",")]
+    args.what = set(args.what.split(","))
+    if not args.what <= {"call", "launch"}:
+        parser.error(f"--what takes call and/or launch, got {sorted(args.what)}")
+    if any(w < 2 for w in args.worlds):
+        parser.error("--worlds: a simulated world has 2 ranks or more")
+    for m, n, k in args.shapes:
+        for w in args.worlds:
+            if m % w or n % w or k % w:
+                parser.error(f"--shapes {m}x{n}x{k}: M, N and K must divide by every world size ({w})")
+    return args
+
+
+class SimulatedHandle:
+    """torch's symmetric-memory handle, for W ranks' buffers that are local tensors of one GPU."""
+
+    def __init__(self, buffers, rank):
+        self.buffers, self.rank = buffers, rank
+
+    def get_buffer(self, rank, shape, dtype, storage_offset):
+        numel = 1
+        for size in shape:
+            numel *= size
+        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        # One small kernel, as the real barrier is; it marks every word of this rank's buffer 1,
+        # so the reduce-scatter's flags read "delivered" and no kernel waits (its data is garbage,
+        # which host timing does not look at).
+        self.buffers[self.rank].view(torch.int32).fill_(1)
+
+
+class SimulatedGroup:
+    """What the ops need of a process group: a name (the plans key by the object itself)."""
+
+    def __init__(self, world):
+        self.group_name = f"simulated-{world}"
+
+
+@contextmanager
+def simulated_world(world: int):
+    """Calls of the public ops with group=<the yielded group> run as rank 0 of a world of `world`
+    on this one GPU: group resolution, the group check and torch's symmetric memory stood in for."""
+    from fluxtp import symm
+    from fluxtp._dist import GroupInfo
+
+    group = SimulatedGroup(world)
+    info = GroupInfo(group, 0, world)
+
+    def empty(size, dtype, device):
+        return torch.ones(size, dtype=dtype, device=device)
+
+    def rendezvous(tensor, name):
+        peers = [torch.ones_like(tensor) for _ in range(world - 1)]
+        handle = SimulatedHandle([tensor, *peers], 0)
+        handle.peers = peers  # kept alive with the handle
+        return handle
+
+    fake = types.SimpleNamespace(empty=empty, rendezvous=rendezvous, enable_symm_mem_for_group=lambda name: None)
+
+    def resolve(g):
+        return info if g is group else real_resolve(g)
+
+    from fluxtp._dist import resolve_group as real_resolve
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(symm, "_symm_mem", lambda: fake))
+        for op in OPS:
+            module = importlib.import_module(f"fluxtp.ops.{op}")  # fluxtp.ops.<op> is the function
+            stack.enter_context(mock.patch.object(module, "resolve_group", resolve))
+        symm._reasons[group.group_name] = None  # the group's GPUs share memory: they are one
+        try:
+            yield group
+        finally:
+            symm.free_workspaces(group.group_name)
 
 
 def host_us(run, calls: int) -> float:
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU work queued ahead: launches never wait
+    torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU work queued ahead: no host call waits
     start = time.perf_counter()
     for _ in range(calls):
         run()
@@ -44,51 +138,118 @@ def host_us(run, calls: int) -> float:
     return elapsed / calls * 1e6
 
 
-def timed(run, path: str, calls: int) -> float:
-    with ExitStack() as stack:
-        if path == "triton":
-            for module in LAUNCHERS:
-                stack.enter_context(mock.patch.object(module, "launch_compiled", triton_launch))
-        return host_us(run, calls)
+def call_variants(shape, world, group):
+    """{name: zero-argument callable} for one shape and world: fused, auto (where it takes fused), F.linear."""
+    import torch.nn.functional as F
+
+    import fluxtp
+    from fluxtp import backends
+    from fluxtp._dist import GroupInfo
+
+    m, n, k = shape
+    bf, dev = torch.bfloat16, "cuda"
+    info = GroupInfo(group, 0, world)
+    variants = {}
+    x_ag, w_ag = torch.randn(m // world, k, device=dev, dtype=bf), torch.randn(n // world, k, device=dev, dtype=bf)
+    x_full = torch.randn(m, k, device=dev, dtype=bf)
+    x_rs, w_rs = torch.randn(m, n // world, device=dev, dtype=bf), torch.randn(k, n // world, device=dev, dtype=bf)
+    variants[("all_gather_matmul", "fused")] = lambda: fluxtp.all_gather_matmul(x_ag, w_ag, group=group, backend="fused")
+    variants[("all_gather_matmul", "F.linear")] = lambda: F.linear(x_full, w_ag)
+    variants[("matmul_reduce_scatter", "fused")] = lambda: fluxtp.matmul_reduce_scatter(
+        x_rs, w_rs, group=group, backend="fused"
+    )
+    variants[("matmul_reduce_scatter", "F.linear")] = lambda: F.linear(x_rs, w_rs)
+    if backends.choose("all_gather_matmul", "auto", x_ag, w_ag, info) == "fused":
+        variants[("all_gather_matmul", "auto")] = lambda: fluxtp.all_gather_matmul(x_ag, w_ag, group=group)
+    if backends.choose("matmul_reduce_scatter", "auto", x_rs, w_rs, info) == "fused":
+        variants[("matmul_reduce_scatter", "auto")] = lambda: fluxtp.matmul_reduce_scatter(x_rs, w_rs, group=group)
+    return variants
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="1024x28672x8192", help="layer MxNxK,... (global, as fluxtp bench)")
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    info, bf = GroupInfo(None, 0, args.world), torch.bfloat16
-    runs = {}
-    for shape in args.shapes.split(","):
-        m, n, k = map(int, shape.split("x"))
-        w = args.world
-        x_ag, w_ag = torch.randn(m // w, k, device="cuda", dtype=bf), torch.randn(n // w, k, device="cuda", dtype=bf)
-        x_rs, w_rs = torch.randn(m, n // w, device="cuda", dtype=bf), torch.randn(k, n // w, device="cuda", dtype=bf)
-        runs[("all_gather_matmul", shape)] = ag_gemm.gemm_only(x_ag, w_ag, None, info)
-        runs[("matmul_reduce_scatter", f"{m}x{k}x{n}")] = gemm_rs.gemm_only(x_rs, w_rs, None, info)
-    paths = ("triton", "compiled")
-    samples = {(key, path): [] for key in runs for path in paths}
-    for key, run in runs.items():  # compile, and give launch_compiled its key
-        for path in paths:
-            timed(run, path, 2)
-    for _ in range(args.rounds):
-        for key, run in runs.items():
-            for path in paths:
-                samples[(key, path)].append(timed(run, path, args.calls))
+def measure_calls(args) -> list[dict]:
     rows = []
-    for op, shape in runs:
-        us = {path: round(statistics.median(samples[((op, shape), path)]), 1) for path in paths}
-        saved = round(us["triton"] - us["compiled"], 1)
-        rows.append({"op": op, "shape": shape, "world": args.world, "host_us": us, "saved_us": saved})
+    for world in args.worlds:
+        with simulated_world(world) as group:
+            for shape in args.shapes:
+                variants = call_variants(shape, world, group)
+                for run in variants.values():  # plans, workspaces and kernels built outside the timing
+                    run()
+                    run()
+                samples = {key: [] for key in variants}
+                for _ in range(args.rounds):
+                    for key, run in variants.items():
+                        samples[key].append(host_us(run, args.calls))
+                m, n, k = shape
+                for op in OPS:
+                    us = {v: round(statistics.median(s), 1) for (o, v), s in samples.items() if o == op}
+                    layer = f"{m}x{n}x{k}" if op == "all_gather_matmul" else f"{m}x{k}x{n}"
+                    rows.append({"what": "call", "op": op, "shape": layer, "world": world, "host_us": us})
+    return rows
+
+
+def measure_launches(args) -> list[dict]:
+    """gemm_only's launch through Triton against launch_compiled (a Launch past its first call)."""
+    from fluxtp._dist import GroupInfo
+    from fluxtp.backends.fused import _launch, ag_gemm, gemm_rs
+
+    rows = []
+    bf = torch.bfloat16
+    for world in args.worlds:
+        info = GroupInfo(None, 0, world)
+        runs = {}
+        for m, n, k in args.shapes:
+            x_ag, w_ag = torch.randn(m // world, k, device="cuda", dtype=bf), torch.randn(n // world, k, device="cuda", dtype=bf)
+            x_rs, w_rs = torch.randn(m, n // world, device="cuda", dtype=bf), torch.randn(k, n // world, device="cuda", dtype=bf)
+            runs[("all_gather_matmul", f"{m}x{n}x{k}")] = ag_gemm.gemm_only(x_ag, w_ag, None, info)
+            runs[("matmul_reduce_scatter", f"{m}x{k}x{n}")] = gemm_rs.gemm_only(x_rs, w_rs, None, info)
+
+        def timed(run, path, calls):
+            if path == "compiled":
+                return host_us(run, calls)
+            with mock.patch.object(_launch.Launch, "__call__", _triton_launch):
+                return host_us(run, calls)
+
+        paths = ("triton", "compiled")
+        samples = {(key, path): [] for key in runs for path in paths}
+        for run in runs.values():
+            for path in paths:
+                timed(run, path, 2)
+        for _ in range(args.rounds):
+            for key, run in runs.items():
+                for path in paths:
+                    samples[(key, path)].append(timed(run, path, args.launch_calls))
+        for op, shape in runs:
+            us = {path: round(statistics.median(samples[((op, shape), path)]), 1) for path in paths}
+            rows.append({"what": "launch", "op": op, "shape": shape, "world": world, "host_us": us})
+    return rows
+
+
+def _triton_launch(launch, *args):
+    """A _launch.Launch through Triton's own binding, kernel[grid](...), as before launch_compiled."""
+    launch.kernel[(launch.grid,)](*args, **launch.constexprs)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from tabulate import tabulate
+
+    from fluxtp.bench.results import command_line, envelope, write_json
+
+    rows = []
+    if "call" in args.what:
+        rows += measure_calls(args)
+    if "launch" in args.what:
+        rows += measure_launches(args)
     device = torch.cuda.get_device_name()
-    print(f"{device}: host us per launch, median of {args.rounds} interleaved rounds of {args.calls}")
-    table = [[r["op"], r["shape"], r["host_us"]["triton"], r["host_us"]["compiled"], r["saved_us"]] for r in rows]
-    print(tabulate(table, headers=["op", "MxNxK", "Triton launch", "launch_compiled", "saved"]))
+    print(f"{device}: host us per call, median of {args.rounds} interleaved rounds")
+    for what in ("call", "launch"):
+        chosen = [r for r in rows if r["what"] == what]
+        if chosen:
+            names = list(dict.fromkeys(v for r in chosen for v in r["host_us"]))
+            table = [[r["op"], r["shape"], r["world"], *(r["host_us"].get(v, "-") for v in names)] for r in chosen]
+            print(tabulate(table, headers=["op", "MxNxK", "W", *names]))
     if args.out:
-        data = envelope("launch_overhead", rows, device=device, gpus=1, world=args.world, command=command_line())
+        data = envelope("launch_overhead", rows, device=device, gpus=1, world=max(args.worlds), command=command_line())
         print("wrote", write_json(data, args.out))
 
 

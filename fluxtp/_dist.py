@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from fluxtp import _generation
+
 
 @dataclass(frozen=True)
 class GroupInfo:
@@ -90,6 +92,7 @@ def destroy_process_group() -> None:
     past this point made destroy_process_group hang on 2x H200 (the ranks stayed in it until
     killed); such graphs often sit in reference cycles (a model <-> its captured steps), which
     only the cycle collector frees, so collect them first, and let queued work finish."""
+    _generation.bump()  # cached call plans hold the groups (and their workspaces' views)
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -31,7 +31,7 @@ from fluxtp.bench.launch import Launch, local_device_type, run_local, run_torchr
 from fluxtp.bench.plot import matplotlib_missing
 from fluxtp.bench.results import command_line, triton_version
 from fluxtp.ops import BACKENDS, OPS
-from fluxtp.tune import WEIGHT_LAYOUTS
+from fluxtp.configs import WEIGHT_LAYOUTS
 
 BACKEND_SUMMARY = {
     "nccl": "the collective (NCCL on GPUs, gloo on CPU), then the matmul, in sequence (the reference)",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fluxtp import _generation
 from fluxtp._dist import GroupInfo, backend_name
 
 # fluxtp never uses NVLink multicast; keep torch from creating multicast objects for our
@@ -116,6 +117,7 @@ def buffer(info: GroupInfo, tag: str, nbytes: int, device: torch.device) -> Symm
     handle = symm_mem.rendezvous(tensor, info.name)
     buf = SymmBuffer(tensor, handle, size)
     _buffers[key] = buf
+    _generation.bump()  # plans holding views of the old buffer (or none) are rebuilt
     return buf
 
 
@@ -159,9 +161,11 @@ def stream_wait_at_least(flags: torch.Tensor, index: int, value: int) -> None:
 
 
 def free_workspaces(group_name: str | None = None) -> None:
-    """Drop the cached buffers of one group (or all). Call on every rank, after a device sync."""
+    """Drop the cached buffers of one group (or all), and every cached call plan (they hold views
+    of them). Call on every rank, after a device sync."""
     for key in [k for k in _buffers if group_name is None or k[0] == group_name]:
         del _buffers[key]
+    _generation.bump()
     if group_name is None:
         _reasons.clear()
     else:

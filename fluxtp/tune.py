@@ -1,4 +1,6 @@
-"""Autotuning of the fused ops: search space, the on-disk config cache, call-time lookup, `fluxtp tune`.
+"""Autotuning of the fused ops: `fluxtp tune`, writing the on-disk config cache, `fluxtp info
+--configs`. The product side (the config dataclasses and their search space, reading the
+tables, the call-time lookup) is fluxtp.configs; this module is tooling on top of it.
 
 Search space (`search_space(op, m_total, n, k, world)`, shapes are the layer's global sizes as
 in `fluxtp bench --shapes`): tiles 128x128 / 128x256 / 256x128, block_k 64 / 128, 4 / 8 warps,
@@ -40,9 +42,9 @@ Every rank must launch the same config (and, under "auto", take the same backend
 verdict comes from the same entry). The answer is a function of the file and of the call's
 shape, weight layout, dtype, world and GPU name only, so the ranks of one host (one file)
 agree; on several hosts, give them the same file (copy it, or point FLUXTP_CACHE_DIR at shared
-storage). The loaded file is kept in memory keyed by its modification time, size and inode, so
-a rewritten file is picked up by the next call: do not run `fluxtp tune` into the cache a
-running job reads (its ranks could see the new file at different calls). Writes take a lock
+storage). A running process reads each table once, at its first fused call, and keeps it:
+a file rewritten later is seen only after `fluxtp.configs.reload()` (on every rank at the same
+point) or in a new process; the tuner's own writes reload by themselves. Writes take a lock
 file, merge with the entries already there and replace the file atomically (temporary file +
 os.replace), so a reader never sees a half-written file.
 
@@ -82,14 +84,11 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import itertools
-import json
 import math
 import os
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,37 +97,68 @@ import torch.distributed as dist
 
 from fluxtp._dist import max_over_ranks
 
-SCHEMA = "fluxtp.tune/1"
-CACHE_FILE = "configs.json"
-# The shipped table: package data of fluxtp (pyproject.toml's package-data ships it).
-SHIPPED_RESOURCE = ("configs", "default.json")
-SHIPPED_TABLE: str | None = None  # another file instead of the package's (tests); None: the package's
-USER_CACHE, SHIPPED, HEURISTIC = "user cache", "shipped table", "heuristic"
+# The product side (configs, search space, tables, lookup) lives in fluxtp.configs; re-exported
+# here for the tuner's code and its callers.
+from fluxtp.configs._classes import (  # noqa: F401
+    AG_CHUNK_PIECES,
+    BLOCK_KS,
+    ELEMENT_BYTES,
+    FUSED_OPS,
+    GROUP_MS,
+    MAX_ACC_REGISTERS,
+    MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE,
+    RS_EPILOGUE_SPLITS,
+    RS_TRANSPORTS,
+    SMEM_LIMIT_BYTES,
+    SMEM_RESERVE_BYTES,
+    STAGES,
+    TILES,
+    WARPS,
+    candidates,
+    config_class,
+    describe,
+    fits,
+    heuristic,
+    search_space,
+    smem_bytes,
+)
+from fluxtp.configs._table import (  # noqa: F401
+    AUTO_WIN_RATIO,
+    CACHE_FILE,
+    HEURISTIC,
+    KEY_FIELDS,
+    SCHEMA,
+    SHIPPED,
+    SHIPPED_RESOURCE,
+    USER_CACHE,
+    WEIGHT_LAYOUTS,
+    CacheFileError,
+    CacheWarning,
+    Choice,
+    Entry,
+    Key,
+    _gpu_name,
+    _signature,
+    _verdict,
+    cache_dir,
+    cache_path,
+    choose,
+    config_from_dict,
+    config_to_dict,
+    dumps,
+    load,
+    m_bucket,
+    measured_verdict,
+    parse,
+    reload,
+    shipped_path,
+    tuned_config,
+    weight_layout_of,
+)
+
 # What a shipped entry must record of its measurement (rank_tune writes all of these).
 SHIPPED_MEASURED_FIELDS = ("M", "ms", "heuristic_ms", "date", "torch", "triton", "commit")
-FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 TUNE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-KEY_FIELDS = ("gpu", "world", "dtype", "op", "N", "K", "M_bucket", "weight_layout")
-WEIGHT_LAYOUTS = ("linear", "transposed")
-
-# Shared memory per block on H100 and H200 (sm_90: 227 KiB opt-in); a little is left for the
-# pipeline's mbarriers and alignment.
-SMEM_LIMIT_BYTES = 227 * 1024
-SMEM_RESERVE_BYTES = 1024
-ELEMENT_BYTES = 2  # float16 / bfloat16 operands
-# float32 accumulator registers per thread (BM*BN / threads) a tiling may need; sm_90 has 255
-# registers per thread and the loop needs its own.
-MAX_ACC_REGISTERS = 128
-MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE = 64  # reduce-scatter epilogue in one slice: 128x256 spills
-
-TILES = ((128, 128), (128, 256), (256, 128))
-BLOCK_KS = (64, 128)
-WARPS = (4, 8)
-STAGES = (3, 4, 5)
-GROUP_MS = (4, 8, 16)
-AG_CHUNK_PIECES = (1, 2, 4, 8)
-RS_TRANSPORTS = ("copy_engine", "push", "pull")
-RS_EPILOGUE_SPLITS = (1, 2, 4)
 
 # Screening: one short sample per candidate; slower than PRUNE_RATIO x the best so far: dropped,
 # else SCREEN_ROUNDS more samples give its screening time (median, slowest rank).
@@ -138,446 +168,7 @@ FINAL_CANDIDATES = 4  # the best survivors timed again, interleaved with the heu
 SCREEN_SHARE = 0.75  # of a shape's budget; the rest is the final measurement's
 
 
-class CacheWarning(UserWarning):
-    """The config cache file was ignored (unreadable, corrupt or stale)."""
 
-
-class CacheFileError(ValueError):
-    """Why a cache file's content cannot be used."""
-
-
-# ---------------------------------------------------------------- search space
-
-
-def config_class(op: str):
-    if op == "all_gather_matmul":
-        from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
-
-        return AllGatherMatmulConfig
-    if op == "matmul_reduce_scatter":
-        from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
-
-        return MatmulReduceScatterConfig
-    raise ValueError(f"op {op!r} has no tunable fused kernel; choose one of {', '.join(FUSED_OPS)}")
-
-
-def heuristic(op: str, m_total: int, n: int, k: int, world: int):
-    """The config the launcher uses without a cache entry (global sizes, as the cache keys)."""
-    cls = config_class(op)
-    if op == "all_gather_matmul":
-        return cls.heuristic(m_total // world, n // world, k, world)
-    return cls.heuristic(m_total, n, k // world, world)
-
-
-def smem_bytes(op: str, config) -> int:
-    """Shared memory of one block: the operand pipeline plus the epilogue's staging tile.
-
-    Pipeline: num_stages x (BM x BK + BN x BK) operand elements. Epilogue: all_gather_matmul
-    stages the output tile for its TMA store (half of it when subtiled); matmul_reduce_scatter
-    converts one float32 column slice (BN / epilogue_split) of the accumulator's layout.
-    """
-    c = config
-    pipeline = c.num_stages * (c.block_m * c.block_k + c.block_n * c.block_k) * ELEMENT_BYTES
-    if op == "all_gather_matmul":
-        epilogue = 0 if not c.tma_store else c.block_m * c.block_n * ELEMENT_BYTES // (2 if c.epilogue_subtile else 1)
-    else:
-        epilogue = c.block_m * (c.block_n // c.epilogue_split) * 4
-    return pipeline + epilogue
-
-
-def fits(op: str, config) -> bool:
-    """Whether the candidate fits shared memory and its accumulator fits the registers."""
-    if smem_bytes(op, config) + SMEM_RESERVE_BYTES > SMEM_LIMIT_BYTES:
-        return False
-    acc = config.block_m * config.block_n // (32 * config.num_warps)
-    if acc > MAX_ACC_REGISTERS:
-        return False
-    unsplit = op == "matmul_reduce_scatter" and config.epilogue_split == 1
-    return not (unsplit and acc > MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE)
-
-
-def _ceil_to(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _chunk_rows(rows_per_rank: int, pieces: int, block_m: int) -> int:
-    """Rows per copy chunk for `pieces` chunks per rank (the heuristic's own rounding)."""
-    return max(block_m, _ceil_to(-(-rows_per_rank // pieces), block_m))
-
-
-def candidates(op: str, m_total: int, n: int, k: int, world: int) -> list:
-    """Every config of the space that fits, in enumeration order, without duplicates."""
-    cls = config_class(op)
-    out = []
-    for (bm, bn), bk, warps, stages, group_m in itertools.product(TILES, BLOCK_KS, WARPS, STAGES, GROUP_MS):
-        tiling = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "group_m": group_m}
-        if op == "all_gather_matmul":
-            rows = m_total // world
-            chunks = dict.fromkeys(_chunk_rows(rows, p, bm) for p in AG_CHUNK_PIECES)
-            variants = [cls(**tiling, chunk_rows=c) for c in chunks]
-        else:
-            variants = [
-                cls(**tiling, transport=transport, epilogue_split=split)
-                for transport, split in itertools.product(RS_TRANSPORTS, RS_EPILOGUE_SPLITS)
-            ]
-        out.extend(v for v in variants if fits(op, v))
-    return list(dict.fromkeys(out))
-
-
-def search_space(op: str, m_total: int, n: int, k: int, world: int) -> list:
-    """The candidates in the order the tuner tries them: the heuristic's config first, then by
-    how many fields differ from it (neighbours first), ties in enumeration order."""
-    base = heuristic(op, m_total, n, k, world)
-    space = candidates(op, m_total, n, k, world)
-    if base not in space:
-        space.insert(0, base)  # the baseline is always measured
-    fields = [f.name for f in dataclasses.fields(base)]
-
-    def distance(c) -> int:
-        return sum(getattr(c, f) != getattr(base, f) for f in fields)
-
-    order = {c: i for i, c in enumerate(space)}
-    return sorted(space, key=lambda c: (distance(c), order[c]))
-
-
-def describe(config) -> str:
-    """A short human form: 128x256x64 w8 s3 g8 plus the op's own knobs."""
-    c = config
-    text = f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
-    if hasattr(c, "chunk_rows"):
-        return text + f" chunk_rows={c.chunk_rows}"
-    return text + f" {c.transport} epilogue_split={c.epilogue_split}"
-
-
-# ---------------------------------------------------------------- the cache file
-
-
-def cache_dir() -> Path:
-    """$FLUXTP_CACHE_DIR, else $XDG_CACHE_HOME/fluxtp, else ~/.cache/fluxtp."""
-    return Path(_cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))).parent
-
-
-def cache_path() -> Path:
-    return Path(_cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME")))
-
-
-@functools.lru_cache(maxsize=16)
-def _cache_file(env_dir: str | None, xdg: str | None) -> str:
-    if env_dir:
-        base = Path(env_dir).expanduser()
-    else:
-        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "fluxtp"
-    return str(base / CACHE_FILE)
-
-
-@functools.lru_cache(maxsize=1)
-def _package_table() -> str:
-    from importlib.resources import files
-
-    resource = files("fluxtp")
-    for part in SHIPPED_RESOURCE:
-        resource = resource / part
-    return str(resource)
-
-
-def shipped_path() -> Path:
-    """The shipped table: fluxtp/configs/default.json of the installed package (or SHIPPED_TABLE)."""
-    return Path(SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table())
-
-
-def m_bucket(m: int) -> int:
-    """M rounded up to a power of two (1, 2, 4, ...)."""
-    return 1 << max(0, int(m) - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class Key:
-    gpu: str
-    world: int
-    dtype: str
-    op: str
-    N: int
-    K: int
-    M_bucket: int
-    weight_layout: str = "linear"
-
-
-def weight_layout_of(weight: torch.Tensor) -> str:
-    """"transposed" for the backward's W^T view (strides (1, n)), else "linear"."""
-    return "transposed" if weight.stride(0) == 1 and weight.stride(-1) != 1 else "linear"
-
-
-@dataclass(frozen=True)
-class Entry:
-    key: Key
-    config: object
-    measured: dict
-
-
-def config_to_dict(config) -> dict:
-    return dataclasses.asdict(config)
-
-
-def config_from_dict(op: str, data) -> object:
-    """The op's config from a cache entry; CacheFileError on a missing, unknown or mistyped field."""
-    cls = config_class(op)
-    if not isinstance(data, dict):
-        raise CacheFileError(f"a config of {op} is not an object: {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown, missing = sorted(set(data) - set(fields)), sorted(set(fields) - set(data))
-    if unknown:
-        raise CacheFileError(f"unknown config field(s) {', '.join(unknown)} for {op} (written by another fluxtp?)")
-    if missing:
-        raise CacheFileError(f"config field(s) {', '.join(missing)} missing for {op} (written by another fluxtp?)")
-    defaults = cls()
-    for name, value in data.items():
-        want = type(getattr(defaults, name))
-        if type(value) is not want or (want is int and value <= 0):
-            raise CacheFileError(f"config field {name}={value!r} of {op} is not a positive {want.__name__}")
-    try:
-        return cls(**data)
-    except ValueError as e:  # the config's own checks
-        raise CacheFileError(f"config of {op}: {e}") from None
-
-
-def parse(text: str) -> dict[Key, Entry]:
-    """The entries of a cache file's text; CacheFileError says why it cannot be used."""
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise CacheFileError(f"not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        schema = data.get("schema") if isinstance(data, dict) else None
-        raise CacheFileError(f"schema {schema!r}, this fluxtp reads {SCHEMA!r}")
-    if not isinstance(data.get("entries"), list):
-        raise CacheFileError("no list of entries")
-    entries: dict[Key, Entry] = {}
-    for item in data["entries"]:
-        required = KEY_FIELDS[:-1]  # weight_layout may be absent: "linear"
-        if not isinstance(item, dict) or not set(required) | {"config"} <= set(item):
-            raise CacheFileError(f"an entry lacks some of {', '.join(required)}, config: {item!r}")
-        key = Key(**{f: item[f] for f in required}, weight_layout=item.get("weight_layout", "linear"))
-        for f in ("world", "N", "K", "M_bucket"):
-            if type(getattr(key, f)) is not int or getattr(key, f) <= 0:
-                raise CacheFileError(f"entry {key}: {f} is not a positive integer")
-        if not all(isinstance(getattr(key, f), str) for f in ("gpu", "dtype", "op")):
-            raise CacheFileError(f"entry {key}: gpu, dtype and op must be strings")
-        if key.op not in FUSED_OPS:
-            raise CacheFileError(f"entry {key}: unknown op {key.op!r}")
-        if key.weight_layout not in WEIGHT_LAYOUTS:
-            raise CacheFileError(f"entry {key}: weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}")
-        if key in entries:
-            raise CacheFileError(f"two entries for {key}")
-        measured = item.get("measured", {})
-        entries[key] = Entry(key, config_from_dict(key.op, item["config"]), measured if isinstance(measured, dict) else {})
-    return entries
-
-
-def dumps(entries) -> str:
-    """A cache file's text for these entries (sorted, so rewrites diff well)."""
-    items = sorted(entries, key=lambda e: tuple(getattr(e.key, f) for f in KEY_FIELDS))
-    rows = [{**dataclasses.asdict(e.key), "config": config_to_dict(e.config), "measured": e.measured} for e in items]
-    return json.dumps({"schema": SCHEMA, "entries": rows}, indent=1) + "\n"
-
-
-def _signature(path: str):
-    """(mtime, size, inode) of the file, None when it does not exist or cannot be read."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-
-@functools.lru_cache(maxsize=8)
-def _load_version(path: str, signature, shipped: bool = False) -> tuple[dict[Key, Entry], str | None]:
-    """The entries of one version of the file (the signature names the version), or ({}, why it
-    was ignored); the one warning per version is issued here, once."""
-    try:
-        text = Path(path).read_text()
-        return parse(text), None
-    except (OSError, UnicodeDecodeError, CacheFileError) as e:
-        problem = str(e) if isinstance(e, CacheFileError) else f"cannot read it ({e})"
-    if shipped:
-        message = (
-            f"fluxtp: ignoring the config table shipped with fluxtp, {path}: {problem}; calls use the user's "
-            "cache or the heuristic configs (reinstall fluxtp)"
-        )
-    else:
-        message = (
-            f"fluxtp: ignoring the config cache {path}: {problem}; calls use the shipped table or the heuristic "
-            "configs (rerun `fluxtp tune` or delete the file)"
-        )
-    warnings.warn(message, CacheWarning, stacklevel=2)
-    return {}, problem
-
-
-def load(path: str | os.PathLike | None = None, *, shipped: bool = False) -> tuple[dict[Key, Entry], str | None]:
-    """(entries, None), or ({}, why the file was ignored); ({}, None) when there is no file.
-    `path` defaults to the user's cache, or with shipped=True to the shipped table."""
-    if path is None:
-        path = shipped_path() if shipped else cache_path()
-    path = str(path)
-    signature = _signature(path)
-    if signature is None:
-        return {}, None
-    return _load_version(path, signature, shipped)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The config a call would use, and why."""
-
-    config: object
-    source: str  # how it was found: "exact", "nearest" or "heuristic"
-    why: str
-    entry: Entry | None = None
-    origin: str = HEURISTIC  # which table answered: USER_CACHE, SHIPPED or HEURISTIC
-
-
-def _find(entries: dict[Key, Entry], key: Key) -> tuple[Entry | None, str]:
-    """The exact key, else the nearest M bucket; a transposed weight without an entry of its own
-    layout then looks for the linear layout's."""
-    layouts = dict.fromkeys([key.weight_layout, "linear"])
-    for layout in layouts:
-        wanted = dataclasses.replace(key, weight_layout=layout)
-        if wanted in entries:
-            return entries[wanted], "exact"
-        same = [e for k, e in entries.items() if dataclasses.replace(k, M_bucket=key.M_bucket) == wanted]
-        if same:
-            target = math.log2(key.M_bucket)
-            return min(same, key=lambda e: (abs(math.log2(e.key.M_bucket) - target), e.key.M_bucket)), "nearest"
-    return None, "heuristic"
-
-
-def _first_answer(tables, *key) -> tuple[Entry | None, str]:
-    """The first answer of the tables ((path, signature, shipped), ...) for the key and how it was
-    found, or (None, HEURISTIC). Not cached itself: _launch_entry keeps its answers."""
-    for path, signature, shipped in tables:
-        if signature is None:
-            continue
-        entries, _ = _load_version(path, signature, shipped)
-        entry, source = _find(entries, Key(*key))
-        if entry is not None:
-            return entry, source
-    return None, HEURISTIC
-
-
-def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, weight_layout="linear") -> Choice:
-    """What a call of `op` with these global sizes would launch, and why (see the module doc):
-    `path` is the user's cache (default: cache_path()), `shipped_table` the shipped table
-    (default: shipped_path())."""
-    dtype = str(dtype).removeprefix("torch.")
-    key = Key(gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout)
-    tables = (
-        (USER_CACHE, str(cache_path() if path is None else path), False),
-        (SHIPPED, str(shipped_path() if shipped_table is None else shipped_table), True),
-    )
-    missing = []
-    for origin, table_path, shipped in tables:
-        entries, problem = load(table_path, shipped=shipped)
-        entry, source = _find(entries, key)
-        if entry is not None:
-            if source == "exact":
-                why = f"{origin}: exact key (M bucket {key.M_bucket})"
-            else:
-                why = f"{origin}: nearest M bucket {entry.key.M_bucket} (none for bucket {key.M_bucket})"
-            if entry.key.weight_layout != weight_layout:
-                why += f", from the {entry.key.weight_layout} layout (none tuned for {weight_layout})"
-            return Choice(entry.config, source, why, entry, origin)
-        if problem is not None:
-            missing.append(f"the {'shipped table' if shipped else 'cache file'} is ignored ({problem})")
-        elif _signature(table_path) is None:
-            missing.append(f"no {'shipped table' if shipped else 'cache file'} at {table_path}")
-        else:
-            missing.append(f"no tuned entry in the {origin}")
-    why = f"heuristic ({gpu} x{world} {dtype} N={n} K={k} {weight_layout}): " + "; ".join(missing)
-    return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-@functools.lru_cache(maxsize=64)
-def _gpu_name(device_type: str, index: int | None) -> str:
-    if device_type != "cuda":
-        return device_type
-    return torch.cuda.get_device_name(index)
-
-
-# _launch_entry's answers per call signature, each with the versions of the two tables it was read
-# from: a repeated shape costs the two stats and a dictionary lookup, not the key's construction
-# and the search of the table.
-_launch_answers: dict[tuple, tuple[tuple, tuple[Entry | None, str]]] = {}
-_MAX_LAUNCH_ANSWERS = 4096
-
-
-def _launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> tuple[Entry | None, str]:
-    """The entry the launchers' lookup answers with for this call, and how it was found
-    ("exact", "nearest"), or (None, "heuristic"). x and weight are what the launcher holds:
-    all_gather_matmul x_shard [M/W, K] and weight [N/W, K]; matmul_reduce_scatter x [M, K/W]
-    and weight [N, K/W], in either layout (weight_layout_of). Costs a stat of each of the two
-    files and a dictionary lookup (a rewritten file is seen by the next call); never raises for
-    a bad file (warns once)."""
-    path = _cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
-    shipped = SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table()
-    signatures = (_signature(path), _signature(shipped))
-    call = (op, path, shipped, x.shape, x.dtype, x.device, weight.shape, weight.stride(), world)
-    known = _launch_answers.get(call)
-    if known is not None and known[0] == signatures:
-        return known[1]
-    answer = _find_launch_entry(op, x, weight, world, ((path, signatures[0], False), (shipped, signatures[1], True)))
-    if len(_launch_answers) >= _MAX_LAUNCH_ANSWERS:
-        _launch_answers.clear()
-    _launch_answers[call] = (signatures, answer)
-    return answer
-
-
-def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int, tables) -> tuple[Entry | None, str]:
-    if tables[0][1] is None and tables[1][1] is None:
-        return None, HEURISTIC
-    if op == "all_gather_matmul":
-        m_total, n, k = x.shape[0] * world, weight.shape[0] * world, x.shape[1]
-    else:
-        m_total, n, k = x.shape[0], weight.shape[0], x.shape[1] * world
-    device = x.device
-    gpu = _gpu_name(device.type, device.index)
-    dtype = _DTYPE_NAMES.get(x.dtype)
-    return _first_answer(tables, gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout_of(weight))
-
-
-def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
-    """The launchers' hot-path lookup: the config of the user's cache or else of the shipped
-    table for this call (see _launch_entry), or None (use the heuristic)."""
-    entry, _ = _launch_entry(op, x, weight, world)
-    return None if entry is None else entry.config
-
-
-# "auto" takes a fused op where its tuning measured it this much faster than NCCL, or more.
-AUTO_WIN_RATIO = 0.95
-
-
-def measured_verdict(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> bool | None:
-    """Whether the fused op was measured faster than NCCL-then-GEMM for this very call: True where
-    the entry the launcher would use was tuned for exactly this key (M bucket and weight layout
-    included) and recorded ms <= AUTO_WIN_RATIO x nccl_ms; False where it recorded ms > nccl_ms;
-    None where there is no such entry, no nccl_ms, or the two are within the margin (too close
-    to call from one measurement)."""
-    entry, source = _launch_entry(op, x, weight, world)
-    return _verdict(entry, source, weight_layout_of(weight))[0]
-
-
-def _verdict(entry: Entry | None, source: str, layout: str) -> tuple[bool | None, float | None]:
-    """(measured_verdict's answer, the measured speedup nccl_ms / ms) for a lookup's answer; (None,
-    None) unless it is an exact entry of the call's layout with both times recorded."""
-    if entry is None or source != "exact" or entry.key.weight_layout != layout:
-        return None, None
-    ms, nccl_ms = entry.measured.get("ms"), entry.measured.get("nccl_ms")
-    if not all(isinstance(v, (int, float)) and v > 0 for v in (ms, nccl_ms)):
-        return None, None
-    if ms <= AUTO_WIN_RATIO * nccl_ms:
-        return True, nccl_ms / ms
-    return (False if ms > nccl_ms else None), nccl_ms / ms
 
 
 @contextlib.contextmanager
@@ -611,6 +202,7 @@ def write_entries(new_entries, path: str | os.PathLike | None = None) -> Path:
         for entry in new_entries:
             merged[entry.key] = entry
         _replace_file(path, dumps(merged.values()))
+    reload()  # this process's lookups and call plans see what it wrote
     return path
 
 
@@ -661,6 +253,7 @@ def merge_into_shipped(source: str | os.PathLike, target: str | os.PathLike | No
     shipped.update(new)
     target.parent.mkdir(parents=True, exist_ok=True)
     _replace_file(target, dumps(shipped.values()))
+    reload()
     return len(new) - replaced, replaced
 
 

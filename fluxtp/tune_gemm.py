@@ -42,7 +42,8 @@ from fluxtp.bench.gemm_grid import (
     relative_error,
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
-from fluxtp.tune import Entry, Key, describe, fits, load, m_bucket, write_entries
+from fluxtp.configs import Entry, Key, describe, fits, load, m_bucket
+from fluxtp.tune import write_entries
 
 # (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue
 # handles a 256-wide tile in 4 column slices, a narrower one in 2 (register pressure).

@@ -2,7 +2,7 @@
 be set before triton is imported). Checks the persistent AllGather+GEMM kernel body with its
 chunk signals preset: every output row of every segment, ragged rows per rank, bias, the weight
 as a transposed view (the backward's layout, read without a copy), and that a missing signal
-stops the kernel instead of computing on stale rows.
+stops the kernel instead of computing on stale rows, recording which rank's chunk it waited for.
 
 float16 only: the interpreter multiplies bfloat16 as raw bits (garbage); bf16 is covered on GPUs.
 """
@@ -57,9 +57,13 @@ def missing_signal_stops_kernel():
     y = torch.zeros(32, 16, dtype=torch.float16)
     signals = torch.ones(2, dtype=torch.int32)
     signals[1] = 0  # rank 1's shard never arrives
+    report = torch.full((3,), -1, dtype=torch.int32)
     try:
-        launch_gemm(x, x[:16], w, None, y, signals, torch.zeros(1, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg, max_spins=100)
+        launch_gemm(x, x[:16], w, None, y, signals, torch.zeros(1, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg,
+                    max_spins=100, report=report)  # fmt: skip
     except Exception as e:  # the interpreter cannot run the trap's PTX: any error proves it stopped
+        # It recorded which wait gave up: chunk 0 of rank 1's rows, on rank 0.
+        assert report.tolist() == [1, 0, 0], f"timeout record {report.tolist()}, expected [1, 0, 0]"
         return str(e)
     raise AssertionError("the kernel ran past a signal that never arrived")
 

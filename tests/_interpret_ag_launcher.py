@@ -2,7 +2,8 @@
 launcher's host logic (own rows, ring-order pulls, chunking and signals, then the kernel) on
 CPU, with the CUDA-only pieces (streams, the symmetric buffer and its barrier, stream writes)
 replaced by stand-ins. The peers' shards are already published, as the barrier guarantees.
-The gathered input must be an exact copy and the product within fp16 rounding, for every rank.
+The gathered input must be an exact copy and the product within fp16 rounding, for every rank,
+on the call that builds the call plan and on a second call with other data that reuses it.
 """
 
 import os
@@ -26,6 +27,7 @@ def main():
     x = torch.randn(world * m, k, generator=g).half()
     w = (torch.randn(n, k, generator=g) * k**-0.5).half()
     published = [x[r * m : (r + 1) * m].clone() for r in range(world)]
+    shard_buffers = [torch.empty(m, k, dtype=torch.float16) for _ in range(world)]
     signals_seen = []
 
     class Workspace:
@@ -34,52 +36,68 @@ def main():
         shard = types.SimpleNamespace(handle=types.SimpleNamespace(barrier=lambda **kw: None))
 
         def shard_views(self, dtype, shape, world):
-            return [s.clone() for s in published]
+            return shard_buffers  # every rank's symmetric buffer, the views a plan keeps
 
-    def set_signal(signals, index):
+    def write_value32(signals, index, value):
         signals_seen.append(index)
-        signals[index] = 1
+        signals[index] = value
 
     small = ag.AllGatherMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
     # The interpreter runs a kernel at its launch, to the end: the GEMM, launched before the
     # peers' rows are copied (it computes this rank's rows meanwhile), would wait for ever. So
     # the launch is held back and run when the caller's stream joins the copy stream.
     held = []
-    launch_gemm = ag.launch_gemm
+    gemm_call = ag._Gemm.__call__
 
     def join(stream):
-        for args, kwargs in held:
-            launch_gemm(*args, **kwargs)
+        for args in held:
+            gemm_call(*args)
         held.clear()
 
     stream = types.SimpleNamespace(wait_stream=join)
-    def hold(*args, **kwargs):
-        signals_seen.append("gemm")
-        held.append((args, kwargs))
 
-    ag.launch_gemm = hold
+    def hold(*args):
+        signals_seen.append("gemm")
+        held.append(args)
+
+    built = []
+    plan_init = ag.Plan.__init__
+
+    def counted_init(self, *args, **kwargs):
+        built.append(args[3].rank)
+        plan_init(self, *args, **kwargs)
+
+    ag._Gemm.__call__ = hold
+    ag.Plan.__init__ = counted_init
     ag._workspace = lambda *args: Workspace()
-    ag._set_signal = set_signal
+    ag._write_value32 = write_value32
     ag.tuned_config = lambda *args: None
     ag.symm.copy_stream = lambda device: stream
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.set_stream = lambda s: None
 
     chunks = 3  # cdiv(40, 16)
-    for rank in range(world):
-        signals_seen.clear()
-        y, xg = ag.all_gather_matmul(published[rank], w, None, GroupInfo(None, rank, world), True, config=small)
-        assert torch.equal(xg, x), f"rank {rank}: the gathered input is not an exact copy"
-        order = [(rank + s) % world for s in range(world)]  # own rows, then ring order rank+1, ...
-        # The GEMM (it reads this rank's rows from its shard: no signal for them) goes in after
-        # the publish and the barrier, before the peers' rows.
-        expected = ["gemm"] + [seg * chunks + c for seg in order[1:] for c in range(chunks)]
-        assert signals_seen == expected, f"rank {rank}: signals {signals_seen}, expected {expected}"
-        # No host reset between calls: the kernel's last program left every signal 0 for the next.
-        assert not Workspace.signals.any() and Workspace.done.item() == 0, f"rank {rank}: signals left set"
-        ref = x.double() @ w.double().T
-        err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err < TOL, f"rank {rank}: rel err {err:.2e}"
+    for call in range(2):  # the first call builds each rank's plan, the second reuses it with new data
+        if call:
+            x = torch.randn(world * m, k, generator=g).half()
+            published[:] = [x[r * m : (r + 1) * m].clone() for r in range(world)]
+        for rank in range(world):
+            for r in range(world):  # every peer has published its shard (the first barrier)
+                shard_buffers[r].copy_(published[r] if r != rank else torch.nan)
+            signals_seen.clear()
+            y, xg = ag.all_gather_matmul(published[rank], w, None, GroupInfo(None, rank, world), True, config=small)
+            assert torch.equal(xg, x), f"call {call} rank {rank}: the gathered input is not an exact copy"
+            order = [(rank + s) % world for s in range(world)]  # own rows, then ring order rank+1, ...
+            # The GEMM (it reads this rank's rows from its shard: no signal for them) goes in after
+            # the publish and the barrier, before the peers' rows.
+            expected = ["gemm"] + [seg * chunks + c for seg in order[1:] for c in range(chunks)]
+            assert signals_seen == expected, f"rank {rank}: signals {signals_seen}, expected {expected}"
+            # No host reset between calls: the kernel's last program left every signal 0 for the next.
+            assert not Workspace.signals.any() and Workspace.done.item() == 0, f"rank {rank}: signals left set"
+            ref = x.double() @ w.double().T
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err < TOL, f"call {call} rank {rank}: rel err {err:.2e}"
+    assert built == list(range(world)), f"plans built for ranks {built}: one per rank, reused by the second call"
     print("ok")
 
 

@@ -22,8 +22,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch
 
 from fluxtp._dist import GroupInfo
+import fluxtp.backends.fused.gemm_rs as gemm_rs
 from fluxtp.backends.fused.gemm_rs import Layout, MatmulReduceScatterConfig, gemm_only, launch_kernel
-from _rs_simulation import make_buffers, shards, simulate  # a sibling: this script runs as a file
+from _rs_simulation import make_buffers, peer_steps, shards, simulate, workspace  # a sibling: this script runs as a file
 
 # fp16 output rounding (u = 2^-11), plus the peers' partials rounded to fp16 before the sum
 # (partials can be larger than their sum), plus fp32 accumulation: normwise.
@@ -115,6 +116,29 @@ def launch_keeps_no_reference(cfg):
     assert all(ref() is None for ref in alive), "launch_kernel kept a reference to one of the call's tensors"
 
 
+def plan_launch(seed, world, m, n, k_local, cfg):
+    """The launcher's plan (gemm_rs.Plan) on the simulated buffers: after every rank's peer steps,
+    each rank's planned launch (steps 0..W-1 again, then its own rows) gives its rows of the sum,
+    on the call that builds the plan and on a second call that reuses it."""
+    x, w, b = draw(seed, world, m, n, k_local, True)
+    ref = reference(x, w, b)
+    layout, buffers, ptrs, _ = peer_steps(x, w, b, world, k_local, cfg, float("nan"))
+    workspace_of = gemm_rs._workspace
+    gemm_rs._workspace = lambda info, device, nbytes: workspace(buffers, ptrs, info.rank)
+    try:
+        for r in range(world):
+            info = GroupInfo(None, r, world)
+            xr, wr = shards(x, w, r, k_local)
+            plan = gemm_rs.plan(xr, wr, b, info, cfg)
+            assert plan.layout == layout and plan.flags.numel() == layout.num_flags
+            for call in range(2):
+                assert gemm_rs.plan(xr, wr, b, info, cfg) is plan, "the second call built another plan"
+                out = plan.launch(*plan.ready(xr, wr, b))
+                check(out, ref[r * m : (r + 1) * m], f"plan world={world} {cfg.transport} rank={r} call={call}")
+    finally:
+        gemm_rs._workspace = workspace_of
+
+
 def main():
     seed = int(sys.argv[1])
     small = MatmulReduceScatterConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4, transport="push")
@@ -143,6 +167,8 @@ def main():
     case(seed + len(cases), 2, 40, 48, 48, True, small, transposed=True)  # N not a tile multiple
     case(seed + len(cases) + 1, 3, 17, 40, 24, False, odd_pull, transposed=True)  # K tail, pull
     launch_keeps_no_reference(small)
+    plan_launch(seed, 3, 17, 40, 24, small)
+    plan_launch(seed + 1, 2, 40, 48, 48, pull)
     messages = [missing_flag_stops_kernel(transport) for transport in ("push", "pull")]
     print("ok;", messages[0][:80])
 

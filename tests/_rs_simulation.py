@@ -23,6 +23,9 @@ class Handle:
             numel *= size
         return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
 
+    def barrier(self, channel=0, timeout_ms=0):
+        """The simulated ranks run one after another: nothing to wait for."""
+
 
 def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
     """One byte buffer per rank: partial slots poisoned (never-written data must not leak), flags 0."""

@@ -4,7 +4,7 @@ the DESIGN.md shapes, and the tuning table's own measurements where they are cle
 import pytest
 import torch
 
-from fluxtp import tune
+from fluxtp import configs, tune
 from fluxtp._dist import GroupInfo
 from fluxtp.backends import fused
 from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
@@ -70,7 +70,7 @@ BF = torch.bfloat16
 def user_cache(tmp_path, monkeypatch):
     """An empty user cache and no shipped table; entries are keyed for CPU tensors (GPU "cpu")."""
     monkeypatch.setenv("FLUXTP_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tune, "SHIPPED_TABLE", str(tmp_path / "none.json"))
+    monkeypatch.setattr(configs._table, "SHIPPED_TABLE", str(tmp_path / "none.json"))
 
 
 def _tuned(op, n, k, m, ms, nccl_ms, layout="linear"):

@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from fluxtp import tune, tune_gemm
-from fluxtp.backends.fused._config import narrow_tiles_win
-from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
-from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig, narrow_tiles_win
 from fluxtp.bench.gemm_grid import GRIDS, GemmCase, case_inputs, expected_rows, gathered, grid, parse_cases
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"

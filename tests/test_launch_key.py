@@ -53,3 +53,22 @@ def test_kernels_that_are_not_compiled_take_their_own_launch():
 
     _launch.launch_compiled(Kernel(), 3, 1, "a", FLAG=True)
     assert launched == [((3,), (1, "a"), {"FLAG": True})]
+
+
+@pytest.mark.parametrize(
+    "op, record, expected",
+    [
+        ("all_gather_matmul", [1, 3, 0], "rank 0 timed out waiting for chunk 3 of rank 1's rows"),
+        ("matmul_reduce_scatter", [2, 17, 1], "rank 1 timed out waiting for rank 2's partial of tile 17"),
+        ("all_reduce", [0, 5, 3], "rank 3 timed out waiting for rank 0's partial of tile 5"),
+    ],
+)
+def test_every_timeout_report_names_rank_and_chunk_or_tile(op, record, expected):
+    """What a kernel's give_up wrote, (source rank, chunk or tile, rank), read back as a sentence."""
+    report = _launch.timeout_record(op, "cpu")
+    assert _launch.timeout_report(op) is None  # nothing gave up yet
+    try:
+        report.copy_(torch.tensor(record, dtype=torch.int32))
+        assert expected in _launch.timeout_report(op)
+    finally:
+        report.fill_(-1)

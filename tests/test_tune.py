@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 pytest.importorskip("triton")  # the fused configs live beside the Triton launchers
 
-from fluxtp import cli, tune
+from fluxtp import cli, configs, tune
 from fluxtp._dist import resolve_group
 from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
 from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
@@ -59,7 +59,7 @@ def cache(tmp_path, monkeypatch):
     """An empty FLUXTP_CACHE_DIR and no shipped table (whatever the package ships); the cache
     file's path."""
     monkeypatch.setenv("FLUXTP_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tune, "SHIPPED_TABLE", str(tmp_path / "shipped" / "default.json"))
+    monkeypatch.setattr(configs._table, "SHIPPED_TABLE", str(tmp_path / "shipped" / "default.json"))
     return tmp_path / "cache" / tune.CACHE_FILE
 
 
@@ -447,9 +447,11 @@ def test_the_launchers_lookup_takes_the_same_order(cache, shipped):
     assert lookup(256, torch.empty(64, 32, dtype=torch.bfloat16)).group_m == 8  # N = 128: only shipped
     assert lookup(256, torch.empty(16, 32, dtype=torch.bfloat16)) is None  # N = 32: nowhere, the heuristic
     cache.unlink()
-    assert lookup(1024).group_m == 4  # the shipped table, from the next call on
+    assert lookup(1024).group_m == 16  # the tables are read once: a file removed behind its back is not seen...
+    configs.reload()
+    assert lookup(1024).group_m == 4  # ... until reload(): the shipped table now
     tune.write_entries([entry(gpu="cpu", n=64, k=32, m=1024, group_m=2)])
-    assert lookup(1024).group_m == 2  # a new user cache: the same call's remembered answer is dropped
+    assert lookup(1024).group_m == 2  # the tuner's own write reloads: the remembered answer is dropped
     assert lookup(1024, w.t().contiguous().t()).group_m == 2  # the transposed layout falls back to linear
 
 

@@ -3,8 +3,9 @@
 A backend is a module with one function per op it implements (same name as the op) and
 `unsupported_reason(op, x, weight, info) -> str | None`; it may add
 `preferred(op, x, weight, info) -> bool`, which "auto" asks before taking it (where it is
-measured slower than the next backend, it says no). Every backend computes the same function
-as `reference` (the "nccl" backend).
+measured slower than the next backend, it says no), and `plan(op, x, weight, bias, info,
+*options) -> callable(x, weight, bias)`, what it resolves once per call signature (see
+`prepare`). Every backend computes the same function as `reference` (the "nccl" backend).
 """
 
 from __future__ import annotations
@@ -58,3 +59,18 @@ def choose(op: str, backend: str, x, weight, info: GroupInfo) -> str:
 
 def implementation(op: str, backend: str):
     return getattr(_module(backend), op)
+
+
+def prepare(op: str, backend: str, x, weight, bias, info: GroupInfo, *options):
+    """`backend`'s implementation of `op` for calls of this signature, as a callable
+    (x, weight, bias) -> what the implementation returns (all_reduce ignores weight and bias;
+    options: all_gather_matmul's return_gathered). The backend's `plan` resolves what it can
+    once, where it has one; else the implementation is called as it is."""
+    module = _module(backend)
+    planner = getattr(module, "plan", None)
+    if planner is not None:
+        return planner(op, x, weight, bias, info, *options)
+    impl = getattr(module, op)
+    if op == "all_reduce":
+        return lambda x, weight, bias: impl(x, info)
+    return lambda x, weight, bias: impl(x, weight, bias, info, *options)

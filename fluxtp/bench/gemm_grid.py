@@ -146,8 +146,7 @@ def expected_rows(case: GemmCase, full: torch.Tensor) -> torch.Tensor:
 
 def heuristic_config(case: GemmCase):
     """The config the launcher takes when no table has an entry for the case."""
-    from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
-    from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+    from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 
     (rows, k), (n, _) = case.shard_shapes
     if case.op == "all_gather_matmul":

@@ -32,7 +32,7 @@ from fluxtp.bench import BenchError
 from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies
 from fluxtp.bench.harness import format_speedup, graphed, measure_rounds, overlap_efficiency, speedup, speedup_iqr
 from fluxtp.ops import BACKENDS, OPS
-from fluxtp.tune import WEIGHT_LAYOUTS
+from fluxtp.configs import WEIGHT_LAYOUTS
 
 COLUMN_PARALLEL = "all_gather_matmul"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}

@@ -20,30 +20,32 @@ end are loaded (another segment's rows, or TMA's zero padding) but never stored.
 import triton
 import triton.language as tl
 
-from fluxtp.kernels._sync import trap, wait_flag
+from fluxtp.kernels._sync import give_up, wait_flag
 from fluxtp.kernels._tiles import grouped_tile
 
 
 @triton.jit
-def _wait_for_tile(tile_id, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank,
-                   max_spins, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+def _wait_for_tile(tile_id, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                   chunks_per_rank, max_spins, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   GROUP_M: tl.constexpr):
     """Acquire-wait for the one chunk holding this tile's rows (chunk_rows is a BLOCK_M multiple),
     unless it is `ready`, the chunk this program waited for last (signals only go from 0 to 1
     during a launch, so a chunk once seen stays ready). Returns the tile's chunk."""
     segment = (RANK + tile_id // tiles_per_segment) % WORLD
     pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-    chunk = segment * chunks_per_rank + pid_m * BLOCK_M // chunk_rows
+    chunk_in_segment = pid_m * BLOCK_M // chunk_rows
+    chunk = segment * chunks_per_rank + chunk_in_segment
     if chunk != ready:
-        # No device_print here: its printf call alone made the whole kernel ~25% slower (measured
-        # on H200, docs/perf-log.md). A chunk that never arrives traps the kernel instead.
+        # A chunk that never arrives: record (its rank, chunk, this rank) for the host, then trap.
+        # No device_print: it slows the whole kernel (docs/perf-log.md).
         if not wait_flag(signal_ptr + chunk, 1, max_spins, "gpu"):
-            trap()
+            give_up(report_ptr, signal_ptr + chunk, segment, chunk_in_segment, RANK)
     return chunk
 
 
 @triton.jit
 def _tiles(
-    a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, first_tile, end_tile, rows_per_rank, N, k_tiles, stride_cm,
+    a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, first_tile, end_tile, rows_per_rank, N, k_tiles, stride_cm,
     tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins,
     OWN: tl.constexpr,  # this rank's segment, A from its shard (row 0 = its first row), no waits
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -59,7 +61,7 @@ def _tiles(
             # ones (NUM_STAGES - 1 < k_tiles, the launcher checks): so wait one tile ahead, at the
             # start of the previous tile, and for the first tile before the loop.
             if first_tile < end_tile:
-                ready = _wait_for_tile(first_tile, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                ready = _wait_for_tile(first_tile, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
                                        chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
     # The epilogue recomputes its tile from its own counter instead of reusing the prologue's
     # values: that keeps the flattened loop's pipelining free of prologue-to-epilogue dependencies.
@@ -68,11 +70,11 @@ def _tiles(
         if not OWN:
             if FLATTEN:
                 if tile_id + NUM_SMS < end_tile:
-                    ready = _wait_for_tile(tile_id + NUM_SMS, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment,
+                    ready = _wait_for_tile(tile_id + NUM_SMS, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment,
                                            chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
             else:
                 # Wait before the K loop, never inside it, so its pipelining cannot run ahead of the data.
-                ready = _wait_for_tile(tile_id, ready, signal_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
+                ready = _wait_for_tile(tile_id, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
                                        chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
         pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
         if OWN:
@@ -130,6 +132,7 @@ def all_gather_matmul_kernel(
     chunks_per_rank,
     max_spins,
     signal_reset,  # what the last program writes into the signals: 0 (a call), 1 (GEMM-only mode)
+    report_ptr,  # int32 [3], host-readable: (rank, chunk, this rank) of a wait that gave up
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -151,11 +154,11 @@ def all_gather_matmul_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     pid = tl.program_id(0)
     # Tile t (0 .. num_tiles - 1, own segment first) goes to program t % NUM_SMS, as in one loop.
-    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, pid, tiles_per_segment, rows_per_rank, N, k_tiles,
+    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, tiles_per_segment, rows_per_rank, N, k_tiles,
            stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, True, RANK, WORLD,
            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN)
     first_peer_tile = pid + tl.maximum(tl.cdiv(tiles_per_segment - pid, NUM_SMS), 0) * NUM_SMS
-    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, first_peer_tile, num_tiles, rows_per_rank, N, k_tiles,
+    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, first_peer_tile, num_tiles, rows_per_rank, N, k_tiles,
            stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, False, RANK, WORLD,
            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN)
 

@@ -1,18 +1,24 @@
-"""When an op may call its backend directly instead of through its torch.library custom op.
+"""How an op reaches its backend: straight to a cached call plan, or through its torch.library
+custom op.
 
-The custom op is what torch.compile, export, fake-tensor tracing and opcheck see: an opaque op
-with a fake implementation. In plain eager code its dispatch only costs host time (about 20 us a
-call on a 2-core CPU host; the fused ops are host-bound below a few thousand tokens on the GPU
-hosts, docs/perf-log.md). Every backend computes the same thing either way, so an op goes direct
-when nothing could tell the difference: nothing compiling or tracing, no dispatch mode active,
-plain tensors, and no autograd graph to record (the custom ops register no autograd formula, so
-outside the nn layers' autograd.Functions a backward through them must keep failing loudly
-rather than silently miss a gradient).
+The custom op is what torch.compile, export, fake-tensor tracing, opcheck and autograd see: an
+opaque op with a fake implementation and an autograd formula (fluxtp.ops._autograd). In plain
+eager code its dispatch only costs host time, so an op goes direct when nothing could tell the
+difference: nothing compiling or tracing, no dispatch mode active, plain tensors, and no
+autograd graph to record (a call that records one goes through the custom op, whose registered
+backward computes the gradients).
+
+Direct calls are planned (fluxtp._plan): the first call of a signature (the tensors' type,
+dtype, device, shape, strides and alignment, the group, backend and options) validates,
+resolves the group and the backend ("auto" included) and asks the backend for its plan; later
+calls of the signature go straight to that plan. Validation is part of the first call only: the
+signature fixes everything it checks.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -24,3 +30,16 @@ def direct(*tensors) -> bool:
         return False
     grad = torch.is_grad_enabled()
     return all(t is None or (type(t) in _PLAIN and not (grad and t.requires_grad)) for t in tensors)
+
+
+def records_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors (None ones ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def group_key(group):
+    """The group a plan is keyed by: the world's current group object for None (a new
+    init_process_group makes a new one, so a plan never outlives the world it was built for)."""
+    if group is None:
+        return dist.GroupMember.WORLD if dist.is_available() else None
+    return group

@@ -6,18 +6,41 @@ import torch
 import torch.nn.functional as F
 
 from fluxtp import backends
-from fluxtp._dist import group_from_name, resolve_group
-from fluxtp.ops._dispatch import direct
+from fluxtp._dist import GroupInfo, group_from_name, resolve_group
+from fluxtp._plan import PlanCache, tensor_key
+from fluxtp.ops._dispatch import direct, group_key
 from fluxtp.ops._validate import check_backend, check_linear_args
 
 OP = "matmul_all_reduce"
+_plans = PlanCache()
+
+
+def _check(x, weight, bias, backend, group) -> GroupInfo:
+    check_backend(backend)
+    check_linear_args(x, weight, bias, "x", "[M, k]", "[N, k]")
+    return resolve_group(group)
+
+
+def _build(x, weight, bias, info: GroupInfo, backend: str):
+    """The call plan: (x, weight, bias) -> [M, N]."""
+    if info.world_size == 1:
+        return F.linear
+    return backends.prepare(OP, backends.choose(OP, backend, x, weight, info), x, weight, bias, info)
+
+
+def _planned(x, weight, bias, info: GroupInfo, backend: str):
+    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), info.group, backend)
+    run = _plans.get(key)
+    if run is None:
+        run = _plans.put(key, _build(x, weight, bias, info, backend))
+    return run(x, weight, bias)
 
 
 @torch.library.custom_op("fluxtp::matmul_all_reduce", mutates_args=())
 def _matmul_all_reduce_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str, backend: str
 ) -> torch.Tensor:
-    return backends.implementation(OP, backend)(x, weight, bias, group_from_name(group_name))
+    return _planned(x, weight, bias, group_from_name(group_name), backend)
 
 
 @_matmul_all_reduce_op.register_fake
@@ -30,6 +53,9 @@ def matmul_all_reduce(
 ) -> torch.Tensor:
     """out = all_reduce(x @ weight^T) + bias.
 
+    Differentiable (fluxtp.ops._autograd): every rank's output depends on every rank's x and
+    weight, so the backward sums grad_out over the ranks first (an all-reduce), then the GEMMs.
+
     Args:
         x: [M, k], this rank's slice of the input features.
         weight: [N, k], this rank's slice of the input features.
@@ -40,12 +66,19 @@ def matmul_all_reduce(
     Returns:
         [M, N], the same on every rank.
     """
-    check_backend(backend)
-    check_linear_args(x, weight, bias, "x", "[M, k]", "[N, k]")
-    info = resolve_group(group)
+    if direct(x, weight, bias):
+        try:
+            key = (tensor_key(x), tensor_key(weight), tensor_key(bias), group_key(group), backend)
+            run = _plans.get(key)
+        except Exception:  # noqa: BLE001 -- not a plannable call: the checks say what is wrong
+            key = run = None
+        if run is None:
+            info = _check(x, weight, bias, backend, group)
+            run = _build(x, weight, bias, info, backend)
+            if key is not None:
+                _plans.put(key, run)
+        return run(x, weight, bias)
+    info = _check(x, weight, bias, backend, group)
     if info.world_size == 1:
         return F.linear(x, weight, bias)
-    name = backends.choose(OP, backend, x, weight, info)
-    if direct(x, weight, bias):
-        return backends.implementation(OP, name)(x, weight, bias, info)
-    return _matmul_all_reduce_op(x, weight, bias, info.name, name)
+    return _matmul_all_reduce_op(x, weight, bias, info.name, backend)

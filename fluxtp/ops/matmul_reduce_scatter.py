@@ -6,18 +6,47 @@ import torch
 import torch.nn.functional as F
 
 from fluxtp import backends
-from fluxtp._dist import group_from_name, resolve_group
-from fluxtp.ops._dispatch import direct
+from fluxtp._dist import GroupInfo, group_from_name, resolve_group
+from fluxtp._plan import PlanCache, tensor_key
+from fluxtp.ops._dispatch import direct, group_key
 from fluxtp.ops._validate import check_backend, check_linear_args
 
 OP = "matmul_reduce_scatter"
+_plans = PlanCache()
+
+
+def _check(x, weight, bias, backend, group) -> GroupInfo:
+    check_backend(backend)
+    check_linear_args(x, weight, bias, "x", "[M, k]", "[N, k]")
+    info = resolve_group(group)
+    if info.world_size > 1 and x.shape[0] % info.world_size:
+        raise ValueError(
+            f"x has shape {tuple(x.shape)}: its M={x.shape[0]} rows must be divisible by the "
+            f"group's world size {info.world_size} to be scattered"
+        )
+    return info
+
+
+def _build(x, weight, bias, info: GroupInfo, backend: str):
+    """The call plan: (x, weight, bias) -> [M/W, N]."""
+    if info.world_size == 1:
+        return F.linear
+    return backends.prepare(OP, backends.choose(OP, backend, x, weight, info), x, weight, bias, info)
+
+
+def _planned(x, weight, bias, info: GroupInfo, backend: str):
+    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), info.group, backend)
+    run = _plans.get(key)
+    if run is None:
+        run = _plans.put(key, _build(x, weight, bias, info, backend))
+    return run(x, weight, bias)
 
 
 @torch.library.custom_op("fluxtp::matmul_reduce_scatter", mutates_args=())
 def _matmul_reduce_scatter_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str, backend: str
 ) -> torch.Tensor:
-    return backends.implementation(OP, backend)(x, weight, bias, group_from_name(group_name))
+    return _planned(x, weight, bias, group_from_name(group_name), backend)
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -31,6 +60,9 @@ def matmul_reduce_scatter(
 ) -> torch.Tensor:
     """out = reduce_scatter(x @ weight^T) + bias, rows scattered over ranks.
 
+    Differentiable: the backward all-gathers grad_out into a GEMM with the weight (the input
+    gradient) and takes the local weight gradient from the gathered grad_out (fluxtp.ops._autograd).
+
     Args:
         x: [M, k], all M rows, this rank's slice of the input features.
         weight: [N, k], all output features, this rank's slice of the input features.
@@ -39,19 +71,21 @@ def matmul_reduce_scatter(
         backend: "auto", "fused", "nccl" or "torch".
 
     Returns:
-        [M/W, N]: rank r gets rows r*M/W .. (r+1)*M/W-1 of the summed product.
+        [M/W, N]: rank r gets rows r*M/W .. (r+1)*M/W - 1 of the summed product.
     """
-    check_backend(backend)
-    check_linear_args(x, weight, bias, "x", "[M, k]", "[N, k]")
-    info = resolve_group(group)
+    if direct(x, weight, bias):
+        try:
+            key = (tensor_key(x), tensor_key(weight), tensor_key(bias), group_key(group), backend)
+            run = _plans.get(key)
+        except Exception:  # noqa: BLE001 -- not a plannable call: the checks say what is wrong
+            key = run = None
+        if run is None:
+            info = _check(x, weight, bias, backend, group)
+            run = _build(x, weight, bias, info, backend)
+            if key is not None:
+                _plans.put(key, run)
+        return run(x, weight, bias)
+    info = _check(x, weight, bias, backend, group)
     if info.world_size == 1:
         return F.linear(x, weight, bias)
-    if x.shape[0] % info.world_size:
-        raise ValueError(
-            f"x has shape {tuple(x.shape)}: its M={x.shape[0]} rows must be divisible by the "
-            f"group's world size {info.world_size} to be scattered"
-        )
-    name = backends.choose(OP, backend, x, weight, info)
-    if direct(x, weight, bias):
-        return backends.implementation(OP, name)(x, weight, bias, info)
-    return _matmul_reduce_scatter_op(x, weight, bias, info.name, name)
+    return _matmul_reduce_scatter_op(x, weight, bias, info.name, backend)

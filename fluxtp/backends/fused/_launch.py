@@ -12,7 +12,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fluxtp.tune import weight_layout_of
+from fluxtp.configs import weight_layout_of
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
@@ -44,11 +44,30 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A host TMA descriptor for t. Made afresh on every call (about 3 us), never cached: a
-    cache keyed by address held every call's tensors alive, so the caching allocator could not
-    reuse their memory and each call paid a cudaMalloc per output (~0.1 ms each on the H200
-    hosts) while memory grew by up to 256 calls' outputs (docs/perf-log.md)."""
+    """A host TMA descriptor for t, made afresh on every call, never cached by address: a cache
+    that held the calls' tensors kept the caching allocator from reusing their memory
+    (docs/perf-log.md). Plans cache a descriptor's layout instead (DescriptorLayout)."""
     return TensorDescriptor.from_tensor(t, block)
+
+
+class DescriptorLayout:
+    """Everything of a TensorDescriptor but its base tensor, for one call signature: a call
+    rebinds it to its own tensor (`over`) without keeping that tensor (the trap `descriptor`
+    names). `over` skips TensorDescriptor's checks: the caller guarantees a tensor of the
+    layout's dtype, shape and strides, 16-byte aligned (a plan's key holds all of them, and
+    fresh allocations are aligned)."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, example: torch.Tensor, block: list[int]):
+        desc = TensorDescriptor.from_tensor(example, block)  # checked once, here
+        self.fields = {name: value for name, value in vars(desc).items() if name != "base"}
+
+    def over(self, base: torch.Tensor) -> TensorDescriptor:
+        desc = object.__new__(TensorDescriptor)
+        vars(desc).update(self.fields)
+        desc.base = base
+        return desc
 
 
 def _spec_key(arg):
@@ -71,17 +90,21 @@ _MAX_COMPILED = 1024  # distinct launch keys kept (scalars are keyed exactly: on
 def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
     """kernel[(grid,)](*args, **constexprs) without Triton's per-call argument binding.
 
-    Triton binds and specializes every argument in Python on each launch: 13-35 us of the
-    60-110 us of host time one launch of these kernels costs (H100 and H200 hosts,
-    benchmarks/launch_overhead.py, docs/perf-log.md), on every call of a fused op. Here the
-    compiled kernel is found by _spec_key of every argument, which is at least as fine as
-    Triton's specialization, so it is the kernel Triton would run, launched the way Triton
-    launches it (launch hooks included); a key's first call goes through Triton (compiling if
-    need be). The interpreter's kernels take their own launch.
+    Triton binds and specializes every argument in Python on each launch, a large share of a
+    launch's host time (docs/perf-log.md). Here the compiled kernel is found by _spec_key of
+    every argument, at least as fine as Triton's specialization, so it is the kernel Triton
+    would run, launched the way Triton launches it (launch hooks included); a key's first call
+    goes through Triton (compiling if need be). The interpreter's kernels take their own launch.
     """
+    _launch(kernel, grid, args, constexprs)
+
+
+def _launch(kernel, grid: int, args: tuple, constexprs: dict):
+    """launch_compiled; returns (compiled kernel, constexpr values, device), None for a kernel
+    that is not compiled (the interpreter's)."""
     if not isinstance(kernel, JITFunction):
         kernel[(grid,)](*args, **constexprs)
-        return
+        return None
     device = driver.active.get_current_device()
     key = (kernel, device, tuple(map(_spec_key, args)), tuple(constexprs.items()))
     entry = _compiled.get(key)
@@ -89,9 +112,14 @@ def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
         compiled = kernel[(grid,)](*args, **constexprs)
         if len(_compiled) >= _MAX_COMPILED:
             _compiled.clear()
-        _compiled[key] = (compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args) :]))
-        return
-    compiled, constexpr_values = entry
+        entry = _compiled[key] = (compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args) :]))
+        return (*entry, device)
+    _run(entry[0], entry[1], device, grid, args)
+    return (*entry, device)
+
+
+def _run(compiled, constexpr_values: tuple, device: int, grid: int, args: tuple) -> None:
+    """Launch an already compiled kernel as Triton does (its launcher, its hooks)."""
     stream = driver.active.get_current_stream(device)
     all_args = (*args, *constexpr_values)
     hooks = knobs.runtime
@@ -109,6 +137,28 @@ def launch_compiled(kernel, grid: int, *args, **constexprs) -> None:
     )
 
 
+class Launch:
+    """One kernel's launch for one call signature: the grid and constexprs fixed, the compiled
+    kernel found at the first launch (launch_compiled) and launched directly from then on.
+
+    The caller guarantees that every later call's arguments specialize as the first call's did
+    (same dtypes, 16-byte alignments, descriptor layouts and scalars): a plan's key does.
+    """
+
+    __slots__ = ("kernel", "grid", "constexprs", "_entry")
+
+    def __init__(self, kernel, grid: int, **constexprs):
+        self.kernel, self.grid, self.constexprs = kernel, grid, constexprs
+        self._entry = None
+
+    def __call__(self, *args) -> None:
+        entry = self._entry
+        if entry is not None and driver.active.get_current_device() == entry[2]:
+            _run(entry[0], entry[1], entry[2], self.grid, args)
+        else:
+            self._entry = _launch(self.kernel, self.grid, args, self.constexprs)
+
+
 @functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -122,7 +172,25 @@ def num_sms(device: torch.device) -> int:
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# int32 [3] per (op, device type), pinned for CUDA: (peer rank, tile, rank) of a wait that gave up.
+# Bounds of every wait, so that a peer that never signals fails the call instead of hanging it.
+BARRIER_TIMEOUT_MS = 60_000  # symmetric-memory barriers on the host's streams
+# In-kernel spin bounds, far past any real wait (a peer still compiling its first launch
+# included) and short of a hang. A spin on local memory (the all-gather's chunk signals) is one
+# atomic read, well under a microsecond: 2^27 spins is tens of seconds. A system-scope read,
+# maybe of a peer's memory over NVLink (the reduce-scatter's and all-reduce's flags), costs a
+# microsecond or two: 2^26 spins is a minute or more.
+MAX_SPINS_LOCAL = 1 << 27
+MAX_SPINS_PEER = 1 << 26
+
+# What a kernel's timeout record (source rank, index, this rank) names, per op.
+_WAITED_FOR = {
+    "all_gather_matmul": "chunk {index} of rank {src}'s rows",
+    "matmul_reduce_scatter": "rank {src}'s partial of tile {index}",
+    "matmul_all_reduce": "rank {src}'s partial of tile {index}",
+    "all_reduce": "rank {src}'s partial of tile {index}",
+}
+# int32 [3] per (op, device type), pinned for CUDA: (source rank, chunk or tile, rank) of a wait
+# that gave up; -1 while none has.
 _reports: dict[tuple[str, str], torch.Tensor] = {}
 
 
@@ -139,10 +207,11 @@ def timeout_record(op: str, device: torch.device) -> torch.Tensor:
 def timeout_report(op: str) -> str | None:
     """Which in-kernel wait of `op` gave up in this process, if one did (readable after the trap)."""
     for (name, _), report in _reports.items():
-        src, tile, rank = report.tolist()
+        src, index, rank = report.tolist()
         if name == op and src >= 0:
+            what = _WAITED_FOR.get(op, "rank {src}'s data {index}").format(src=src, index=index)
             return (
-                f"fluxtp {op}: rank {rank} timed out waiting for rank {src}'s partial of tile {tile} "
+                f"fluxtp {op}: rank {rank} timed out waiting for {what} "
                 "(the peer never signalled: it failed, hung, or called with another shape)"
             )
     return None

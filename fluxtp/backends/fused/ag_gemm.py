@@ -22,57 +22,29 @@ and the in-kernel waits are bounded and fail with an error instead of hanging.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from fluxtp import symm
+from fluxtp import _generation, symm
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused._config import HOPPER_SMS, GemmTiling, narrow_tiles_win
-from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready, weight_operand
+from fluxtp._plan import PlanCache, tensor_key
+from fluxtp.backends.fused import _launch
+from fluxtp.backends.fused._launch import (
+    BARRIER_TIMEOUT_MS,
+    MAX_SPINS_LOCAL,
+    DescriptorLayout,
+    Launch,
+    _tma_compatible,
+    num_sms,
+    tma_ready,
+)
+from fluxtp.configs import AllGatherMatmulConfig, tuned_config, weight_layout_of
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
-from fluxtp.tune import tuned_config
 
-BARRIER_TIMEOUT_MS = 60_000
-# In-kernel spin bound: each spin is one atomic read of local memory (well under a microsecond),
-# so 2^27 spins is tens of seconds, far past any real wait and short of a hang.
-MAX_SPINS = 1 << 27
+MAX_SPINS = MAX_SPINS_LOCAL  # the kernel spins on signals in this GPU's memory
 _OP = "all_gather_matmul"
-
-
-@dataclass(frozen=True)
-class AllGatherMatmulConfig(GemmTiling):
-    """How one fused AllGather+GEMM call is launched; every rank must use the same one."""
-
-    chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
-    flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
-    tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
-    epilogue_subtile: bool = True  # TMA-store the tile in two halves
-
-    @staticmethod
-    @functools.cache
-    def heuristic(rows_per_rank: int, n: int, k: int, world: int, sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:
-        """128x256x64, 8 warps, 3 stages, unless 128x128x64, 4 warps, 5 stages take fewer waves
-        (narrow_tiles_win): at the one-GPU grid on H200 and H100 this rule's tiling read 1.003x
-        the best screened one in geometric mean, 1.075x at worst (docs/perf-log.md)."""
-        if narrow_tiles_win(world * triton.cdiv(rows_per_rank, 128), n, sms):
-            config = AllGatherMatmulConfig(block_n=128, num_warps=4, num_stages=5)
-        else:
-            config = AllGatherMatmulConfig()
-        return config.with_communication_heuristic(rows_per_rank)
-
-    def with_communication_heuristic(self, rows_per_rank: int) -> AllGatherMatmulConfig:
-        """This tiling with the heuristic's copy chunks: the peers' rows in four chunks from 4096
-        rows per rank on, else one (each chunk costs two host calls, a copy and a signal)."""
-        pieces = 4 if rows_per_rank >= 4096 else 1
-        chunk = max(self.block_m, triton.cdiv(triton.cdiv(rows_per_rank, pieces), self.block_m) * self.block_m)
-        return dataclasses.replace(self, chunk_rows=chunk)
-
-    def chunk_rows_for(self, rows_per_rank: int) -> int:
-        rows = triton.cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m
-        return min(rows, triton.cdiv(rows_per_rank, self.block_m) * self.block_m)
 
 
 @dataclass
@@ -97,7 +69,7 @@ _workspaces: dict[tuple[str, int], _Workspace] = {}
 def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _Workspace:
     key = (info.name, torch.device(device).index or 0)
     ws = _workspaces.get(key)
-    shard = symm.buffer(info, "all_gather_matmul", shard_bytes, device)
+    shard = symm.buffer(info, _OP, shard_bytes, device)
     if ws is None or ws.shard is not shard or ws.signals.numel() < num_signals:
         fits = ws is not None and ws.signals.numel() >= num_signals
         if fits:
@@ -106,130 +78,206 @@ def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _
             signals = torch.zeros(max(num_signals, 64), dtype=torch.int32, device=device)
             done = torch.zeros(1, dtype=torch.int32, device=device)
         ws = _workspaces[key] = _Workspace(shard, signals, done)
+        _generation.bump()  # plans holding the old workspace are rebuilt
     return ws
+
+
+def timeout_report() -> str | None:
+    """Which in-kernel wait of this op gave up in this process, if one did (readable after the trap)."""
+    return _launch.timeout_report(_OP)
+
+
+class _Gemm:
+    """The persistent kernel's launch for one call signature: grid, constexprs, scalars and
+    descriptor layouts resolved at the first launch; later launches bind the call's tensors.
+
+    x_gathered [W*m, k] (only the peers' rows are read), x_own this rank's shard [m, k]; weight
+    [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied); y [W*m, n]."""
+
+    def __init__(self, weight, bias, y_stride, device, rows_per_rank, chunk_rows, info, config, max_spins, signal_reset,
+                 report):  # fmt: skip
+        n, k = weight.shape
+        sms = num_sms(device)
+        tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
+        self.config = config
+        # weight_operand's choice, made once: a transposed view read in place, else row-major rows
+        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t())
+        self.copy_w = not self.b_kn and not _tma_compatible(weight)
+        # TMA stores need whole tiles inside each segment and 16-byte output rows.
+        self.tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y_stride * weight.element_size()) % 16 == 0
+        self.store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
+        self.layouts = None  # (a, own, b, c) DescriptorLayouts, from the first launch's tensors
+        self.report = _launch.timeout_record(_OP, device) if report is None else report
+        self.scalars = (rows_per_rank, n, k, y_stride, chunk_rows, triton.cdiv(rows_per_rank, chunk_rows), max_spins,
+                        signal_reset)  # fmt: skip
+        self.launch = Launch(
+            all_gather_matmul_kernel,
+            min(sms, tiles),
+            RANK=info.rank,
+            WORLD=info.world_size,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            NUM_SMS=sms,
+            HAS_BIAS=bias is not None,
+            NUM_STAGES=config.num_stages,
+            FLATTEN=config.flatten and triton.cdiv(k, config.block_k) >= config.num_stages,
+            TMA_STORE=self.tma_store,
+            EPILOGUE_SUBTILE=config.epilogue_subtile,
+            B_KN=self.b_kn,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+    def __call__(self, x_gathered, x_own, weight, bias, y, signals, done):
+        b = weight.t() if self.b_kn else (tma_ready(weight) if self.copy_w else weight)
+        layouts = self.layouts
+        if layouts is None:
+            c = self.config
+            layouts = self.layouts = (
+                DescriptorLayout(x_gathered, [c.block_m, c.block_k]),
+                DescriptorLayout(x_own, [c.block_m, c.block_k]),
+                DescriptorLayout(b, [c.block_k, c.block_n] if self.b_kn else [c.block_n, c.block_k]),
+                DescriptorLayout(y, [c.block_m, self.store_n]) if self.tma_store else None,
+            )
+        a, own, b_layout, c_layout = layouts
+        self.launch(
+            a.over(x_gathered),
+            own.over(x_own),
+            b_layout.over(b),
+            None if c_layout is None else c_layout.over(y),
+            y,
+            y if bias is None else bias,
+            signals,
+            done,
+            *self.scalars,
+            self.report,
+        )
 
 
 def launch_gemm(
     x_gathered, x_own, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS,
-    signal_reset=0,
+    signal_reset=0, report=None,
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
     x_gathered [W*m, k] (only the peers' rows are read), x_own this rank's shard [m, k]; weight
     [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied). done is an int32
     [1] counter that reads 0 (the kernel leaves it 0); the kernel's last program writes
-    signal_reset into the call's W * cdiv(rows_per_rank, chunk_rows) signals."""
-    n, k = weight.shape
-    sms = num_sms(y.device)
-    tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
-    a_desc = descriptor(x_gathered, [config.block_m, config.block_k])
-    own_desc = descriptor(x_own, [config.block_m, config.block_k])
-    b, b_kn = weight_operand(weight)
-    b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
-    # TMA stores need whole tiles inside each segment and 16-byte output rows.
-    tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y.stride(0) * y.element_size()) % 16 == 0
-    store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
-    c_desc = descriptor(y, [config.block_m, store_n]) if tma_store else None
-    launch_compiled(
-        all_gather_matmul_kernel,
-        min(sms, tiles),
-        a_desc,
-        own_desc,
-        b_desc,
-        c_desc,
-        y,
-        y if bias is None else bias,
-        signals,
-        done,
-        rows_per_rank,
-        n,
-        k,
-        y.stride(0),
-        chunk_rows,
-        triton.cdiv(rows_per_rank, chunk_rows),
-        max_spins,
-        signal_reset,
-        RANK=info.rank,
-        WORLD=info.world_size,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        NUM_SMS=sms,
-        HAS_BIAS=bias is not None,
-        NUM_STAGES=config.num_stages,
-        FLATTEN=config.flatten and triton.cdiv(k, config.block_k) >= config.num_stages,
-        TMA_STORE=tma_store,
-        EPILOGUE_SUBTILE=config.epilogue_subtile,
-        B_KN=b_kn,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    signal_reset into the call's W * cdiv(rows_per_rank, chunk_rows) signals. A wait that gives
+    up writes (rank, chunk, this rank) into `report` (default: this process's record)."""
+    gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, max_spins, signal_reset, report)
+    gemm(x_gathered, x_own, weight, bias, y, signals, done)
 
 
 def _set_signal(signals: torch.Tensor, index: int) -> None:
     """signals[index] = 1 on the current stream, ordered after the copies before it."""
-    torch.ops.symm_mem.stream_write_value32_(signals.view(torch.uint32), index, 1)
+    _write_value32(signals.view(torch.uint32), index, 1)
+
+
+def _write_value32(flags_u32, index, value):
+    # The op's overload itself: no overload resolution on every call.
+    torch.ops.symm_mem.stream_write_value32_.default(flags_u32, index, value)
 
 
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None) -> AllGatherMatmulConfig:
-    """The caller's config, else fluxtp tune's cached one for this shape, else the heuristic."""
+    """The caller's config, else the tuned table's for this shape, else the heuristic."""
     rows_per_rank, k = x_shard.shape
     return config or tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
         rows_per_rank, weight.shape[0], k, world, num_sms(x_shard.device)
     )
 
 
+class Plan:
+    """One call signature of all_gather_matmul, resolved (the module docstring's steps): config,
+    chunking, workspace and the shard views, the copy stream, the GEMM's launch. A call only
+    allocates its outputs, binds its tensors and issues the steps."""
+
+    def __init__(self, x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config=None):
+        self.copy_x = not _tma_compatible(x_shard)  # then each call copies x_shard (tma_ready)
+        x_shard = tma_ready(x_shard)
+        rows_per_rank, k = x_shard.shape
+        n = weight.shape[0]
+        world, rank = info.world_size, info.rank
+        self.config = config = _config_for(x_shard, weight, world, config)
+        chunk_rows = config.chunk_rows_for(rows_per_rank)
+        chunks_per_rank = triton.cdiv(rows_per_rank, chunk_rows)
+        device = x_shard.device
+        self.ws = ws = _workspace(info, device, x_shard.numel() * x_shard.element_size(), world * chunks_per_rank)
+        self.return_gathered, self.rank, self.device, self.dtype = return_gathered, rank, device, x_shard.dtype
+        self.gathered_shape, self.y_shape = (rows_per_rank * world, k), (rows_per_rank * world, n)
+        shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
+        self.own_shard = shards[rank]
+        # x_gathered split into pieces (one split call per call): this rank's rows whole, every
+        # peer's in its chunks; the pulls in ring order rank+1, rank+2, ..., each (piece, source
+        # rows in the peer's shard, its signal).
+        sizes, pulls = [], []
+        for segment in range(world):
+            if segment == rank:
+                self.own_piece = len(sizes)
+                sizes.append(rows_per_rank)
+                continue
+            for c in range(chunks_per_rank):
+                r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
+                step = (segment - rank) % world
+                pulls.append((step, len(sizes), shards[segment][r0:r1], segment * chunks_per_rank + c))
+                sizes.append(r1 - r0)
+        self.split_sizes = sizes
+        self.pulls = [(piece, source, signal) for _, piece, source, signal in sorted(pulls, key=lambda p: (p[0], p[3]))]
+        self.signals_u32 = ws.signals.view(torch.uint32)
+        self.copy_stream = symm.copy_stream(device)
+        self.barrier = ws.shard.handle.barrier
+        self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None)
+
+    def __call__(self, x_shard, weight, bias):
+        if self.copy_x:
+            x_shard = tma_ready(x_shard)
+        x_gathered = torch.empty(self.gathered_shape, dtype=self.dtype, device=self.device)
+        y = torch.empty(self.y_shape, dtype=self.dtype, device=self.device)
+        compute = torch.cuda.current_stream(self.device)
+        copy = self.copy_stream
+        copy.wait_stream(compute)
+        # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
+        # (docs/perf-log.md); compute is the current device's stream.
+        torch.cuda.set_stream(copy)
+        try:
+            self.own_shard.copy_(x_shard)
+            # Before the GEMM: see the module docstring.
+            self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        finally:
+            torch.cuda.set_stream(compute)
+        self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done)
+        torch.cuda.set_stream(copy)
+        try:
+            pieces = x_gathered.split(self.split_sizes)
+            signals = self.signals_u32
+            for piece, source, signal in self.pulls:
+                pieces[piece].copy_(source)
+                _write_value32(signals, signal, 1)
+            if self.return_gathered:  # the GEMM reads this rank's rows from x_shard itself
+                pieces[self.own_piece].copy_(x_shard)
+            self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        finally:
+            torch.cuda.set_stream(compute)
+        compute.wait_stream(copy)
+        return y, x_gathered if self.return_gathered else None
+
+
+_plans = PlanCache()
+
+
+def plan(x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config=None) -> Plan:
+    """The cached Plan of this call signature (built on its first call)."""
+    key = (tensor_key(x_shard), tensor_key(weight), tensor_key(bias), info, return_gathered, config)
+    found = _plans.get(key)
+    return found if found is not None else _plans.put(key, Plan(x_shard, weight, bias, info, return_gathered, config))
+
+
 def all_gather_matmul(
     x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config: AllGatherMatmulConfig | None = None
 ):
-    x_shard = tma_ready(x_shard)  # the weight: launch_gemm reads either layout as it is
-    rows_per_rank, k = x_shard.shape
-    n = weight.shape[0]
-    world, rank = info.world_size, info.rank
-    config = _config_for(x_shard, weight, world, config)
-    chunk_rows = config.chunk_rows_for(rows_per_rank)
-    chunks_per_rank = triton.cdiv(rows_per_rank, chunk_rows)
-    device = x_shard.device
-
-    ws = _workspace(info, device, x_shard.numel() * x_shard.element_size(), world * chunks_per_rank)
-    x_gathered = torch.empty(rows_per_rank * world, k, dtype=x_shard.dtype, device=device)
-    y = torch.empty(rows_per_rank * world, n, dtype=x_shard.dtype, device=device)
-
-    compute = torch.cuda.current_stream(device)
-    copy = symm.copy_stream(device)
-    copy.wait_stream(compute)
-
-    def copy_segment(segment: int, source: torch.Tensor) -> None:
-        """Rank `segment`'s rows of x_gathered from `source`, chunk by chunk, a signal after each."""
-        for c in range(chunks_per_rank):
-            r0, r1 = c * chunk_rows, min((c + 1) * chunk_rows, rows_per_rank)
-            x_gathered[segment * rows_per_rank + r0 : segment * rows_per_rank + r1].copy_(source[r0:r1])
-            _set_signal(ws.signals, segment * chunks_per_rank + c)
-
-    # set_stream rather than `with torch.cuda.stream(copy)`: 1.4 against 9 us of host time per
-    # call on the H200 hosts (docs/perf-log.md); compute is the current device's stream.
-    torch.cuda.set_stream(copy)
-    try:
-        shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
-        shards[rank].copy_(x_shard)
-        # Before the GEMM: see the module docstring.
-        ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-    finally:
-        torch.cuda.set_stream(compute)
-    launch_gemm(x_gathered, x_shard, weight, bias, y, ws.signals, ws.done, rows_per_rank, chunk_rows, info, config)
-    torch.cuda.set_stream(copy)
-    try:
-        for step in range(1, world):
-            peer = (rank + step) % world
-            copy_segment(peer, shards[peer])
-        if return_gathered:  # the GEMM reads this rank's rows from x_shard itself
-            x_gathered[rank * rows_per_rank : (rank + 1) * rows_per_rank].copy_(x_shard)
-        ws.shard.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-    finally:
-        torch.cuda.set_stream(compute)
-    compute.wait_stream(copy)
-    return y, x_gathered if return_gathered else None
+    return plan(x_shard, weight, bias, info, return_gathered, config)(x_shard, weight, bias)
 
 
 def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulConfig | None = None):
@@ -238,7 +286,7 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     Returns a zero-argument callable that launches exactly the kernel all_gather_matmul
     launches for these inputs, reading an already gathered input.
     """
-    x_shard = tma_ready(x_shard)  # the weight: launch_gemm reads either layout as it is
+    x_shard = tma_ready(x_shard)  # the weight: the launch reads either layout as it is
     rows_per_rank = x_shard.shape[0]
     world = info.world_size
     config = _config_for(x_shard, weight, world, config)  # the same config as all_gather_matmul
@@ -248,11 +296,10 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     signals = torch.ones(world * triton.cdiv(rows_per_rank, chunk_rows), dtype=torch.int32, device=x_shard.device)
     done = torch.zeros(1, dtype=torch.int32, device=x_shard.device)
     y = torch.empty(rows_per_rank * world, weight.shape[0], dtype=x_shard.dtype, device=x_shard.device)
+    gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 1, None)
 
     def run():
-        launch_gemm(
-            x_gathered, x_shard, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, signal_reset=1
-        )
+        gemm(x_gathered, x_shard, weight, bias, y, signals, done)
         return y
 
     return run

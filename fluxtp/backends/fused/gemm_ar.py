@@ -29,13 +29,13 @@ import triton
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
+from fluxtp._plan import PlanCache, tensor_key
+from fluxtp.configs import AllReduceConfig, MatmulAllReduceConfig
 from fluxtp.backends.fused import _launch
-from fluxtp.backends.fused._config import GemmTiling
-from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready
+from fluxtp.backends.fused._launch import BARRIER_TIMEOUT_MS, MAX_SPINS_PEER, DescriptorLayout, Launch, _tma_compatible, num_sms, tma_ready
 from fluxtp.kernels._matmul_all_reduce import matmul_all_reduce_kernel
 
-BARRIER_TIMEOUT_MS = 60_000
-MAX_SPINS = 1 << 26  # as in gemm_rs: a minute or more of system-scope reads, far past any real wait
+MAX_SPINS = MAX_SPINS_PEER  # system-scope reads of flags the peers push
 # int32 flags at the start of every workspace, one per (tile, source rank) of a call.
 FLAG_CAPACITY = 1 << 16
 # GEMM+AllReduce is one-shot up to this many rows (decode; its narrow tiles lost to cuBLAS + NCCL
@@ -46,42 +46,6 @@ ONE_SHOT_MAX_ROWS = 256
 ONE_SHOT_MAX_BYTES = 8 << 20
 _GEMM_TAG = "matmul_all_reduce"
 _SUM_TAG = "all_reduce"
-
-
-@dataclass(frozen=True)
-class MatmulAllReduceConfig(GemmTiling):
-    """How one one-shot GEMM+AllReduce call is launched; every rank must use the same one.
-
-    Decode GEMMs stream the weight once (M is tiny): narrow tiles give every SM its own columns,
-    and deep pipelines keep enough of the weight in flight."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
-    group_m: int = 1
-    num_stages: int = 6
-    num_warps: int = 4
-    swap_ab: bool = True  # the tile as (w @ x^T)^T, so that small M is the MMA's narrow side (wgmma)
-
-    @staticmethod
-    def heuristic(m: int, n: int, k: int, world: int) -> MatmulAllReduceConfig:
-        """Measured on 2x H200 under CUDA graphs at N 8192, k 14336 (docs/perf-log.md): swapped
-        operands up to 64 rows (16: 61.7 us vs 63.0 unswapped; 32 rows: 63.3 vs 65.6), then
-        128x64x128 tiles, 4 stages, 8 warps (128 rows: 79.7 us vs 84.0 with 64-wide K blocks)."""
-        if m <= 64:
-            block_m = max(16, 1 << (m - 1).bit_length())
-            return MatmulAllReduceConfig(block_m=block_m, swap_ab=True, num_stages=6 if block_m <= 32 else 5)
-        # 8 warps: 4 would hold the whole tile's pointers and values (ptxas for sm_90).
-        return MatmulAllReduceConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8, swap_ab=False)
-
-
-@dataclass(frozen=True)
-class AllReduceConfig:
-    """Tiles of fluxtp.all_reduce's one-shot kernel over the tensor viewed as rows of block_n."""
-
-    block_m: int = 4
-    block_n: int = 1024
-    num_warps: int = 4  # 32 values a thread: 8x1024 spilled at 4 warps (ptxas for sm_90)
 
 
 @dataclass(frozen=True)
@@ -134,6 +98,68 @@ def timeout_report() -> str | None:
     return _launch.timeout_report(_GEMM_TAG) or _launch.timeout_report(_SUM_TAG)
 
 
+class _Kernel:
+    """The kernel's launch for one call signature: grid, constexprs and scalars resolved once,
+    descriptor layouts at the first launch; a launch binds the call's tensors.
+
+    GEMM mode (weight given): x [M, k], weight [N, k] TMA-ready, config a MatmulAllReduceConfig.
+    Sum mode (weight None): x contiguous, config an AllReduceConfig. phases: 1 push, 2 reduce, 3 both.
+    """
+
+    def __init__(self, x, weight, bias, layout: Layout, rank: int, world: int, config, phases, max_spins, report):
+        self.tag = tag = _SUM_TAG if weight is None else _GEMM_TAG
+        self.gemm = weight is not None
+        if weight is None:
+            numel = x.numel()
+            n = config.block_n
+            m, k = triton.cdiv(numel, n), 0
+        else:
+            (m, k), n = x.shape, weight.shape[0]
+            numel = m * n
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+        if tiles * world > FLAG_CAPACITY:
+            raise ValueError(f"{tag}: {tiles} tiles x {world} ranks exceed the {FLAG_CAPACITY} flags of the workspace")
+        self.empty = numel == 0
+        self.config = config
+        self.layouts = None
+        sms = num_sms(x.device)
+        report = _launch.timeout_record(tag, x.device) if report is None else report
+        self.scalars = (m, n, k, numel, layout.data_offset, layout.slot_bytes, max_spins, report)
+        self.launch = Launch(
+            matmul_all_reduce_kernel,
+            min(sms, max(tiles, 1)),
+            PHASES=phases,
+            RANK=rank,
+            WORLD=world,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=getattr(config, "block_k", 16),
+            GROUP_M=getattr(config, "group_m", 1),
+            NUM_SMS=sms,
+            HAS_GEMM=weight is not None,
+            HAS_BIAS=bias is not None,
+            SWAP_AB=getattr(config, "swap_ab", False),
+            NUM_STAGES=getattr(config, "num_stages", 1),
+            num_warps=config.num_warps,
+            num_stages=getattr(config, "num_stages", 1),
+        )
+
+    def __call__(self, x, weight, bias, out, buffer_ptrs, counters):
+        if self.empty:
+            return
+        a_desc = b_desc = None
+        if self.gemm:
+            layouts = self.layouts
+            if layouts is None:
+                c = self.config
+                layouts = self.layouts = (
+                    DescriptorLayout(x, [c.block_m, c.block_k]),
+                    DescriptorLayout(weight, [c.block_n, c.block_k]),
+                )
+            a_desc, b_desc = layouts[0].over(x), layouts[1].over(weight)
+        self.launch(a_desc, b_desc, x, out, out if bias is None else bias, buffer_ptrs, counters, *self.scalars)
+
+
 def launch_kernel(
     x,
     weight,
@@ -156,56 +182,8 @@ def launch_kernel(
     config an AllReduceConfig. buffer_ptrs int64 [W] of workspaces laid out as `layout`,
     counters this rank's int32 (epoch, done). phases: 1 push, 2 reduce, 3 both.
     """
-    tag = _SUM_TAG if weight is None else _GEMM_TAG
-    if weight is None:
-        numel = x.numel()
-        n = config.block_n
-        m, k = triton.cdiv(numel, n), 0
-        a_desc = b_desc = None
-    else:
-        (m, k), n = x.shape, weight.shape[0]
-        numel = m * n
-        a_desc = descriptor(x, [config.block_m, config.block_k])
-        b_desc = descriptor(weight, [config.block_n, config.block_k])
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    if tiles * world > FLAG_CAPACITY:
-        raise ValueError(f"{tag}: {tiles} tiles x {world} ranks exceed the {FLAG_CAPACITY} flags of the workspace")
-    if numel == 0:
-        return
-    sms = num_sms(out.device)
-    report = _launch.timeout_record(tag, out.device) if report is None else report
-    launch_compiled(
-        matmul_all_reduce_kernel,
-        min(sms, tiles),
-        a_desc,
-        b_desc,
-        x,
-        out,
-        out if bias is None else bias,
-        buffer_ptrs,
-        counters,
-        m,
-        n,
-        k,
-        numel,
-        layout.data_offset,
-        layout.slot_bytes,
-        max_spins,
-        report,
-        PHASES=phases,
-        RANK=rank,
-        WORLD=world,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=getattr(config, "block_k", 16),
-        GROUP_M=getattr(config, "group_m", 1),
-        NUM_SMS=sms,
-        HAS_GEMM=weight is not None,
-        HAS_BIAS=bias is not None,
-        SWAP_AB=getattr(config, "swap_ab", False),
-        NUM_STAGES=getattr(config, "num_stages", 1),
-        num_warps=config.num_warps,
-        num_stages=getattr(config, "num_stages", 1),
+    _Kernel(x, weight, bias, layout, rank, world, config, phases, max_spins, report)(
+        x, weight, bias, out, buffer_ptrs, counters
     )
 
 
@@ -214,28 +192,102 @@ def one_shot_fits(m: int, n: int, world: int, config: MatmulAllReduceConfig) -> 
     return m <= ONE_SHOT_MAX_ROWS and tiles * world <= FLAG_CAPACITY
 
 
-def _one_shot(tag, x, weight, bias, info: GroupInfo, config, out_shape) -> torch.Tensor:
-    layout = Layout.of(x.numel() if weight is None else x.shape[0] * weight.shape[0], x.element_size(), info.world_size)
-    ws = _workspace(info, tag, x.device, layout.nbytes)
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    launch_kernel(x, weight, bias, out, ws.buffer_ptrs, ws.counters, layout, info.rank, info.world_size, config)
-    return out
+class _OneShot:
+    """One call signature of the one-shot path, resolved: layout, workspace, the kernel's launch."""
+
+    def __init__(self, tag, x, weight, bias, info: GroupInfo, config, out_shape):
+        numel = x.numel() if weight is None else x.shape[0] * weight.shape[0]
+        layout = Layout.of(numel, x.element_size(), info.world_size)
+        self.ws = _workspace(info, tag, x.device, layout.nbytes)
+        self.out_shape, self.dtype, self.device = out_shape, x.dtype, x.device
+        self.kernel = _Kernel(x, weight, bias, layout, info.rank, info.world_size, config, 3, MAX_SPINS, None)
+
+    def __call__(self, x, weight, bias):
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        self.kernel(x, weight, bias, out, self.ws.buffer_ptrs, self.ws.counters)
+        return out
+
+
+class _TwoShot:
+    """The fused GEMM+ReduceScatter (gemm_rs, its own plan), then an NCCL all-gather of the rows."""
+
+    def __init__(self, m, n, info: GroupInfo):
+        self.m, self.n, self.info = m, n, info
+
+    def __call__(self, x, weight, bias):
+        from fluxtp.backends.fused import gemm_rs
+
+        rows = gemm_rs.matmul_reduce_scatter(x, weight, bias, self.info)
+        out = rows.new_empty(self.m, self.n)
+        dist.all_gather_into_tensor(out, rows, group=self.info.group)
+        return out
+
+
+class _Ready:
+    """A plan behind the copies its kernel needs (TMA-ready x and weight, a contiguous bias), each
+    decided once for the signature."""
+
+    def __init__(self, run, x, weight, bias):
+        self.run = run
+        self.copy_x = not _tma_compatible(x)
+        self.copy_w = not _tma_compatible(weight)
+        self.copy_bias = bias is not None and not bias.is_contiguous()
+
+    def __call__(self, x, weight, bias):
+        if self.copy_x:
+            x = tma_ready(x)
+        if self.copy_w:
+            weight = tma_ready(weight)
+        if self.copy_bias:
+            bias = bias.contiguous()
+        return self.run(x, weight, bias)
+
+
+def _gemm_plan(x, weight, bias, info: GroupInfo, config):
+    ready_x, ready_w = tma_ready(x), tma_ready(weight)
+    ready_bias = None if bias is None else bias.contiguous()
+    m, n = ready_x.shape[0], ready_w.shape[0]
+    config = config or MatmulAllReduceConfig.heuristic(m, n, ready_x.shape[1], info.world_size)
+    if one_shot_fits(m, n, info.world_size, config) or m % info.world_size:
+        run = _OneShot(_GEMM_TAG, ready_x, ready_w, ready_bias, info, config, (m, n))
+    else:
+        run = _TwoShot(m, n, info)
+    return _Ready(run, x, weight, bias)
+
+
+def _sum_plan(x, info: GroupInfo, config):
+    config = config or AllReduceConfig()
+    copy_x = not x.is_contiguous()
+    x = x.contiguous()
+    tiles = triton.cdiv(triton.cdiv(x.numel(), config.block_n), config.block_m)
+    if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES and tiles * info.world_size <= FLAG_CAPACITY:
+        one_shot = _OneShot(_SUM_TAG, x, None, None, info, config, x.shape)
+        return lambda t: one_shot(t.contiguous() if copy_x else t, None, None)
+
+    def nccl(t):
+        out = t.contiguous().clone()
+        dist.all_reduce(out, group=info.group)
+        return out
+
+    return nccl
+
+
+_plans = PlanCache()
+
+
+def plan(x, weight, bias, info: GroupInfo, config=None):
+    """The cached plan of this call signature: a callable (x, weight, bias) for GEMM+AllReduce,
+    (x) for AllReduce (weight None)."""
+    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), info, config)
+    found = _plans.get(key)
+    if found is None:
+        found = _plans.put(key, _sum_plan(x, info, config) if weight is None else _gemm_plan(x, weight, bias, info, config))
+    return found
 
 
 def matmul_all_reduce(x, weight, bias, info: GroupInfo, config: MatmulAllReduceConfig | None = None):
     """[M, n]: sum over ranks of x @ weight^T, plus bias; bitwise the same on every rank."""
-    x, weight = tma_ready(x), tma_ready(weight)
-    bias = None if bias is None else bias.contiguous()
-    m, n = x.shape[0], weight.shape[0]
-    config = config or MatmulAllReduceConfig.heuristic(m, n, x.shape[1], info.world_size)
-    if one_shot_fits(m, n, info.world_size, config) or m % info.world_size:
-        return _one_shot(_GEMM_TAG, x, weight, bias, info, config, (m, n))
-    from fluxtp.backends.fused import gemm_rs
-
-    rows = gemm_rs.matmul_reduce_scatter(x, weight, bias, info)
-    out = rows.new_empty(m, n)
-    dist.all_gather_into_tensor(out, rows, group=info.group)
-    return out
+    return plan(x, weight, bias, info, config)(x, weight, bias)
 
 
 def all_reduce(x, info: GroupInfo, config: AllReduceConfig | None = None):
@@ -243,11 +295,4 @@ def all_reduce(x, info: GroupInfo, config: AllReduceConfig | None = None):
 
     One-shot up to ONE_SHOT_MAX_BYTES; a larger tensor is bandwidth-bound, where one-shot moves
     W-1 times the data: it goes to NCCL's all-reduce instead (the same sum within rounding)."""
-    config = config or AllReduceConfig()
-    x = x.contiguous()
-    tiles = triton.cdiv(triton.cdiv(x.numel(), config.block_n), config.block_m)
-    if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES and tiles * info.world_size <= FLAG_CAPACITY:
-        return _one_shot(_SUM_TAG, x, None, None, info, config, x.shape)
-    out = x.clone()
-    dist.all_reduce(out, group=info.group)
-    return out
+    return plan(x, None, None, info, config)(x)

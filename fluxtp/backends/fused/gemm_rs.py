@@ -22,7 +22,6 @@ surfaces at the next synchronization); timeout_report() and an exit hook name th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -31,66 +30,27 @@ import triton
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused._config import GemmTiling
+from fluxtp._plan import PlanCache, tensor_key
 from fluxtp.backends.fused import _launch
-from fluxtp.backends.fused._launch import descriptor, launch_compiled, num_sms, tma_ready, weight_operand
+from fluxtp.backends.fused._launch import (
+    BARRIER_TIMEOUT_MS,
+    MAX_SPINS_PEER,
+    DescriptorLayout,
+    Launch,
+    _tma_compatible,
+    num_sms,
+    tma_ready,
+)
+from fluxtp.configs import MIN_COPY_ENGINE_TILES, TRANSPORTS, MatmulReduceScatterConfig, tuned_config  # noqa: F401
+from fluxtp.configs import weight_layout_of
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
-from fluxtp.tune import tuned_config
 
-BARRIER_TIMEOUT_MS = 60_000
-# In-kernel spin bound. Each spin is one system-scope acquire read, of local memory (push) or
-# of a peer's over NVLink (pull): about a microsecond or two, so 2^26 spins is a minute or more,
-# far past any real wait (a peer still compiling its first launch included) and short of a hang.
-MAX_SPINS = 1 << 26
+MAX_SPINS = MAX_SPINS_PEER  # system-scope reads, of local memory (push) or a peer's (pull)
 _TAG = "matmul_reduce_scatter"
-TRANSPORTS = ("push", "pull", "copy_engine")
-# The copy engine's transport wants the SMs to have other tiles to compute while a band's
-# copy runs: with a segment of rows of one wave of tiles or less it lost badly (1024x4096x14336,
-# 64 tiles: 0.69x NCCL against push's 1.09x; docs/perf-log.md). Below two waves (H100 / H200:
-# 132 SMs) the heuristic pushes; the shipped table has measured choices for its shapes.
-MIN_COPY_ENGINE_TILES = 256
 # From this many ranks on, the owner issues the W-1 partials' loads all at once (unrolled): at
 # W=8 that took 0.91-1.00x the time of one load at a time, at W=2 and 4 it was level (one H200,
-# GEMM-only, docs/perf-log.md), so smaller groups keep the fewer live registers of the loop.
+# GEMM-only, benchmarks/reduce_unroll_ab.py), so smaller groups keep the fewer live registers of the loop.
 REDUCE_UNROLL_MIN_WORLD = 8
-
-
-@dataclass(frozen=True)
-class MatmulReduceScatterConfig(GemmTiling):
-    """How one fused GEMM+ReduceScatter call is launched; every rank must use the same one."""
-
-    # How partial tiles reach their owners (see the kernel): "push", the SMs store them into the
-    # owner's buffer; "pull", they store locally and the owner's SMs read them; "copy_engine", they
-    # store locally and a copy stream pushes each finished band of group_m tile rows. On 2x H200
-    # the copy engine's was the fastest at 17 of 20 tuned shapes (1-5%), and slow where a segment
-    # has a wave of tiles or less (heuristic below; docs/perf-log.md).
-    transport: str = "copy_engine"
-    # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
-    # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
-    epilogue_split: int = 4
-
-    def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-
-    @property
-    def copy_engine(self) -> bool:
-        return self.transport == "copy_engine"
-
-    @staticmethod
-    def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
-        """128x256x64, 8 warps, 3 stages at every shape (at the one-GPU grid on H200 and H100 it
-        read 1.000-1.007x the best screened tiling in geometric mean: docs/perf-log.md); the copy
-        engine's transport where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
-        return MatmulReduceScatterConfig().with_communication_heuristic(m_total, n, world)
-
-    def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
-        """This tiling with the heuristic's transport: the copy engine's where a segment of rows has
-        MIN_COPY_ENGINE_TILES tiles or more, else push."""
-        tiles = triton.cdiv(m_total // world, self.block_m) * triton.cdiv(n, self.block_n)
-        return dataclasses.replace(self, transport="copy_engine" if tiles >= MIN_COPY_ENGINE_TILES else "push")
-
-
 @dataclass(frozen=True)
 class Layout:
     """Byte layout of one rank's buffer for one call: partial slots [m, n], then int32 flags.
@@ -222,6 +182,61 @@ def timeout_report() -> str | None:
     return _launch.timeout_report(_TAG)
 
 
+class _Kernel:
+    """The persistent kernel's launch for one call signature: grid, constexprs, scalars and
+    descriptor layouts resolved once (the layouts at the first launch); a launch binds the call's
+    tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor)."""
+
+    def __init__(self, x, weight, bias, out_stride, buffer_flags_offset, rank, world, config, first_step, last_step,
+                 max_spins, report):  # fmt: skip
+        m_total, k = x.shape
+        n = weight.shape[0]
+        rows_per_rank = m_total // world
+        sms = num_sms(x.device)
+        tiles = (last_step - first_step + 1) * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
+        self.empty = tiles <= 0
+        self.config = config
+        # weight_operand's choice, made once: a transposed view read in place, else row-major rows
+        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t())
+        self.copy_w = not self.b_kn and not _tma_compatible(weight)
+        self.layouts = None
+        report = _launch.timeout_record(_TAG, x.device) if report is None else report
+        self.scalars = (rows_per_rank, n, k, out_stride, buffer_flags_offset, first_step, last_step, max_spins, report)
+        self.launch = Launch(
+            matmul_reduce_scatter_kernel,
+            min(sms, max(tiles, 1)),
+            RANK=rank,
+            WORLD=world,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            NUM_SMS=sms,
+            HAS_BIAS=bias is not None,
+            PUSH=config.transport != "pull",
+            NUM_STAGES=config.num_stages,
+            EPI_SPLIT=config.epilogue_split,
+            B_KN=self.b_kn,
+            COPY_ENGINE=config.copy_engine,
+            REDUCE_UNROLL=world >= REDUCE_UNROLL_MIN_WORLD,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+    def __call__(self, x, weight, bias, out, buffer_ptrs):
+        if self.empty:
+            return
+        b = weight.t() if self.b_kn else (tma_ready(weight) if self.copy_w else weight)
+        layouts = self.layouts
+        if layouts is None:
+            c = self.config
+            layouts = self.layouts = (
+                DescriptorLayout(x, [c.block_m, c.block_k]),
+                DescriptorLayout(b, [c.block_k, c.block_n] if self.b_kn else [c.block_n, c.block_k]),
+            )
+        self.launch(layouts[0].over(x), layouts[1].over(b), out, out if bias is None else bias, buffer_ptrs, *self.scalars)
+
+
 def launch_kernel(
     x,
     weight,
@@ -245,131 +260,135 @@ def launch_kernel(
     rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
     (default: this process's record).
     """
-    m_total, k = x.shape
-    n = weight.shape[0]
-    rows_per_rank = m_total // world
     last_step = world - 1 if last_step is None else last_step
-    sms = num_sms(out.device)
-    tiles = (last_step - first_step + 1) * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
-    if tiles <= 0:
-        return
-    report = _launch.timeout_record(_TAG, out.device) if report is None else report
-    a_desc = descriptor(x, [config.block_m, config.block_k])
-    b, b_kn = weight_operand(weight)
-    b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
-    launch_compiled(
-        matmul_reduce_scatter_kernel,
-        min(sms, tiles),
-        a_desc,
-        b_desc,
-        out,
-        out if bias is None else bias,
-        buffer_ptrs,
-        rows_per_rank,
-        n,
-        k,
-        out.stride(0),
-        flags_offset,
-        first_step,
-        last_step,
-        max_spins,
-        report,
-        RANK=rank,
-        WORLD=world,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        NUM_SMS=sms,
-        HAS_BIAS=bias is not None,
-        PUSH=config.transport != "pull",
-        NUM_STAGES=config.num_stages,
-        EPI_SPLIT=config.epilogue_split,
-        B_KN=b_kn,
-        COPY_ENGINE=config.copy_engine,
-        REDUCE_UNROLL=world >= REDUCE_UNROLL_MIN_WORLD,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-
-
-@dataclass
-class Call:
-    """One call after its reset and barrier (steps 1-2), ready for launch() (steps 3-4)."""
-
-    ws: _Workspace
-    layout: Layout
-    config: MatmulReduceScatterConfig
-    info: GroupInfo
+    kernel = _Kernel(x, weight, bias, out.stride(0), flags_offset, rank, world, config, first_step, last_step, max_spins,
+                     report)  # fmt: skip
+    kernel(x, weight, bias, out, buffer_ptrs)
 
 
 def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None) -> MatmulReduceScatterConfig:
-    """The caller's config, else fluxtp tune's cached one for this shape, else the heuristic."""
+    """The caller's config, else the tuned table's for this shape, else the heuristic."""
     m_total, k = x.shape
     return config or tuned_config(_TAG, x, weight, world) or MatmulReduceScatterConfig.heuristic(
         m_total, weight.shape[0], k, world
     )
 
 
-def prepare(x, weight, info: GroupInfo, config: MatmulReduceScatterConfig | None = None) -> Call:
-    """Steps 1-2 on the current stream: zero this rank's flags, then barrier."""
-    config = _config_for(x, weight, info.world_size, config)
-    layout = Layout.of(x.shape[0] // info.world_size, weight.shape[0], x.element_size(), info.world_size, config)
-    ws = _workspace(info, x.device, layout.nbytes)
-    ws.flags(layout).zero_()
-    ws.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-    return Call(ws, layout, config, info)
+def _write_value32(flags_u32, index, value):
+    # The op's overload itself: no overload resolution on every call.
+    torch.ops.symm_mem.stream_write_value32_.default(flags_u32, index, value)
 
 
-def launch(call: Call, x, weight, bias) -> torch.Tensor:
-    """Steps 3-4 on the current stream; returns this rank's rows of the sum, [M/W, n]."""
-    info = call.info
-    out = torch.empty(x.shape[0] // info.world_size, weight.shape[0], dtype=x.dtype, device=x.device)
-    if call.config.copy_engine:
-        # Fork before the kernel: forked after it, the copy stream would wait for the kernel's
-        # end, and the kernel waits for the copies (the first try trapped on 2x H200).
-        compute, copy = torch.cuda.current_stream(x.device), symm.copy_stream(x.device)
-        copy.wait_stream(compute)
-    launch_kernel(
-        x, weight, bias, out, call.ws.buffer_ptrs, call.layout.flags_offset, info.rank, info.world_size, call.config
-    )
-    if call.config.copy_engine:
-        _push_bands(call, x.dtype, compute, copy)
-    if call.config.transport == "pull":
-        call.ws.buffer.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-    return out
+class Plan:
+    """One call signature of matmul_reduce_scatter, resolved: config, layout, workspace and its
+    views (flags, copy-engine steps), the kernel's launch. prepare() is steps 1-2 of the module
+    docstring, launch() steps 3-4; a call is both."""
+
+    def __init__(self, x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
+        # The weight is left as it is: the kernel reads either of its layouts without a copy.
+        self.copy_x = not _tma_compatible(x)
+        self.copy_bias = bias is not None and not bias.is_contiguous()
+        x = tma_ready(x)
+        world, rank = info.world_size, info.rank
+        self.info = info
+        self.config = config = _config_for(x, weight, world, config)
+        self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], x.element_size(), world, config)
+        self.ws = ws = _workspace(info, x.device, layout.nbytes)
+        self.device, self.dtype = x.device, x.dtype
+        self.out_shape = (x.shape[0] // world, weight.shape[0])
+        self.flags = ws.flags(layout)
+        self.barrier = ws.buffer.handle.barrier
+        self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
+                              MAX_SPINS, None)  # fmt: skip
+        if config.copy_engine:
+            self.copy_stream = symm.copy_stream(x.device)
+            self.counters, self.steps = ws.copy_engine_steps(layout, x.dtype, rank, world)
+
+    def ready(self, x, weight, bias):
+        """The tensors the kernel reads: x TMA-ready, the bias contiguous (the weight as it is)."""
+        if self.copy_x:
+            x = tma_ready(x)
+        if self.copy_bias:
+            bias = bias.contiguous()
+        return x, weight, bias
+
+    def prepare(self) -> Plan:
+        """Steps 1-2 on the current stream: zero this rank's flags, then barrier."""
+        self.flags.zero_()
+        self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        return self
+
+    def launch(self, x, weight, bias) -> torch.Tensor:
+        """Steps 3-4 on the current stream (x, weight, bias as ready() gives them); returns this
+        rank's rows of the sum, [M/W, n]."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.config.copy_engine:
+            # Fork before the kernel: forked after it, the copy stream would wait for the kernel's
+            # end, and the kernel waits for the copies (the first try trapped on 2x H200).
+            compute, copy = torch.cuda.current_stream(self.device), self.copy_stream
+            copy.wait_stream(compute)
+        self.kernel(x, weight, bias, out, self.ws.buffer_ptrs)
+        if self.config.copy_engine:
+            self._push_bands(compute, copy)
+        if self.config.transport == "pull":
+            self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        return out
+
+    def _push_bands(self, compute: torch.cuda.Stream, copy: torch.cuda.Stream) -> None:
+        """Copy-engine mode, after the kernel is queued: on the copy stream (forked from `compute`
+        before the kernel), each finished band of peer tiles goes into its owner's buffer, then
+        the owner's flag for it is set.
+
+        The kernel goes first (symm.stream_wait_at_least: work queued behind a wait waits too).
+        The waits need no bound of their own: the counters are this rank's, filled by its own
+        kernel. The caller's stream joins the copy stream, so the next call's reset of the
+        counters comes after these waits have read them."""
+        counters = self.counters
+        torch.cuda.set_stream(copy)  # see ag_gemm: cheaper than a stream context on the host
+        try:
+            for step in self.steps:
+                symm.stream_wait_at_least(counters, step.counter, step.tiles)
+                step.target.copy_(step.source)
+                _write_value32(step.owner_flags, step.flag, 1)
+        finally:
+            torch.cuda.set_stream(compute)
+        compute.wait_stream(copy)
+
+    def __call__(self, x, weight, bias) -> torch.Tensor:
+        x, weight, bias = self.ready(x, weight, bias)
+        self.prepare()
+        return self.launch(x, weight, bias)
 
 
-def _push_bands(call: Call, dtype: torch.dtype, compute: torch.cuda.Stream, copy: torch.cuda.Stream) -> None:
-    """Copy-engine mode, after the kernel is queued: on the copy stream (forked from `compute`
-    before the kernel), each finished band of peer tiles goes into its owner's buffer, then the
-    owner's flag for it is set.
-
-    The kernel goes first (symm.stream_wait_at_least: work queued behind a wait waits too). The
-    waits need no bound of their own: the counters are this rank's, filled by its own kernel.
-    The caller's stream joins the copy stream, so the next call's reset of the counters comes
-    after these waits have read them."""
-    counters, steps = call.ws.copy_engine_steps(call.layout, dtype, call.info.rank, call.info.world_size)
-    torch.cuda.set_stream(copy)  # see ag_gemm: cheaper than a stream context on the host
-    try:
-        for step in steps:
-            symm.stream_wait_at_least(counters, step.counter, step.tiles)
-            step.target.copy_(step.source)
-            torch.ops.symm_mem.stream_write_value32_(step.owner_flags, step.flag, 1)
-    finally:
-        torch.cuda.set_stream(compute)
-    compute.wait_stream(copy)
+Call = Plan  # prepare()'s result, launch()'s argument
 
 
-def _ready(x, weight, bias):
-    # The weight is left as it is: launch_kernel reads either of its layouts without a copy.
-    return tma_ready(x), weight, None if bias is None else bias.contiguous()
+_plans = PlanCache()
+
+
+def plan(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None) -> Plan:
+    """The cached Plan of this call signature (built on its first call)."""
+    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), info, config)
+    found = _plans.get(key)
+    return found if found is not None else _plans.put(key, Plan(x, weight, bias, info, config))
+
+
+def prepare(x, weight, info: GroupInfo, config: MatmulReduceScatterConfig | None = None) -> Plan:
+    """Steps 1-2 on the current stream: zero this rank's flags, then barrier (x TMA-ready)."""
+    return plan(x, weight, None, info, config).prepare()
+
+
+def launch(call: Plan, x, weight, bias) -> torch.Tensor:
+    """Steps 3-4 on the current stream; returns this rank's rows of the sum, [M/W, n]. The
+    bias decides the kernel (HAS_BIAS): its plan shares `call`'s workspace and layout."""
+    bias = None if bias is None else bias.contiguous()
+    with_bias = call if bias is None else plan(x, weight, bias, call.info, call.config)
+    return with_bias.launch(x, weight, bias)
 
 
 def matmul_reduce_scatter(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
     """[M/W, n]: rows rank*M/W .. (rank+1)*M/W - 1 of sum over ranks of x @ weight^T, plus bias."""
-    x, weight, bias = _ready(x, weight, bias)
-    return launch(prepare(x, weight, info, config), x, weight, bias)
+    return plan(x, weight, bias, info, config)(x, weight, bias)
 
 
 def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
@@ -380,7 +399,7 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     partial tiles of peers' rows go to a local scratch buffer, and the own rows read zero
     partials whose flags are preset. It returns this rank's rows of its own partial plus bias.
     """
-    x, weight, bias = _ready(x, weight, bias)
+    x, bias = tma_ready(x), None if bias is None else bias.contiguous()  # the weight: read as it is
     m_total, n = x.shape[0], weight.shape[0]
     world, rank = info.world_size, info.rank
     config = _config_for(x, weight, world, config)  # the same config as matmul_reduce_scatter
@@ -393,9 +412,11 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     ptrs = [own.data_ptr() if r == rank else peers.data_ptr() for r in range(world)]
     buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=x.device)
     out = torch.empty(m_total // world, n, dtype=x.dtype, device=x.device)
+    kernel = _Kernel(x, weight, bias, out.stride(0), layout.flags_offset, rank, world, config, 0, world - 1, MAX_SPINS,
+                     None)  # fmt: skip
 
     def run():
-        launch_kernel(x, weight, bias, out, buffer_ptrs, layout.flags_offset, rank, world, config)
+        kernel(x, weight, bias, out, buffer_ptrs)
         return out
 
     run.workspace = (read, scratch)  # buffer_ptrs holds their raw addresses: keep them alive with run

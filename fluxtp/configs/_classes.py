@@ -1,0 +1,282 @@
+"""The launch configs of the fused kernels: frozen dataclasses with a measured heuristic default,
+and the tuner's search space over them (what `fluxtp tune` enumerates and prunes).
+
+Every rank must launch the same config. No triton import here: the configs are data, read by
+the lookup and the CLI on hosts without a GPU; `cdiv` stands in for triton.cdiv.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, as triton.cdiv."""
+    return (a + b - 1) // b
+
+
+@dataclass(frozen=True)
+class GemmTiling:
+    """Tile shape and pipelining of a persistent TMA GEMM; every rank must launch the same one."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8  # row bands of tiles visited together (L2 reuse of the weight tiles)
+    num_stages: int = 3
+    num_warps: int = 8
+
+
+
+# SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
+HOPPER_SMS = 132
+# What a 128x128 tile costs relative to a 128x256 one (half the work, a little less efficient):
+# the all-gather's tiles with 128x128 over 128x256 at the one-GPU grid (docs/perf-log.md).
+NARROW_TILE_COST = 0.525
+
+
+def narrow_tiles_win(tile_rows: int, n: int, sms: int = HOPPER_SMS) -> bool:
+    """Whether 128x128 tiles finish a persistent GEMM before 128x256 ones: each takes whole waves
+    of `sms` tiles, so the wide tile loses where its last wave is mostly empty (448 tiles are 3.4
+    waves of 132: 4 waves, against 6.8 -> 7 waves of half the cost). tile_rows: 128-row tiles of
+    the whole M (per segment, summed over segments); n: the GEMM's N."""
+    wide = tile_rows * cdiv(n, 256)
+    narrow = tile_rows * cdiv(n, 128)
+    return cdiv(narrow, sms) * NARROW_TILE_COST < cdiv(wide, sms)
+
+
+@dataclass(frozen=True)
+class AllGatherMatmulConfig(GemmTiling):
+    """How one fused AllGather+GEMM call is launched; every rank must use the same one."""
+
+    chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
+    flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
+    tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
+    epilogue_subtile: bool = True  # TMA-store the tile in two halves
+
+    @staticmethod
+    @functools.cache
+    def heuristic(rows_per_rank: int, n: int, k: int, world: int, sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:
+        """128x256x64, 8 warps, 3 stages, unless 128x128x64, 4 warps, 5 stages take fewer waves
+        (narrow_tiles_win): at the one-GPU grid on H200 and H100 this rule's tiling read 1.003x
+        the best screened one in geometric mean, 1.075x at worst (docs/perf-log.md)."""
+        if narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms):
+            config = AllGatherMatmulConfig(block_n=128, num_warps=4, num_stages=5)
+        else:
+            config = AllGatherMatmulConfig()
+        return config.with_communication_heuristic(rows_per_rank)
+
+    def with_communication_heuristic(self, rows_per_rank: int) -> AllGatherMatmulConfig:
+        """This tiling with the heuristic's copy chunks: the peers' rows in four chunks from 4096
+        rows per rank on, else one (each chunk costs two host calls, a copy and a signal)."""
+        pieces = 4 if rows_per_rank >= 4096 else 1
+        chunk = max(self.block_m, cdiv(cdiv(rows_per_rank, pieces), self.block_m) * self.block_m)
+        return dataclasses.replace(self, chunk_rows=chunk)
+
+    def chunk_rows_for(self, rows_per_rank: int) -> int:
+        rows = cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m
+        return min(rows, cdiv(rows_per_rank, self.block_m) * self.block_m)
+
+
+TRANSPORTS = ("push", "pull", "copy_engine")
+# The copy engine's transport wants the SMs to have other tiles to compute while a band's
+# copy runs: with a segment of rows of one wave of tiles or less it lost badly (1024x4096x14336,
+# 64 tiles: 0.69x NCCL against push's 1.09x; docs/perf-log.md). Below two waves (H100 / H200:
+# 132 SMs) the heuristic pushes; the shipped table has measured choices for its shapes.
+MIN_COPY_ENGINE_TILES = 256
+
+
+@dataclass(frozen=True)
+class MatmulReduceScatterConfig(GemmTiling):
+    """How one fused GEMM+ReduceScatter call is launched; every rank must use the same one."""
+
+    # How partial tiles reach their owners (see the kernel): "push", the SMs store them into the
+    # owner's buffer; "pull", they store locally and the owner's SMs read them; "copy_engine", they
+    # store locally and a copy stream pushes each finished band of group_m tile rows. On 2x H200
+    # the copy engine's was the fastest at 17 of 20 tuned shapes (1-5%), and slow where a segment
+    # has a wave of tiles or less (heuristic below; docs/perf-log.md).
+    transport: str = "copy_engine"
+    # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
+    # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
+    epilogue_split: int = 4
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+
+    @property
+    def copy_engine(self) -> bool:
+        return self.transport == "copy_engine"
+
+    @staticmethod
+    def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
+        """128x256x64, 8 warps, 3 stages at every shape (at the one-GPU grid on H200 and H100 it
+        read 1.000-1.007x the best screened tiling in geometric mean: docs/perf-log.md); the copy
+        engine's transport where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
+        return MatmulReduceScatterConfig().with_communication_heuristic(m_total, n, world)
+
+    def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
+        """This tiling with the heuristic's transport: the copy engine's where a segment of rows has
+        MIN_COPY_ENGINE_TILES tiles or more, else push."""
+        tiles = cdiv(m_total // world, self.block_m) * cdiv(n, self.block_n)
+        return dataclasses.replace(self, transport="copy_engine" if tiles >= MIN_COPY_ENGINE_TILES else "push")
+
+
+@dataclass(frozen=True)
+class MatmulAllReduceConfig(GemmTiling):
+    """How one one-shot GEMM+AllReduce call is launched; every rank must use the same one.
+
+    Decode GEMMs stream the weight once (M is tiny): narrow tiles give every SM its own columns,
+    and deep pipelines keep enough of the weight in flight."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    group_m: int = 1
+    num_stages: int = 6
+    num_warps: int = 4
+    swap_ab: bool = True  # the tile as (w @ x^T)^T, so that small M is the MMA's narrow side (wgmma)
+
+    @staticmethod
+    def heuristic(m: int, n: int, k: int, world: int) -> MatmulAllReduceConfig:
+        """Measured on 2x H200 under CUDA graphs at N 8192, k 14336 (docs/perf-log.md): swapped
+        operands up to 64 rows (16: 61.7 us vs 63.0 unswapped; 32 rows: 63.3 vs 65.6), then
+        128x64x128 tiles, 4 stages, 8 warps (128 rows: 79.7 us vs 84.0 with 64-wide K blocks)."""
+        if m <= 64:
+            block_m = max(16, 1 << (m - 1).bit_length())
+            return MatmulAllReduceConfig(block_m=block_m, swap_ab=True, num_stages=6 if block_m <= 32 else 5)
+        # 8 warps: 4 would hold the whole tile's pointers and values (ptxas for sm_90).
+        return MatmulAllReduceConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8, swap_ab=False)
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Tiles of fluxtp.all_reduce's one-shot kernel over the tensor viewed as rows of block_n."""
+
+    block_m: int = 4
+    block_n: int = 1024
+    num_warps: int = 4  # 32 values a thread: 8x1024 spilled at 4 warps (ptxas for sm_90)
+
+
+# ---------------------------------------------------------------- the tuner's search space
+
+FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")  # the ops with a tunable fused kernel
+
+# Shared memory per block on H100 and H200 (sm_90: 227 KiB opt-in); a little is left for the
+# pipeline's mbarriers and alignment.
+SMEM_LIMIT_BYTES = 227 * 1024
+SMEM_RESERVE_BYTES = 1024
+ELEMENT_BYTES = 2  # float16 / bfloat16 operands
+# float32 accumulator registers per thread (BM*BN / threads) a tiling may need; sm_90 has 255
+# registers per thread and the loop needs its own.
+MAX_ACC_REGISTERS = 128
+MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE = 64  # reduce-scatter epilogue in one slice: 128x256 spills
+
+TILES = ((128, 128), (128, 256), (256, 128))
+BLOCK_KS = (64, 128)
+WARPS = (4, 8)
+STAGES = (3, 4, 5)
+GROUP_MS = (4, 8, 16)
+AG_CHUNK_PIECES = (1, 2, 4, 8)
+RS_TRANSPORTS = ("copy_engine", "push", "pull")
+RS_EPILOGUE_SPLITS = (1, 2, 4)
+
+
+def config_class(op: str):
+    if op == "all_gather_matmul":
+        return AllGatherMatmulConfig
+    if op == "matmul_reduce_scatter":
+        return MatmulReduceScatterConfig
+    raise ValueError(f"op {op!r} has no tunable fused kernel; choose one of {', '.join(FUSED_OPS)}")
+
+
+def heuristic(op: str, m_total: int, n: int, k: int, world: int):
+    """The config the launcher uses without a cache entry (global sizes, as the cache keys)."""
+    cls = config_class(op)
+    if op == "all_gather_matmul":
+        return cls.heuristic(m_total // world, n // world, k, world)
+    return cls.heuristic(m_total, n, k // world, world)
+
+
+def smem_bytes(op: str, config) -> int:
+    """Shared memory of one block: the operand pipeline plus the epilogue's staging tile.
+
+    Pipeline: num_stages x (BM x BK + BN x BK) operand elements. Epilogue: all_gather_matmul
+    stages the output tile for its TMA store (half of it when subtiled); matmul_reduce_scatter
+    converts one float32 column slice (BN / epilogue_split) of the accumulator's layout.
+    """
+    c = config
+    pipeline = c.num_stages * (c.block_m * c.block_k + c.block_n * c.block_k) * ELEMENT_BYTES
+    if op == "all_gather_matmul":
+        epilogue = 0 if not c.tma_store else c.block_m * c.block_n * ELEMENT_BYTES // (2 if c.epilogue_subtile else 1)
+    else:
+        epilogue = c.block_m * (c.block_n // c.epilogue_split) * 4
+    return pipeline + epilogue
+
+
+def fits(op: str, config) -> bool:
+    """Whether the candidate fits shared memory and its accumulator fits the registers."""
+    if smem_bytes(op, config) + SMEM_RESERVE_BYTES > SMEM_LIMIT_BYTES:
+        return False
+    acc = config.block_m * config.block_n // (32 * config.num_warps)
+    if acc > MAX_ACC_REGISTERS:
+        return False
+    unsplit = op == "matmul_reduce_scatter" and config.epilogue_split == 1
+    return not (unsplit and acc > MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE)
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _chunk_rows(rows_per_rank: int, pieces: int, block_m: int) -> int:
+    """Rows per copy chunk for `pieces` chunks per rank (the heuristic's own rounding)."""
+    return max(block_m, _ceil_to(-(-rows_per_rank // pieces), block_m))
+
+
+def candidates(op: str, m_total: int, n: int, k: int, world: int) -> list:
+    """Every config of the space that fits, in enumeration order, without duplicates."""
+    cls = config_class(op)
+    out = []
+    for (bm, bn), bk, warps, stages, group_m in itertools.product(TILES, BLOCK_KS, WARPS, STAGES, GROUP_MS):
+        tiling = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages, "group_m": group_m}
+        if op == "all_gather_matmul":
+            rows = m_total // world
+            chunks = dict.fromkeys(_chunk_rows(rows, p, bm) for p in AG_CHUNK_PIECES)
+            variants = [cls(**tiling, chunk_rows=c) for c in chunks]
+        else:
+            variants = [
+                cls(**tiling, transport=transport, epilogue_split=split)
+                for transport, split in itertools.product(RS_TRANSPORTS, RS_EPILOGUE_SPLITS)
+            ]
+        out.extend(v for v in variants if fits(op, v))
+    return list(dict.fromkeys(out))
+
+
+def search_space(op: str, m_total: int, n: int, k: int, world: int) -> list:
+    """The candidates in the order the tuner tries them: the heuristic's config first, then by
+    how many fields differ from it (neighbours first), ties in enumeration order."""
+    base = heuristic(op, m_total, n, k, world)
+    space = candidates(op, m_total, n, k, world)
+    if base not in space:
+        space.insert(0, base)  # the baseline is always measured
+    fields = [f.name for f in dataclasses.fields(base)]
+
+    def distance(c) -> int:
+        return sum(getattr(c, f) != getattr(base, f) for f in fields)
+
+    order = {c: i for i, c in enumerate(space)}
+    return sorted(space, key=lambda c: (distance(c), order[c]))
+
+
+def describe(config) -> str:
+    """A short human form: 128x256x64 w8 s3 g8 plus the op's own knobs."""
+    c = config
+    text = f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
+    if hasattr(c, "chunk_rows"):
+        return text + f" chunk_rows={c.chunk_rows}"
+    return text + f" {c.transport} epilogue_split={c.epilogue_split}"
+

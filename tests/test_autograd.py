@@ -1,11 +1,10 @@
 """Gradients of the four functional ops against a float64 single-process reference, for gloo
 worlds of 1, 2 and 3, eager and under torch.compile(fullgraph=True) without a graph break or a
-Dynamo warning (fluxtp.ops._autograd states the convention: every rank computes the gradient of
-the sum over ranks of their losses).
+Dynamo warning (fluxtp.ops._autograd states the convention: sharded outputs feed each rank's own
+loss, summed over ranks; replicated outputs feed one loss, the same on every rank).
 
 The reference simulates every rank in one process on the global tensors (the same draw on
-every rank): each rank's loss is its output times a cotangent of its own, their sum is
-differentiated by torch's autograd, and each rank's gradients must match their part of it.
+every rank), differentiated by torch's autograd; each rank's gradients must match their part of it.
 """
 
 import json
@@ -80,27 +79,27 @@ def _matmul_reduce_scatter(rank, world, g, run):
 
 
 def _matmul_all_reduce(rank, world, g, run):
+    """A replicated output feeding one loss (the same on every rank), as a row-parallel linear
+    without sequence parallelism: its gradient is already the whole loss's on every rank."""
     m, n, k = 3, 4, 2
-    x, w, b = _draw(g, m, world * k), _draw(g, n, world * k), _draw(g, world, n)
-    cot = _draw(g, world, m, n)
+    x, w, b = _draw(g, m, world * k), _draw(g, n, world * k), _draw(g, n)
+    cot = _draw(g, m, n)
     cols = slice(rank * k, (rank + 1) * k)
-    xs, ws, bs = _leaf(x[:, cols]), _leaf(w[:, cols]), _leaf(b[rank])
-    run(lambda x_, w_, b_: (fluxtp.matmul_all_reduce(x_, w_, bias=b_) * cot[rank]).sum(), xs, ws, bs).backward()
+    xs, ws, bs = _leaf(x[:, cols]), _leaf(w[:, cols]), _leaf(b)
+    run(lambda x_, w_, b_: (fluxtp.matmul_all_reduce(x_, w_, bias=b_) * cot).sum(), xs, ws, bs).backward()
     xr, wr, br = _leaf(x), _leaf(w), _leaf(b)
-    total = sum(((xr @ wr.T + br[r]) * cot[r]).sum() for r in range(world))
-    total.backward()
+    ((xr @ wr.T + br) * cot).sum().backward()
     _close(xs.grad, xr.grad[:, cols], "matmul_all_reduce x")
     _close(ws.grad, wr.grad[:, cols], "matmul_all_reduce weight")
-    _close(bs.grad, br.grad[rank], "matmul_all_reduce bias")
+    _close(bs.grad, br.grad, "matmul_all_reduce bias")
 
 
 def _all_reduce(rank, world, g, run):
-    x, cot = _draw(g, world, 3, 5), _draw(g, world, 3, 5)
+    x, cot = _draw(g, world, 3, 5), _draw(g, 3, 5)
     xs = _leaf(x[rank])
-    run(lambda x_, w_, b_: (fluxtp.all_reduce(x_) * cot[rank]).sum(), xs, None, None).backward()
+    run(lambda x_, w_, b_: (fluxtp.all_reduce(x_) * cot).sum(), xs, None, None).backward()
     xr = _leaf(x)
-    total = sum((xr.sum(0) * cot[r]).sum() for r in range(world))
-    total.backward()
+    (xr.sum(0) * cot).sum().backward()
     _close(xs.grad, xr.grad[rank], "all_reduce x")
 
 

@@ -1,10 +1,11 @@
 """Autograd formulas of the four custom ops, registered on their torch.library ops, so a user can
 train through the functional ops directly (and torch.compile traces the backward too).
 
-Convention: each rank's backward receives the gradient of its own loss with respect to its own
-outputs, and computes the gradient of the sum over ranks of their losses (what the ranks'
-optimizers together descend), so every formula is exact whatever the ranks compute downstream.
-With G the output gradient of each rank, W ranks:
+Convention, as in Megatron-LM and PyTorch's DTensor parallel styles: a sharded output (the
+all-gather GEMM's columns, the reduce-scatter's rows) feeds each rank's own part of the loss, and
+the ranks' parts add up; a replicated output (matmul_all_reduce, all_reduce: the same sum on
+every rank) feeds the one loss that every rank computes alike, so its gradient is already the
+whole loss's on every rank and the sum's backward is the identity. With G the output gradient:
 
     all_gather_matmul      y_r = x @ w_r^T + b_r, x = [x_0; ..; x_{W-1}]
         grad x_r = rows r of sum_s G_s @ w_s        = matmul_reduce_scatter(G, w^T)
@@ -13,26 +14,23 @@ With G the output gradient of each rank, W ranks:
     matmul_reduce_scatter  out_r = rows r of sum_s x_s @ w_s^T, + b_r
         grad x_r = [G_0; ..; G_{W-1}] @ w_r         = all_gather_matmul(G, w^T), gathered G kept
         grad w_r = [G_0; ..]^T @ x_r, grad b_r = sum of G_r's rows
-    matmul_all_reduce      out_r = sum_s x_s @ w_s^T + b_r   (the same sum on every rank)
-        grad x_r = (sum_s G_s) @ w_r                = all_reduce(G), then a GEMM
-        grad w_r = (sum_s G_s)^T @ x_r, grad b_r = sum of G_r's rows
-    all_reduce             out_r = sum_s x_s
-        grad x_r = sum_s G_s                        = all_reduce(G)
+    matmul_all_reduce      out = sum_s x_s @ w_s^T + b   (replicated)
+        grad x_r = G @ w_r, grad w_r = G^T @ x_r, grad b = sum of G's rows (no communication)
+    all_reduce             out = sum_s x_s              (replicated)
+        grad x_r = G
 
-A replicated output that feeds the same loss on every rank (each rank computes L from it) thus
-gets the gradient of W*L, uniformly: divide that loss by W, or use fluxtp.nn, whose layers keep
-the sequence-parallel layout where no output is replicated. The backward calls the public ops
-with the forward's backend, so it is planned and fused where the forward was.
+Where each rank computes a loss of its own from a replicated output, all-reduce the output's
+gradient first (or use the sequence-parallel ops, whose outputs are sharded). The backward calls
+the public ops with the forward's backend, so it is planned and fused where the forward was.
 """
 
 from __future__ import annotations
 
-import torch
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fluxtp.ops.all_gather_matmul import _all_gather_matmul_op, all_gather_matmul
-from fluxtp.ops.all_reduce import _all_reduce_op, all_reduce
+from fluxtp.ops.all_reduce import _all_reduce_op
 from fluxtp.ops.matmul_all_reduce import _matmul_all_reduce_op
 from fluxtp.ops.matmul_reduce_scatter import _matmul_reduce_scatter_op, matmul_reduce_scatter
 
@@ -96,19 +94,16 @@ def _rs_backward(ctx, grad_out):
 
 
 def _ar_gemm_setup(ctx, inputs, output):
-    x, weight, bias, group_name, backend = inputs
+    x, weight, bias, _, _ = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group_name, ctx.backend, ctx.has_bias = group_name, backend, bias is not None
+    ctx.has_bias = bias is not None
 
 
 def _ar_gemm_backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    grad_x = grad_w = None
-    if need_x or need_w:
-        total = all_reduce(grad_out.contiguous(), group=_resolve_process_group(ctx.group_name), backend=ctx.backend)
-        grad_x = total @ weight if need_x else None
-        grad_w = total.t() @ x if need_w else None
+    grad_x = grad_out @ weight if need_x else None
+    grad_w = grad_out.t() @ x if need_w else None
     return grad_x, grad_w, _bias_grad(ctx, grad_out), None, None
 
 
@@ -116,13 +111,11 @@ def _ar_gemm_backward(ctx, grad_out):
 
 
 def _sum_setup(ctx, inputs, output):
-    _, group_name, backend = inputs
-    ctx.group_name, ctx.backend = group_name, backend
+    pass  # the backward is the identity: nothing to keep
 
 
 def _sum_backward(ctx, grad_out):
-    group = _resolve_process_group(ctx.group_name)
-    return all_reduce(grad_out.contiguous(), group=group, backend=ctx.backend), None, None
+    return grad_out, None, None
 
 
 _all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup)

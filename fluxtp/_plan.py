@@ -9,7 +9,21 @@ is valid while fluxtp._generation has the value it was built under.
 
 from __future__ import annotations
 
+import atexit
+import weakref
+
 from fluxtp import _generation
+
+_caches: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _clear_all() -> None:
+    """Drop every plan before the interpreter shuts down: plans hold process groups, and a gloo
+    group first released during interpreter teardown aborted the process at exit
+    ("terminate called without an active exception", after torch's destroy_process_group)."""
+    for cache in list(_caches):
+        cache.clear()
 
 
 def tensor_key(t) -> tuple:
@@ -26,6 +40,7 @@ class PlanCache:
         self._plans: dict = {}
         self._max_size = max_size
         self._generation = _generation.value
+        _caches.add(self)
 
     def get(self, key):
         entry = self._plans.get(key)

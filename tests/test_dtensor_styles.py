@@ -12,7 +12,10 @@ state_dict round trip through torch.distributed.checkpoint; bad input. One spawn
 
 import copy
 import importlib.util
+import os
 import random
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
-from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
 from fluxtp.nn import ColwiseParallel, RowwiseParallel, tp_submesh
@@ -404,3 +407,27 @@ def test_compiled_llama_has_no_graph_break():
     """The whole parallelized Llama (fluxtp's plan, tp 2) under torch.compile(fullgraph=True):
     one graph, fluxtp's linears in it as single ops, same logits and gradients as eager."""
     run_on_ranks(_compile_body, 2, random.randrange(1 << 30), backend="gloo")
+
+
+# --- the example, as a user launches it ----------------------------------------------------------
+
+
+def _example_losses(cmd) -> list[float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [float(m.group(1)) for m in re.finditer(r"^step \d+ loss (\S+)$", proc.stdout, re.MULTILINE)]
+
+
+def test_example_trains_like_one_device():
+    """examples/train_dtensor.py under torchrun, dp 2 x tp 2 with FSDP2, prints the losses of its
+    --reference run (float64, SGD: a mis-scaled gradient would show; tolerance as TOL_MODEL)."""
+    common = ["--dtype", "float64", "--optimizer", "sgd", "--lr", "0.5", "--steps", "3"]
+    reference = _example_losses([sys.executable, str(_EXAMPLE), "--reference", *common])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    losses = _example_losses([*torchrun, str(_EXAMPLE), "--dp", "2", "--tp", "2", *common])
+    assert len(reference) == len(losses) == 3 and reference[0] != reference[-1]
+    for step, (got, want) in enumerate(zip(losses, reference)):
+        assert abs(got - want) <= TOL_MODEL * abs(want), f"step {step}: loss {got!r}, one device {want!r}"
+    usage = subprocess.run([sys.executable, str(_EXAMPLE), "--help"], capture_output=True, text=True, check=True)
+    assert "torchrun --standalone --nproc-per-node 4 examples/train_dtensor.py --dp 2 --tp 2" in usage.stdout

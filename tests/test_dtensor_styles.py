@@ -344,6 +344,9 @@ def check_errors(tp, world):
     mesh = init_device_mesh("cpu", (world // W, W), mesh_dim_names=("dp", "tp"))
     linear = parallelize_module(nn.Linear(8, 2 * W), mesh, ColwiseParallel())
     assert linear.weight.device_mesh == mesh["tp"] and linear.weight.placements == (Shard(0),)
+    on_2d = distribute_tensor(torch.randn(2, 2 * W, 8), mesh, [Replicate(), Shard(1)])
+    with pytest.raises(ValueError, match="expected one on the tensor-parallel mesh"):
+        linear(on_2d)
     # A 2-D mesh without a "tp" dimension (a new mesh: a collective, on every rank).
     unnamed = init_device_mesh("cpu", (world // W, W))
     with pytest.raises(ValueError, match=r"expected a 1-D DeviceMesh or one with a dimension named 'tp'"):

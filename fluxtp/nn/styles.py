@@ -154,8 +154,13 @@ class _FluxLinearStyle(ParallelStyle):
         module.forward = types.MethodType(self._forward_fn(), module)
         return module
 
-    def _input_dtensor(self, x, mesh: DeviceMesh) -> DTensor:
+    def _input_dtensor(self, x, mesh: DeviceMesh, module: nn.Module) -> DTensor:
         if isinstance(x, DTensor):
+            if x.device_mesh != mesh:
+                raise ValueError(
+                    f"input of {module} is a DTensor on mesh {x.device_mesh}; expected one on the tensor-parallel "
+                    f"mesh {mesh} (the mesh this style was applied with)"
+                )
             return x
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"fluxtp.nn.{type(self).__name__}: input must be a torch.Tensor or DTensor, got {type(x).__name__}")
@@ -236,16 +241,11 @@ class ColwiseParallel(_FluxLinearStyle):
         return forward
 
     def _column(self, module: nn.Linear, x, mesh: DeviceMesh, info: GroupInfo):
-        x = self._input_dtensor(x, mesh)
+        x = self._input_dtensor(x, mesh, module)
         if x.shape[-1] != module.in_features:
             raise ValueError(f"input of {module} has shape {tuple(x.shape)}: expected [..., {module.in_features}]")
         ndim = x.dim()
-        p = _normalized(x.placements[0], ndim) if x.device_mesh.ndim == 1 else None
-        if p is None:
-            raise ValueError(
-                f"input of {module} is a DTensor on a {x.device_mesh.ndim}-D mesh; expected one on the "
-                f"tensor-parallel mesh {mesh}"
-            )
+        p = _normalized(x.placements[0], ndim)
         w_local, b_local = _local_params(module)
         if type(p) is Shard and p.dim != ndim - 1:
             _check_tokens(x, p.dim, info.world_size, f"input of {module}")
@@ -313,15 +313,10 @@ class RowwiseParallel(_FluxLinearStyle):
         return forward
 
     def _row(self, module: nn.Linear, x, mesh: DeviceMesh, info: GroupInfo):
-        x = self._input_dtensor(x, mesh)
+        x = self._input_dtensor(x, mesh, module)
         if x.shape[-1] != module.in_features:
             raise ValueError(f"input of {module} has shape {tuple(x.shape)}: expected [..., {module.in_features}]")
         ndim = x.dim()
-        if x.device_mesh.ndim != 1:
-            raise ValueError(
-                f"input of {module} is a DTensor on a {x.device_mesh.ndim}-D mesh; expected one on the "
-                f"tensor-parallel mesh {mesh}"
-            )
         if _normalized(x.placements[0], ndim) != Shard(ndim - 1):
             x = x.redistribute(mesh, [Shard(ndim - 1)])
         out = _normalized(self.output_layouts[0], ndim)

@@ -5,15 +5,20 @@
     parallelize(model, group)                 TP + SP for a LLaMA-style transformers decoder
     scatter_tokens, gather_tokens             enter / leave the sequence-parallel region
     sum_grads_over_group                      replicated parameters used on row shards
+    ColwiseParallel, RowwiseParallel          DTensor parallel styles running the fused ops
+                                              (drop-ins for torch's, see fluxtp.nn.styles)
 """
 
 from fluxtp.nn.decoder import TensorParallelPlan, default_plan, parallelize
 from fluxtp.nn.linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from fluxtp.nn.sequence import gather_tokens, scatter_tokens, sum_grads_over_group
+from fluxtp.nn.styles import ColwiseParallel, RowwiseParallel, tp_submesh
 
 __all__ = [
     "ColumnParallelLinear",
+    "ColwiseParallel",
     "RowParallelLinear",
+    "RowwiseParallel",
     "TensorParallelPlan",
     "column_parallel_linears",
     "default_plan",
@@ -21,4 +26,5 @@ __all__ = [
     "parallelize",
     "scatter_tokens",
     "sum_grads_over_group",
+    "tp_submesh",
 ]

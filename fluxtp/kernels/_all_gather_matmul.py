@@ -20,7 +20,7 @@ end are loaded (another segment's rows, or TMA's zero padding) but never stored.
 import triton
 import triton.language as tl
 
-from fluxtp.kernels._sync import give_up, wait_flag
+from fluxtp.kernels._sync import trap, wait_flag
 from fluxtp.kernels._tiles import grouped_tile
 
 
@@ -33,13 +33,13 @@ def _wait_for_tile(tile_id, ready, signal_ptr, report_ptr, tiles_m, tiles_n, til
     during a launch, so a chunk once seen stays ready). Returns the tile's chunk."""
     segment = (RANK + tile_id // tiles_per_segment) % WORLD
     pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-    chunk_in_segment = pid_m * BLOCK_M // chunk_rows
-    chunk = segment * chunks_per_rank + chunk_in_segment
+    chunk = segment * chunks_per_rank + pid_m * BLOCK_M // chunk_rows
     if chunk != ready:
-        # A chunk that never arrives: record (its rank, chunk, this rank) for the host, then trap.
-        # No device_print: it slows the whole kernel (docs/perf-log.md).
+        # A chunk that never arrives traps the kernel, without a record: give_up's CTA barrier and
+        # fence in this branch of the flattened loop made the GEMM-only mode 2.4-5x slower (one
+        # H200), and device_print slows the whole kernel too (docs/perf-log.md).
         if not wait_flag(signal_ptr + chunk, 1, max_spins, "gpu"):
-            give_up(report_ptr, signal_ptr + chunk, segment, chunk_in_segment, RANK)
+            trap()
     return chunk
 
 
@@ -132,7 +132,7 @@ def all_gather_matmul_kernel(
     chunks_per_rank,
     max_spins,
     signal_reset,  # what the last program writes into the signals: 0 (a call), 1 (GEMM-only mode)
-    report_ptr,  # int32 [3], host-readable: (rank, chunk, this rank) of a wait that gave up
+    report_ptr,  # int32 [3], host-readable; unused until a timeout record costs the loop nothing
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr,

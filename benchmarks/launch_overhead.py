@@ -190,7 +190,7 @@ def measure_calls(args) -> list[dict]:
 def measure_launches(args) -> list[dict]:
     """gemm_only's launch through Triton against launch_compiled (a Launch past its first call)."""
     from fluxtp._dist import GroupInfo
-    from fluxtp.backends.fused import _launch, ag_gemm, gemm_rs
+    from fluxtp.backends.fused import _launch, _all_gather_matmul, _matmul_reduce_scatter
 
     rows = []
     bf = torch.bfloat16
@@ -200,8 +200,8 @@ def measure_launches(args) -> list[dict]:
         for m, n, k in args.shapes:
             x_ag, w_ag = torch.randn(m // world, k, device="cuda", dtype=bf), torch.randn(n // world, k, device="cuda", dtype=bf)
             x_rs, w_rs = torch.randn(m, n // world, device="cuda", dtype=bf), torch.randn(k, n // world, device="cuda", dtype=bf)
-            runs[("all_gather_matmul", f"{m}x{n}x{k}")] = ag_gemm.gemm_only(x_ag, w_ag, None, info)
-            runs[("matmul_reduce_scatter", f"{m}x{k}x{n}")] = gemm_rs.gemm_only(x_rs, w_rs, None, info)
+            runs[("all_gather_matmul", f"{m}x{n}x{k}")] = _all_gather_matmul.gemm_only(x_ag, w_ag, None, info)
+            runs[("matmul_reduce_scatter", f"{m}x{k}x{n}")] = _matmul_reduce_scatter.gemm_only(x_rs, w_rs, None, info)
 
         def timed(run, path, calls):
             if path == "compiled":

@@ -3,7 +3,7 @@
     python benchmarks/reduce_unroll_ab.py [--rounds 8] [--out FILE.json]
 
 For the reduce-scatter cases of llama3-8b/70b/405b at TP 2, 4, 8 and 1024/4096/16384 tokens, the
-fused GEMM-only mode with gemm_rs.REDUCE_UNROLL_MIN_WORLD forced to 2 (always unrolled) and to
+fused GEMM-only mode with _matmul_reduce_scatter.REDUCE_UNROLL_MIN_WORLD forced to 2 (always unrolled) and to
 never, beside the plain TMA twin of the same tiling and cuBLAS, as CUDA graph replays,
 interleaved (fluxtp.bench.harness). The two fused variants must agree bitwise (the same sums in
 the same order); the shipped rule unrolls from the world size where unrolled/rolled was below 1.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused import gemm_rs
+from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.bench.gemm_grid import case_inputs, expected_rows, gemm_only_case, launched_config, model_cases
 from fluxtp.bench.gemm_grid import relative_error
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
@@ -47,7 +47,7 @@ def main() -> None:
         ref = expected_rows(case, F.linear(x, w))
         runs, outs = {}, {}
         for name, min_world in (("rolled", NEVER), ("unrolled", 2)):
-            gemm_rs.REDUCE_UNROLL_MIN_WORLD = min_world
+            _matmul_reduce_scatter.REDUCE_UNROLL_MIN_WORLD = min_world
             run = gemm_only_case(case, x, w)
             outs[name] = run().clone()
             runs[name] = graphed(run)

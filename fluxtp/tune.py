@@ -336,18 +336,18 @@ def _same_on_every_rank(values: list, info) -> list:
 def _launchers(op: str):
     """(the fused op's launcher as fn(x, w, info, config) -> (out, gathered or None), gemm_only)."""
     if op == "all_gather_matmul":
-        from fluxtp.backends.fused import ag_gemm
+        from fluxtp.backends.fused import _all_gather_matmul
 
         def run(x, w, info, config):
-            return ag_gemm.all_gather_matmul(x, w, None, info, True, config=config)
+            return _all_gather_matmul.all_gather_matmul(x, w, None, info, True, config=config)
 
-        return run, ag_gemm.gemm_only
-    from fluxtp.backends.fused import gemm_rs
+        return run, _all_gather_matmul.gemm_only
+    from fluxtp.backends.fused import _matmul_reduce_scatter
 
     def run(x, w, info, config):
-        return gemm_rs.matmul_reduce_scatter(x, w, None, info, config=config), None
+        return _matmul_reduce_scatter.matmul_reduce_scatter(x, w, None, info, config=config), None
 
-    return run, gemm_rs.gemm_only
+    return run, _matmul_reduce_scatter.gemm_only
 
 
 def _check(op, config, inputs, ref, ref_gathered, info, device) -> tuple[str | None, bool]:

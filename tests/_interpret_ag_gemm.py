@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from fluxtp._dist import GroupInfo  # noqa: E402
 from fluxtp.backends.fused._launch import weight_operand  # noqa: E402
-from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig, launch_gemm  # noqa: E402
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, launch_gemm  # noqa: E402
 
 TOL = 4 * 2**-11  # fp16 output rounding (u = 2^-11) plus fp32 accumulation, normwise
 

@@ -14,7 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 
 import torch
 
-import fluxtp.backends.fused.ag_gemm as ag
+import fluxtp.backends.fused._all_gather_matmul as ag
 from fluxtp._dist import GroupInfo
 
 TOL = 4 * 2**-11

@@ -17,7 +17,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 
 import torch
 
-from fluxtp.backends.fused.gemm_ar import AllReduceConfig, Layout, MatmulAllReduceConfig, launch_kernel
+from fluxtp.backends.fused._matmul_all_reduce import AllReduceConfig, Layout, MatmulAllReduceConfig, launch_kernel
 
 # fp16 output rounding (u = 2^-11), plus every rank's partial rounded to fp16 before the sum
 # (partials can be larger than their sum), plus fp32 accumulation: normwise.

@@ -22,8 +22,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch
 
 from fluxtp._dist import GroupInfo
-import fluxtp.backends.fused.gemm_rs as gemm_rs
-from fluxtp.backends.fused.gemm_rs import Layout, MatmulReduceScatterConfig, gemm_only, launch_kernel
+import fluxtp.backends.fused._matmul_reduce_scatter as _matmul_reduce_scatter
+from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, gemm_only, launch_kernel
 from _rs_simulation import make_buffers, peer_steps, shards, simulate, workspace  # a sibling: this script runs as a file
 
 # fp16 output rounding (u = 2^-11), plus the peers' partials rounded to fp16 before the sum
@@ -117,26 +117,26 @@ def launch_keeps_no_reference(cfg):
 
 
 def plan_launch(seed, world, m, n, k_local, cfg):
-    """The launcher's plan (gemm_rs.Plan) on the simulated buffers: after every rank's peer steps,
+    """The launcher's plan (_matmul_reduce_scatter.Plan) on the simulated buffers: after every rank's peer steps,
     each rank's planned launch (steps 0..W-1 again, then its own rows) gives its rows of the sum,
     on the call that builds the plan and on a second call that reuses it."""
     x, w, b = draw(seed, world, m, n, k_local, True)
     ref = reference(x, w, b)
     layout, buffers, ptrs, _ = peer_steps(x, w, b, world, k_local, cfg, float("nan"))
-    workspace_of = gemm_rs._workspace
-    gemm_rs._workspace = lambda info, device, nbytes: workspace(buffers, ptrs, info.rank)
+    workspace_of = _matmul_reduce_scatter._workspace
+    _matmul_reduce_scatter._workspace = lambda info, device, nbytes: workspace(buffers, ptrs, info.rank)
     try:
         for r in range(world):
             info = GroupInfo(None, r, world)
             xr, wr = shards(x, w, r, k_local)
-            plan = gemm_rs.plan(xr, wr, b, info, cfg)
+            plan = _matmul_reduce_scatter.plan(xr, wr, b, info, cfg)
             assert plan.layout == layout and plan.flags.numel() == layout.num_flags
             for call in range(2):
-                assert gemm_rs.plan(xr, wr, b, info, cfg) is plan, "the second call built another plan"
+                assert _matmul_reduce_scatter.plan(xr, wr, b, info, cfg) is plan, "the second call built another plan"
                 out = plan.launch(*plan.ready(xr, wr, b))
                 check(out, ref[r * m : (r + 1) * m], f"plan world={world} {cfg.transport} rank={r} call={call}")
     finally:
-        gemm_rs._workspace = workspace_of
+        _matmul_reduce_scatter._workspace = workspace_of
 
 
 def main():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fluxtp.backends.fused.gemm_rs import Layout, _Workspace, launch_kernel
+from fluxtp.backends.fused._matmul_reduce_scatter import Layout, _Workspace, launch_kernel
 from fluxtp.symm import SymmBuffer
 
 

@@ -7,8 +7,8 @@ import torch
 from fluxtp import configs, tune
 from fluxtp._dist import GroupInfo
 from fluxtp.backends import fused
-from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
-from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig
+from fluxtp.backends.fused._matmul_reduce_scatter import MatmulReduceScatterConfig
 
 TWO = GroupInfo(None, 0, 2)
 

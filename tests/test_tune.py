@@ -25,8 +25,8 @@ pytest.importorskip("triton")  # the fused configs live beside the Triton launch
 
 from fluxtp import cli, configs, tune
 from fluxtp._dist import resolve_group
-from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig
-from fluxtp.backends.fused.gemm_rs import MatmulReduceScatterConfig
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig
+from fluxtp.backends.fused._matmul_reduce_scatter import MatmulReduceScatterConfig
 from fluxtp.bench.harness import overlap_efficiency
 from fluxtp.bench.ops import Shape
 from fluxtp.bench.results import ENVELOPE_KEYS
@@ -149,7 +149,7 @@ def test_what_does_not_fit_is_pruned():
     assert not any(bk == 128 and max(bm, bn) == 256 for bm, bn, bk, _, _ in shapes)
     assert (128, 256, 64, 3, 4) not in shapes  # 256 accumulator registers a thread
     rs = set(tune.candidates(RS, 8192, 8192, 28672, 2))
-    assert not any(c.block_n == 256 and c.epilogue_split == 1 for c in rs)  # spills (gemm_rs note)
+    assert not any(c.block_n == 256 and c.epilogue_split == 1 for c in rs)  # spills (_matmul_reduce_scatter note)
     assert any(c.block_n == 128 and c.num_warps == 8 and c.epilogue_split == 1 for c in rs)
     assert tune.smem_bytes(AG, AllGatherMatmulConfig()) == 3 * (128 + 256) * 64 * 2 + 128 * 128 * 2
 

@@ -156,18 +156,18 @@ def heuristic_config(case: GemmCase):
 
 def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor):
     """The config a call of the case launches now (the user's cache, the shipped table, or the heuristic)."""
-    from fluxtp.backends.fused import ag_gemm, gemm_rs
+    from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
 
-    module = ag_gemm if case.op == "all_gather_matmul" else gemm_rs
+    module = _all_gather_matmul if case.op == "all_gather_matmul" else _matmul_reduce_scatter
     return module._config_for(x, weight, case.world, None)
 
 
 def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None):
     """A zero-argument callable launching the fused kernel of rank 0 of the case with
     communication switched off, with `config` (default: the one a call would launch)."""
-    from fluxtp.backends.fused import ag_gemm, gemm_rs
+    from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
 
-    module = ag_gemm if case.op == "all_gather_matmul" else gemm_rs
+    module = _all_gather_matmul if case.op == "all_gather_matmul" else _matmul_reduce_scatter
     return module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config=config)
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused.ag_gemm import AllGatherMatmulConfig, _set_signal, launch_gemm
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
 from tests._cases import TOLERANCE, draw, rel_error
 from tests._gates import HostGates
 

@@ -185,24 +185,24 @@ def test_two_groups_alternating():
 # must give up (trap: a CUDA error at the next synchronization) and name rank 1 and tile 0.
 _TIMEOUT_SCRIPT = """
 import torch
-from fluxtp.backends.fused import gemm_ar
+from fluxtp.backends.fused import _matmul_all_reduce
 
-config = gemm_ar.MatmulAllReduceConfig()
+config = _matmul_all_reduce.MatmulAllReduceConfig()
 m, n, k = 1, 64, 128  # one tile: one program waits, one record
 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-layout = gemm_ar.Layout.of(m * n, 2, 2)
+layout = _matmul_all_reduce.Layout.of(m * n, 2, 2)
 bufs = [torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
 ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
 counters = torch.zeros(2, dtype=torch.int32, device="cuda")
 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-gemm_ar.launch_kernel(x, w, None, out, ptrs, counters, layout, 0, 2, config, max_spins=100_000)
+_matmul_all_reduce.launch_kernel(x, w, None, out, ptrs, counters, layout, 0, 2, config, max_spins=100_000)
 try:
     torch.cuda.synchronize()
     print("no error")
 except Exception as e:
     print("error:", type(e).__name__)
-print("report:", gemm_ar.timeout_report(), flush=True)
+print("report:", _matmul_all_reduce.timeout_report(), flush=True)
 """
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import fluxtp
 from fluxtp._dist import resolve_group
 from fluxtp.backends import fused
-from fluxtp.backends.fused import gemm_rs
+from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, check_matmul_reduce, draw, rel_error
 from tests.gpu import WORLD
@@ -60,12 +60,12 @@ def _check(out, x, w, b, rank, world, what):
     return err
 
 
-MODES = gemm_rs.TRANSPORTS  # how the partial tiles reach their owners
+MODES = _matmul_reduce_scatter.TRANSPORTS  # how the partial tiles reach their owners
 
 
 def _config(x_local, w_local, mode):
     world = dist.get_world_size()
-    config = gemm_rs.MatmulReduceScatterConfig.heuristic(x_local.shape[0], w_local.shape[0], x_local.shape[1], world)
+    config = _matmul_reduce_scatter.MatmulReduceScatterConfig.heuristic(x_local.shape[0], w_local.shape[0], x_local.shape[1], world)
     return dataclasses.replace(config, transport=mode)
 
 
@@ -74,7 +74,7 @@ def _fused(x_local, w_local, b, mode=None, group=None):
     if mode is None:
         return fluxtp.matmul_reduce_scatter(x_local, w_local, bias=b, group=group, backend="fused")
     info = resolve_group(group)
-    return gemm_rs.matmul_reduce_scatter(x_local, w_local, b, info, _config(x_local, w_local, mode))
+    return _matmul_reduce_scatter.matmul_reduce_scatter(x_local, w_local, b, info, _config(x_local, w_local, mode))
 
 
 def _poison_output_pool(rows, n, dtype):
@@ -87,10 +87,10 @@ def _poison_workspace(x_local, w_local, config, group=None):
     info = resolve_group(group)
     torch.cuda.synchronize()
     dist.barrier(group=group)
-    layout = gemm_rs.Layout.of(
+    layout = _matmul_reduce_scatter.Layout.of(
         x_local.shape[0] // info.world_size, w_local.shape[0], x_local.element_size(), info.world_size, config
     )
-    buf = gemm_rs._workspaces[(info.name, x_local.device.index)].buffer.tensor
+    buf = _matmul_reduce_scatter._workspaces[(info.name, x_local.device.index)].buffer.tensor
     buf[: layout.flags_offset].view(x_local.dtype).fill_(NAN)
     buf[layout.flags_offset : layout.nbytes].view(torch.int32).fill_(1)
     torch.cuda.synchronize()
@@ -182,19 +182,19 @@ def _delayed_body(rank, world, seed):
                 config = _config(xl, wl, mode)
                 what = f"{mode} delayed rank={delay_rank} between barrier and kernel={inside}"
                 info = resolve_group(None)
-                gemm_rs.matmul_reduce_scatter(xl, wl, b, info, config)  # workspace for this shape
+                _matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, config)  # workspace for this shape
                 _poison_workspace(xl, wl, config)
                 if inside:
                     # The peer's kernel starts right after the barrier; its own rows must wait
                     # in the kernel for this rank's partials (push, copy engine), or its flags (pull).
-                    call = gemm_rs.prepare(xl, wl, info, config)
+                    call = _matmul_reduce_scatter.prepare(xl, wl, info, config)
                     if rank == delay_rank:
                         torch.cuda._sleep(SLEEP_CYCLES)
-                    out = gemm_rs.launch(call, xl, wl, b)
+                    out = _matmul_reduce_scatter.launch(call, xl, wl, b)
                 else:
                     if rank == delay_rank:  # the whole call arrives late
                         torch.cuda._sleep(SLEEP_CYCLES)
-                    out = gemm_rs.matmul_reduce_scatter(xl, wl, b, info, config)
+                    out = _matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, config)
                 _check(out, x, w, b, rank, world, what)
                 case += 1
 
@@ -211,11 +211,11 @@ def _graph_body(rank, world, seed):
         config = _config(xl, wl, mode)
         static_x, static_w = xl.clone(), wl.clone()
         for _ in range(2):  # warm-up: compile, allocate and rendezvous the workspace outside capture
-            gemm_rs.matmul_reduce_scatter(static_x, static_w, b, info, config)
+            _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, config)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_out = gemm_rs.matmul_reduce_scatter(static_x, static_w, b, info, config)
+            static_out = _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, config)
         torch.cuda.synchronize()
         for i in range(30):  # replay, check each
             x, w, _, xl, wl = _inputs(seed + 7 * (i + 1), world, rank, m_total, n, k_local, torch.bfloat16, False)
@@ -335,26 +335,26 @@ def test_auto_policy_and_k_must_be_multiple_of_8():
 # tile in host memory, readable after the trap.
 _TIMEOUT_SCRIPT = """
 import torch
-from fluxtp.backends.fused import gemm_rs
+from fluxtp.backends.fused import _matmul_reduce_scatter
 
-cfg = gemm_rs.MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2, transport="push")  # a flag per tile
+cfg = _matmul_reduce_scatter.MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2, transport="push")  # a flag per tile
 world, m, n, k = 2, 256, 512, 128
 x = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-layout = gemm_rs.Layout.of(m, n, 2, world, cfg)
+layout = _matmul_reduce_scatter.Layout.of(m, n, 2, world, cfg)
 bufs = [torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
 ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
 flags = bufs[0][layout.flags_offset :].view(torch.int32)
 flags.fill_(1)
 flags[2] = 0
 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-gemm_rs.launch_kernel(x, w, None, out, ptrs, layout.flags_offset, 0, world, cfg, 1, 1, max_spins=100_000)
+_matmul_reduce_scatter.launch_kernel(x, w, None, out, ptrs, layout.flags_offset, 0, world, cfg, 1, 1, max_spins=100_000)
 try:
     torch.cuda.synchronize()
     print("no error")
 except Exception as e:
     print("error:", type(e).__name__)
-print("report:", gemm_rs.timeout_report(), flush=True)
+print("report:", _matmul_reduce_scatter.timeout_report(), flush=True)
 """
 
 

@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from fluxtp.backends.fused import gemm_rs
-from fluxtp.backends.fused.gemm_rs import Layout, MatmulReduceScatterConfig, launch_kernel
+from fluxtp.backends.fused import _matmul_reduce_scatter
+from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel
 from tests._cases import TOLERANCE, draw, rel_error
 from tests._gates import HostGates
 from tests._rs_simulation import flag_views, peer_steps, shards, simulate
@@ -46,14 +46,14 @@ def _reference(x, w, b, rank, world):
     return ref + b.double() if b is not None else ref
 
 
-@pytest.mark.parametrize("transport", gemm_rs.TRANSPORTS)
+@pytest.mark.parametrize("transport", _matmul_reduce_scatter.TRANSPORTS)
 @pytest.mark.parametrize(
     "world, m, n, k_local, base, dtype, with_bias",
     [
         (2, 1000, 1000, 2048, WIDE, torch.bfloat16, True),  # ragged rows (7.8 tiles), N not a tile multiple
         (2, 512, 2048, 4096, NARROW, torch.float16, False),
         (4, 384, 1536, 1024, DEEP, torch.bfloat16, True),
-        (8, 200, 1024, 512, WIDE, torch.bfloat16, False),  # the unrolled reduction (gemm_rs.REDUCE_UNROLL_MIN_WORLD)
+        (8, 200, 1024, 512, WIDE, torch.bfloat16, False),  # the unrolled reduction (_matmul_reduce_scatter.REDUCE_UNROLL_MIN_WORLD)
     ],
 )
 def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n, k_local, base, dtype, with_bias):
@@ -95,7 +95,7 @@ def _deliveries(layout, cfg, owner, world):
     return out
 
 
-@pytest.mark.parametrize("transport", gemm_rs.TRANSPORTS)
+@pytest.mark.parametrize("transport", _matmul_reduce_scatter.TRANSPORTS)
 @pytest.mark.parametrize(
     "world, owner, m, n, k_local, base, dtype, with_bias",
     [

@@ -33,10 +33,10 @@ CASES = {
 def _launched_configs(op: str) -> list:
     """Record the config of every fused call plan of op built in this process (a plan launches
     the config it resolved, on every call of its signature)."""
-    from fluxtp.backends.fused import ag_gemm, gemm_rs
+    from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
 
     seen = []
-    module = ag_gemm if op == "all_gather_matmul" else gemm_rs
+    module = _all_gather_matmul if op == "all_gather_matmul" else _matmul_reduce_scatter
     original = module.Plan.__init__
 
     def spy(self, *args, **kwargs):

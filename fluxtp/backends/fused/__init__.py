@@ -1,7 +1,7 @@
 """The "fused" backend: Flux-style persistent Triton GEMMs that wait for, or send, each tile's
-data themselves. One launcher module per op beside this one (ag_gemm: AllGather+GEMM,
-gemm_rs: GEMM+ReduceScatter, gemm_ar: GEMM+AllReduce and AllReduce); they import triton, so they are imported on first use, not when
-the backend is only considered."""
+data themselves. One launcher module per op beside this one, named as the op with a leading
+underscore (_matmul_all_reduce also runs all_reduce), as its kernel in fluxtp.kernels is; they
+import triton, so they are imported on first use, not when the backend is only considered."""
 
 from __future__ import annotations
 
@@ -64,51 +64,51 @@ def preferred(op: str, x, weight, info: GroupInfo) -> bool:
 def plan(op: str, x, weight, bias, info: GroupInfo, *options):
     """The launcher's plan for this call signature, a callable (x, weight, bias) (backends.prepare)."""
     if op == "all_gather_matmul":
-        from fluxtp.backends.fused import ag_gemm
+        from fluxtp.backends.fused import _all_gather_matmul
 
-        return ag_gemm.plan(x, weight, bias, info, *options)
+        return _all_gather_matmul.plan(x, weight, bias, info, *options)
     if op == "matmul_reduce_scatter":
-        from fluxtp.backends.fused import gemm_rs
+        from fluxtp.backends.fused import _matmul_reduce_scatter
 
-        return gemm_rs.plan(x, weight, bias, info)
-    from fluxtp.backends.fused import gemm_ar
+        return _matmul_reduce_scatter.plan(x, weight, bias, info)
+    from fluxtp.backends.fused import _matmul_all_reduce
 
     if op == "all_reduce":
-        sum_plan = gemm_ar.plan(x, None, None, info)
+        sum_plan = _matmul_all_reduce.plan(x, None, None, info)
         return lambda x, weight, bias: sum_plan(x)
-    return gemm_ar.plan(x, weight, bias, info)
+    return _matmul_all_reduce.plan(x, weight, bias, info)
 
 
 def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):
-    from fluxtp.backends.fused import ag_gemm
+    from fluxtp.backends.fused import _all_gather_matmul
 
-    return ag_gemm.all_gather_matmul(x_shard, weight, bias, info, return_gathered)
+    return _all_gather_matmul.all_gather_matmul(x_shard, weight, bias, info, return_gathered)
 
 
 def matmul_reduce_scatter(x, weight, bias, info: GroupInfo):
-    from fluxtp.backends.fused import gemm_rs
+    from fluxtp.backends.fused import _matmul_reduce_scatter
 
-    return gemm_rs.matmul_reduce_scatter(x, weight, bias, info)
+    return _matmul_reduce_scatter.matmul_reduce_scatter(x, weight, bias, info)
 
 
 def matmul_all_reduce(x, weight, bias, info: GroupInfo):
-    from fluxtp.backends.fused import gemm_ar
+    from fluxtp.backends.fused import _matmul_all_reduce
 
-    return gemm_ar.matmul_all_reduce(x, weight, bias, info)
+    return _matmul_all_reduce.matmul_all_reduce(x, weight, bias, info)
 
 
 def all_reduce(x, info: GroupInfo):
-    from fluxtp.backends.fused import gemm_ar
+    from fluxtp.backends.fused import _matmul_all_reduce
 
-    return gemm_ar.all_reduce(x, info)
+    return _matmul_all_reduce.all_reduce(x, info)
 
 
-_GEMM_ONLY_MODULES = {"all_gather_matmul": "ag_gemm", "matmul_reduce_scatter": "gemm_rs"}
+_GEMM_ONLY_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 
 def gemm_only(op: str, x, weight, bias, info: GroupInfo):
     """A zero-argument callable running op's fused kernel with communication switched off."""
-    if op not in _GEMM_ONLY_MODULES:
+    if op not in _GEMM_ONLY_OPS:
         raise ValueError(f"the fused backend has no GEMM-only mode for {op}")
-    module = importlib.import_module(f"fluxtp.backends.fused.{_GEMM_ONLY_MODULES[op]}")
+    module = importlib.import_module(f"fluxtp.backends.fused._{op}")
     return module.gemm_only(x, weight, bias, info)

@@ -12,7 +12,7 @@ whenever a larger call outgrows it: do that outside CUDA graph capture (warm up 
 shape), on every rank at the same call (SPMD).
 
 Two-shot, for calls of more than ONE_SHOT_MAX_ROWS rows (prefill: the GEMM has enough tiles to
-hide a reduce-scatter): the fused GEMM+ReduceScatter (gemm_rs), then an NCCL all-gather of the
+hide a reduce-scatter): the fused GEMM+ReduceScatter (_matmul_reduce_scatter), then an NCCL all-gather of the
 reduced rows. At W ranks one-shot moves (W-1)/W more data than reduce-scatter + all-gather but
 hides all of it behind the GEMM; which is faster at which M is measured (docs/perf-log.md).
 
@@ -44,8 +44,8 @@ ONE_SHOT_MAX_ROWS = 256
 # AllReduce is one-shot up to this many bytes (faster than NCCL up to 8 MB on 2x H200, slower at
 # 16 MB: docs/perf-log.md); the workspace holds 2 * W such slots.
 ONE_SHOT_MAX_BYTES = 8 << 20
-_GEMM_TAG = "matmul_all_reduce"
-_SUM_TAG = "all_reduce"
+_OP = "matmul_all_reduce"
+_ALL_REDUCE_OP = "all_reduce"
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ class _Workspace:
 _workspaces: dict[tuple[str, int, str], _Workspace] = {}
 
 
-def _workspace(info: GroupInfo, tag: str, device: torch.device, nbytes: int) -> _Workspace:
+def _workspace(info: GroupInfo, op: str, device: torch.device, nbytes: int) -> _Workspace:
     """The cached workspace; a new (or grown) buffer gets zero flags and epoch 0 on every rank."""
-    buf = symm.buffer(info, tag, nbytes, device)
-    key = (info.name, torch.device(device).index or 0, tag)
+    buf = symm.buffer(info, op, nbytes, device)
+    key = (info.name, torch.device(device).index or 0, op)
     ws = _workspaces.get(key)
     if ws is None or ws.buffer is not buf:
         buf.local(torch.int32, (FLAG_CAPACITY,)).zero_()
@@ -95,7 +95,7 @@ def _workspace(info: GroupInfo, tag: str, device: torch.device, nbytes: int) -> 
 
 def timeout_report() -> str | None:
     """Which in-kernel wait of these ops gave up in this process, if one did."""
-    return _launch.timeout_report(_GEMM_TAG) or _launch.timeout_report(_SUM_TAG)
+    return _launch.timeout_report(_OP) or _launch.timeout_report(_ALL_REDUCE_OP)
 
 
 class _Kernel:
@@ -107,7 +107,7 @@ class _Kernel:
     """
 
     def __init__(self, x, weight, bias, layout: Layout, rank: int, world: int, config, phases, max_spins, report):
-        self.tag = tag = _SUM_TAG if weight is None else _GEMM_TAG
+        self.op = op = _ALL_REDUCE_OP if weight is None else _OP
         self.gemm = weight is not None
         if weight is None:
             numel = x.numel()
@@ -118,12 +118,12 @@ class _Kernel:
             numel = m * n
         tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
         if tiles * world > FLAG_CAPACITY:
-            raise ValueError(f"{tag}: {tiles} tiles x {world} ranks exceed the {FLAG_CAPACITY} flags of the workspace")
+            raise ValueError(f"{op}: {tiles} tiles x {world} ranks exceed the {FLAG_CAPACITY} flags of the workspace")
         self.empty = numel == 0
         self.config = config
         self.layouts = None
         sms = num_sms(x.device)
-        report = _launch.timeout_record(tag, x.device) if report is None else report
+        report = _launch.timeout_record(op, x.device) if report is None else report
         self.scalars = (m, n, k, numel, layout.data_offset, layout.slot_bytes, max_spins, report)
         self.launch = Launch(
             matmul_all_reduce_kernel,
@@ -195,10 +195,10 @@ def one_shot_fits(m: int, n: int, world: int, config: MatmulAllReduceConfig) -> 
 class _OneShot:
     """One call signature of the one-shot path, resolved: layout, workspace, the kernel's launch."""
 
-    def __init__(self, tag, x, weight, bias, info: GroupInfo, config, out_shape):
+    def __init__(self, op, x, weight, bias, info: GroupInfo, config, out_shape):
         numel = x.numel() if weight is None else x.shape[0] * weight.shape[0]
         layout = Layout.of(numel, x.element_size(), info.world_size)
-        self.ws = _workspace(info, tag, x.device, layout.nbytes)
+        self.ws = _workspace(info, op, x.device, layout.nbytes)
         self.out_shape, self.dtype, self.device = out_shape, x.dtype, x.device
         self.kernel = _Kernel(x, weight, bias, layout, info.rank, info.world_size, config, 3, MAX_SPINS, None)
 
@@ -209,15 +209,15 @@ class _OneShot:
 
 
 class _TwoShot:
-    """The fused GEMM+ReduceScatter (gemm_rs, its own plan), then an NCCL all-gather of the rows."""
+    """The fused GEMM+ReduceScatter (_matmul_reduce_scatter, its own plan), then an NCCL all-gather of the rows."""
 
     def __init__(self, m, n, info: GroupInfo):
         self.m, self.n, self.info = m, n, info
 
     def __call__(self, x, weight, bias):
-        from fluxtp.backends.fused import gemm_rs
+        from fluxtp.backends.fused import _matmul_reduce_scatter
 
-        rows = gemm_rs.matmul_reduce_scatter(x, weight, bias, self.info)
+        rows = _matmul_reduce_scatter.matmul_reduce_scatter(x, weight, bias, self.info)
         out = rows.new_empty(self.m, self.n)
         dist.all_gather_into_tensor(out, rows, group=self.info.group)
         return out
@@ -249,7 +249,7 @@ def _gemm_plan(x, weight, bias, info: GroupInfo, config):
     m, n = ready_x.shape[0], ready_w.shape[0]
     config = config or MatmulAllReduceConfig.heuristic(m, n, ready_x.shape[1], info.world_size)
     if one_shot_fits(m, n, info.world_size, config) or m % info.world_size:
-        run = _OneShot(_GEMM_TAG, ready_x, ready_w, ready_bias, info, config, (m, n))
+        run = _OneShot(_OP, ready_x, ready_w, ready_bias, info, config, (m, n))
     else:
         run = _TwoShot(m, n, info)
     return _Ready(run, x, weight, bias)
@@ -261,7 +261,7 @@ def _sum_plan(x, info: GroupInfo, config):
     x = x.contiguous()
     tiles = triton.cdiv(triton.cdiv(x.numel(), config.block_n), config.block_m)
     if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES and tiles * info.world_size <= FLAG_CAPACITY:
-        one_shot = _OneShot(_SUM_TAG, x, None, None, info, config, x.shape)
+        one_shot = _OneShot(_ALL_REDUCE_OP, x, None, None, info, config, x.shape)
         return lambda t: one_shot(t.contiguous() if copy_x else t, None, None)
 
     def nccl(t):

@@ -46,7 +46,7 @@ from fluxtp.configs import weight_layout_of
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 
 MAX_SPINS = MAX_SPINS_PEER  # system-scope reads, of local memory (push) or a peer's (pull)
-_TAG = "matmul_reduce_scatter"
+_OP = "matmul_reduce_scatter"
 # From this many ranks on, the owner issues the W-1 partials' loads all at once (unrolled): at
 # W=8 that took 0.91-1.00x the time of one load at a time, at W=2 and 4 it was level (one H200,
 # GEMM-only, benchmarks/reduce_unroll_ab.py), so smaller groups keep the fewer live registers of the loop.
@@ -167,7 +167,7 @@ _workspaces: dict[tuple[str, int], _Workspace] = {}
 
 
 def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace:
-    buf = symm.buffer(info, _TAG, nbytes, device)
+    buf = symm.buffer(info, _OP, nbytes, device)
     key = (info.name, torch.device(device).index or 0)
     ws = _workspaces.get(key)
     if ws is None or ws.buffer is not buf:
@@ -179,7 +179,7 @@ def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace
 
 def timeout_report() -> str | None:
     """Which in-kernel wait of this op gave up in this process, if one did (readable after the trap)."""
-    return _launch.timeout_report(_TAG)
+    return _launch.timeout_report(_OP)
 
 
 class _Kernel:
@@ -200,7 +200,7 @@ class _Kernel:
         self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t())
         self.copy_w = not self.b_kn and not _tma_compatible(weight)
         self.layouts = None
-        report = _launch.timeout_record(_TAG, x.device) if report is None else report
+        report = _launch.timeout_record(_OP, x.device) if report is None else report
         self.scalars = (rows_per_rank, n, k, out_stride, buffer_flags_offset, first_step, last_step, max_spins, report)
         self.launch = Launch(
             matmul_reduce_scatter_kernel,
@@ -269,7 +269,7 @@ def launch_kernel(
 def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None) -> MatmulReduceScatterConfig:
     """The caller's config, else the tuned table's for this shape, else the heuristic."""
     m_total, k = x.shape
-    return config or tuned_config(_TAG, x, weight, world) or MatmulReduceScatterConfig.heuristic(
+    return config or tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(
         m_total, weight.shape[0], k, world
     )
 
@@ -344,7 +344,7 @@ class Plan:
         kernel. The caller's stream joins the copy stream, so the next call's reset of the
         counters comes after these waits have read them."""
         counters = self.counters
-        torch.cuda.set_stream(copy)  # see ag_gemm: cheaper than a stream context on the host
+        torch.cuda.set_stream(copy)  # see _all_gather_matmul: cheaper than a stream context on the host
         try:
             for step in self.steps:
                 symm.stream_wait_at_least(counters, step.counter, step.tiles)

@@ -42,7 +42,7 @@ call, even in a branch never taken, slowed a fused kernel here by 25% (docs/perf
 import triton
 import triton.language as tl
 
-from fluxtp.kernels._sync import give_up, set_flag, wait_flag
+from fluxtp.kernels._sync import give_up, set_flag, wait_flags
 from fluxtp.kernels._tiles import grouped_tile
 
 
@@ -165,6 +165,7 @@ def matmul_reduce_scatter_kernel(
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     COPY_ENGINE: tl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
     REDUCE_UNROLL: tl.constexpr,  # the owner's W-1 partial loads unrolled (all in flight) or one at a time
+    WORLD_POW2: tl.constexpr,  # the next power of two >= WORLD (the owner reads its peers' flags as one vector)
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -204,22 +205,26 @@ def matmul_reduce_scatter_kernel(
 
         if own:
             # Every peer's partial of this tile has arrived (acquire), after the K loop (which
-            # overlaps the peers' work), before any thread loads one.
-            for src in tl.static_range(WORLD):
-                if src != RANK:
-                    if PUSH:
-                        holder = RANK
-                        slot = src - (src > RANK)
-                    else:
-                        holder = src
-                        slot = RANK - (RANK > src)
-                    flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
-                    if COPY_ENGINE:
-                        flag_ptr = flags + slot * bands + pid_m // GROUP_M
-                    else:
-                        flag_ptr = flags + slot * tiles_per_segment + tile
-                    if not wait_flag(flag_ptr, 1, max_spins, "sys"):
-                        give_up(report_ptr, flag_ptr, src, tile, RANK)
+            # overlaps the peers' work), before any thread loads one. All W-1 flags are read at
+            # once: one at a time, their round trips added up.
+            srcs = tl.arange(0, WORLD_POW2)
+            peer = (srcs < WORLD) & (srcs != RANK)
+            if PUSH:
+                holders = tl.full((WORLD_POW2,), RANK, tl.int32)
+                slots = srcs - (srcs > RANK).to(tl.int32)
+            else:
+                holders = srcs
+                slots = tl.full((WORLD_POW2,), RANK, tl.int32) - (srcs < RANK).to(tl.int32)
+            bases = tl.load(buffer_ptrs + holders, mask=peer, other=0) + flags_offset
+            if COPY_ENGINE:
+                index = slots * bands + pid_m // GROUP_M
+            else:
+                index = slots * tiles_per_segment + tile
+            flag_ptrs = bases.to(tl.pointer_type(tl.int32)) + index
+            arrived = wait_flags(flag_ptrs, peer, 1, max_spins, "sys")
+            if tl.min(arrived.to(tl.int32), 0) == 0:
+                late = tl.min(tl.where(arrived, WORLD_POW2, srcs), 0)
+                give_up(report_ptr, pending_flag, late, tile, RANK)
             tl.debug_barrier()
 
         if EPI_SPLIT == 1:

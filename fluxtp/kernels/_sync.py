@@ -30,6 +30,21 @@ def wait_flag(flag_ptr, expected, max_spins, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def wait_flags(flag_ptrs, mask, expected, max_spins, SCOPE: tl.constexpr):
+    """Spin until every unmasked *flag_ptrs == expected (acquire), all flags read in each round
+    (one memory round trip for all of them, not one per flag); returns which arrived (masked
+    lanes count as arrived) within max_spins rounds."""
+    values = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
+    arrived = (values == expected) | ~mask
+    spins = 0
+    while (tl.min(arrived.to(tl.int32), 0) == 0) & (spins < max_spins):
+        values = tl.atomic_add(flag_ptrs, 0, mask=mask & ~arrived, sem="acquire", scope=SCOPE)
+        arrived = arrived | (mask & (values == expected))
+        spins += 1
+    return arrived
+
+
+@triton.jit
 def wait_flag_at_least(flag_ptr, target, max_spins, SCOPE: tl.constexpr):
     """Spin until *flag_ptr has reached `target` (acquire), for flags that count calls (epochs).
 

@@ -219,6 +219,7 @@ class _Kernel:
             B_KN=self.b_kn,
             COPY_ENGINE=config.copy_engine,
             REDUCE_UNROLL=world >= REDUCE_UNROLL_MIN_WORLD,
+            WORLD_POW2=triton.next_power_of_2(world),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

@@ -27,7 +27,7 @@ import fluxtp
 from fluxtp import backends
 from fluxtp._dist import GroupInfo
 from fluxtp.bench import SCENARIOS, scenario_module
-from fluxtp.bench.launch import Launch, local_device_type, run_local, run_torchrun, under_torchrun
+from fluxtp.bench.launch import Launch, intro, local_device_type, run_local, run_torchrun, under_torchrun
 from fluxtp.bench.plot import matplotlib_missing
 from fluxtp.bench.results import command_line, triton_version
 from fluxtp.ops import BACKENDS, OPS
@@ -225,6 +225,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         parser.error(str(e))
     launch = Launch(args.scenario, config, args.out, args.plot, args.command_line)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone
+        print(intro(launch, world, device_type), flush=True)
     if world == 1:
         print(
             "fluxtp bench: a world of one process: every op is a plain linear, nothing is communicated", file=sys.stderr

@@ -46,11 +46,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Timings, Variant, measure_rounds
+from fluxtp.bench.progress import describe as describe_bar
+from fluxtp.bench.progress import progress_bar
 from fluxtp.bench.ops import BASELINE, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error, select_backends
 from fluxtp.bench.train import MODELS as LAYER_DIMS
 from fluxtp.bench.train import NO_COMM, VERIFY_TOLERANCE, LayerDims, step_metrics, step_table
@@ -355,11 +356,11 @@ def run(config: ServeConfig, info: GroupInfo, device: torch.device, show_progres
         )
         cases = [(b, s) for b in config.batches for s in config.prompt_lens]
         rounds = sum(config.protocols[p].rounds for p in config.phases)
-        bar = tqdm(total=len(cases) * rounds, disable=not show_progress, unit="round", leave=False)
+        bar = progress_bar(len(cases) * rounds, "round", show_progress)
         agreement, rows = Agreement(), []
         try:
             for batch, prompt_len in cases:
-                bar.set_description(f"batch {batch} prompt_len {prompt_len}")
+                describe_bar(bar, f"batch {batch} prompt_len {prompt_len}")
                 rows += _run_case(
                     model, config, names, batch, prompt_len, info, device, agreement, lambda: bar.update(1)
                 )

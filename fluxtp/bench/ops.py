@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import shutil
 import textwrap
 from dataclasses import dataclass, replace
 
@@ -29,6 +28,7 @@ from tabulate import tabulate
 import fluxtp
 from fluxtp import backends
 from fluxtp._dist import GroupInfo, max_over_ranks
+from fluxtp._terminal import terminal_width
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies
 from fluxtp.bench.harness import format_speedup, graphed, measure_rounds, overlap_efficiency, speedup, speedup_iqr
@@ -428,7 +428,7 @@ def describe(config: OpsConfig, world: int, device_type: str, width: int | None 
             f"Each case checks {chosen} against the reference ({REFERENCE}), then times them beside the "
             f"matmul alone, over {timing}."
         )
-    width = max(width or shutil.get_terminal_size((100, 24)).columns, 40)
+    width = width or terminal_width()
     return "\n".join(textwrap.fill(sentence, width) for sentence in (first, second))
 
 
@@ -436,8 +436,7 @@ def format_table(rows: list[dict], width: int | None = None) -> str:
     """The legend, then one table per op: time per call of every variant, the ceiling, then the
     speedup (with its spread) and E_overlap of each backend. `width`: the legend's, default the
     terminal's."""
-    width = width or shutil.get_terminal_size((100, 24)).columns
-    parts = [textwrap.fill(LEGEND, max(width, 40))]
+    parts = [textwrap.fill(LEGEND, width or terminal_width())]
     for op in dict.fromkeys(r["op"] for r in rows):
         op_rows = [r for r in rows if r["op"] == op]
         variants = list(dict.fromkeys(k for r in op_rows for k in r["ms"]))

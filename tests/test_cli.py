@@ -171,6 +171,65 @@ def test_progress_bar_is_drawn_only_on_a_terminal():
     bar.close()
 
 
+def _help(monkeypatch, capsys, *command) -> str:
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width: one line per option
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # an option's help may start on the next line
+
+
+def test_help_defaults_are_the_ones_that_run(monkeypatch, capsys):
+    """Every default --help states is the constant the code paths use."""
+    from fluxtp.bench import serve, train
+
+    bench = _help(monkeypatch, capsys, "bench")
+    gpu, cpu = ops_scenario.GPU_PROTOCOL, ops_scenario.CPU_PROTOCOL
+    dtypes = ops_scenario.DEFAULT_DTYPE
+    assert f"--dtype {{bfloat16,float16,float32,float64}} default: {dtypes['cuda']} on GPUs, {dtypes['cpu']} on CPU" in bench
+    # --rounds: the ops', train's and serve's decode protocols agree; serve's prefill is named.
+    assert f"(default: {gpu.rounds} on GPUs, {cpu.rounds} on CPU; serve's prefill: " in bench
+    assert (train.GPU_PROTOCOL.rounds, train.CPU_PROTOCOL.rounds) == (gpu.rounds, cpu.rounds)
+    assert (serve.PROTOCOLS["cuda"]["decode"].rounds, serve.PROTOCOLS["cpu"]["decode"].rounds) == (gpu.rounds, cpu.rounds)
+    assert serve.PROTOCOLS["cpu"]["prefill"].rounds == cpu.rounds
+    assert f"serve's prefill: {serve.PROTOCOLS['cuda']['prefill'].rounds} on GPUs)" in bench
+    assert f"(default: {gpu.calls_per_sample} on GPUs, {cpu.calls_per_sample} on CPU)" in bench
+    # --shapes: the M of the default shapes, per op and device.
+    shapes = ops_scenario.DEFAULT_SHAPES
+    assert sorted({s.M for s in shapes["cuda"]["all_gather_matmul"]}) == [1024, 2048, 4096, 8192]
+    assert sorted({s.M for s in shapes["cuda"]["matmul_all_reduce"]}) == [1, 128, 1024, 2048, 4096, 8192]
+    assert "LLaMA-70B MLP dims, M 1024..8192, and M 1 and 128 too for matmul_all_reduce" in bench
+    assert {s.M for op in ops_scenario.OPS for s in shapes["cpu"][op]} == {64, 128, 256}
+    assert "on CPU: small demo shapes, M 64..256" in bench
+    assert "(default: all three)" in bench and cli.build_parser().parse_args(["bench"]).op == "all"
+    # train and serve.
+    t, sv = train.DEFAULTS, serve.DEFAULTS
+    assert f"(default: {t['cuda']['model']} on GPUs, {t['cpu']['model']} on CPU)" in bench
+    assert (sv["cuda"]["model"], sv["cpu"]["model"]) == (t["cuda"]["model"], t["cpu"]["model"])
+    assert t["cuda"]["layers"] == t["cpu"]["layers"] == sv["cuda"]["layers"] == sv["cpu"]["layers"] == 2
+    assert "decoder layers in the stack (default: 2)" in bench
+    seqs = {d: ",".join(map(str, t[d]["seq"])) for d in ("cuda", "cpu")}
+    assert f"(default on GPUs: {seqs['cuda']}; on CPU: {seqs['cpu']})" in bench
+    assert f"(default: {t['cuda']['batch']} on GPUs, {t['cpu']['batch']} on CPU)" in bench
+    batches = {d: ",".join(map(str, sv[d]["batch"])) for d in ("cuda", "cpu")}
+    assert f"(default: {batches['cuda']} on GPUs, {batches['cpu']} on CPU)" in bench
+    lens = {d: ",".join(map(str, sv[d]["prompt_len"])) for d in ("cuda", "cpu")}
+    assert f"(default on GPUs: {lens['cuda']}; on CPU: {lens['cpu']})" in bench
+    lr = train.LOSS_LEARNING_RATE
+    assert lr["llama3-8b"] == lr["llama3-70b"] == 1e-4 and lr["tiny"] == 1e-3
+    assert "(default: 1e-4 for llama3 sizes, 1e-3 for tiny)" in bench
+    assert "vocabulary 128256 for llama3-8b, 128256 for llama3-70b, 1024 for tiny" in bench
+    # info --configs and tune.
+    info = _help(monkeypatch, capsys, "info")
+    assert re.search(r"--dtype \{bfloat16,float16\}\s+default: bfloat16", info)
+    assert cli.build_parser().parse_args(["info"]).dtype == "bfloat16"
+    tune_help = _help(monkeypatch, capsys, "tune")
+    tune_args = cli.build_parser().parse_args(["tune"])
+    assert (tune_args.dtype, tune_args.budget_seconds, tune_args.worlds) == ("bfloat16", 600.0, "2,4,8")
+    assert re.search(r"--dtype \{bfloat16,float16\}\s+default: bfloat16", tune_help)
+    assert "(default: 600)" in tune_help and "(default 2,4,8)" in tune_help
+
+
 def test_bench_times_the_backward_weight_layout(tmp_path):
     """--weight-layout transposed: every op verified and timed with the W^T views the backward
     passes; --calls-per-sample is recorded in every row."""

@@ -111,7 +111,8 @@ def add_arguments(group) -> None:
         "--shapes",
         metavar="MxNxK,...",
         help="global layer sizes: M tokens, N output and K input features of the whole layer "
-        "(default on GPUs: LLaMA-70B MLP dims, M 1024..8192; on CPU: small demo shapes)",
+        "(default on GPUs: LLaMA-70B MLP dims, M 1024..8192, and M 1 and 128 too for matmul_all_reduce; "
+        "on CPU: small demo shapes, M 64..256)",
     )
     group.add_argument(
         "--cuda-graphs",
@@ -122,7 +123,8 @@ def add_arguments(group) -> None:
         "--calls-per-sample",
         type=int,
         metavar="N",
-        help="back-to-back calls between a sample's two CUDA events (default 5). The GPU is idle when a "
+        help="back-to-back calls between a sample's two timestamps, CUDA events on GPUs (default: "
+        f"{GPU_PROTOCOL.calls_per_sample} on GPUs, {CPU_PROTOCOL.calls_per_sample} on CPU). The GPU is idle when a "
         "sample starts, so the first call's host time is part of it: more calls measure the steady state "
         "of a model whose host runs ahead of its GPU",
     )

@@ -126,7 +126,11 @@ def add_arguments(group) -> None:
     scenario (registered before this one) already defines --model, --layers and --batch: serve
     shares them (the same layer sizes and count), and widens --batch to take a comma list."""
     existing = group._option_string_actions  # the parser's table, shared by its argument groups
-    group.description = "also --model, --layers (llama3-8b/70b layer sizes, vocabulary 128256) and --batch (a list)"
+    group.description = (
+        "also --model, --layers (the layer sizes of --model; vocabulary "
+        + ", ".join(f"{v} for {m}" for m, v in VOCAB.items())
+        + ") and --batch (a list)"
+    )
     if "--model" not in existing:
         group.add_argument("--model", choices=tuple(LAYER_DIMS), help="layer sizes (default: llama3-70b on GPUs)")
     if "--layers" not in existing:

@@ -316,6 +316,23 @@ def test_quickstart_example_runs_under_torchrun():
     assert "quickstart ok" in done.stdout
 
 
+def test_examples_help_says_how_to_launch_and_what_generate_stops_at():
+    hybrid = fluxtp_cli("--help", launcher=("examples/train_hybrid.py",), timeout=120)
+    assert hybrid.returncode == 0, hybrid.stderr
+    text = hybrid.stdout
+    assert "torchrun --standalone --nproc-per-node 4 examples/train_hybrid.py --dp 2 --tp 2" in text  # CPU
+    assert "torchrun --nnodes 1 --nproc-per-node 8 examples/train_hybrid.py --pp 2 --dp 2 --tp 2" in text  # GPUs
+    assert "python examples/train_hybrid.py --reference" in text
+    assert "NCCL where CUDA GPUs are visible, else the CPU\nand gloo" in text
+    assert re.search(r"--steps STEPS\s+optimizer steps \(default: 20\)", text), text
+    generate = fluxtp_cli("--help", launcher=("examples/generate.py",), timeout=120)
+    assert generate.returncode == 0, generate.stderr
+    text = " ".join(generate.stdout.split())
+    assert "torchrun --nproc-per-node 2 examples/generate.py" in text
+    assert "does not stop at an end-of-sequence token" in text
+    assert "always this many: no stop at end-of-sequence (default: 32)" in text
+
+
 # ------------------------------------------------------------- verification before timing
 
 WORLD_OF_ONE = GroupInfo(None, 0, 1)

@@ -145,6 +145,32 @@ def test_cpu_bench_says_what_it_does_shows_the_ceiling_and_its_spread_and_what_g
         assert needle in NO_GPU_LINE
 
 
+@pytest.mark.parametrize(
+    "argv, device, first, second",
+    [
+        ([], "cuda", "14 bfloat16 cases of the 3 ops on 2 GPUs, one process each.",
+         "Each case checks every backend usable here against the reference (the collective, then the matmul), then "
+         "times them beside the reference and the matmul alone, over 20 rounds of 5 calls."),
+        (["--backends", "fused", "--op", "matmul_all_reduce", "--cuda-graphs"], "cuda",
+         "6 bfloat16 cases of matmul_all_reduce on 2 GPUs, one process each.",
+         "Each case checks fused against the reference (the collective, then the matmul), then times them beside "
+         "the reference and the matmul alone, over 20 rounds of 5 calls (CUDA graph replays)."),
+        ([], "cpu", "no CUDA GPU here, so a demo on a 2-process gloo group: 9 small float32 cases of the 3 ops.",
+         "Only the reference (the collective, then the matmul) runs on CPU: each case times it beside the matmul "
+         "alone, over 5 rounds of 3 calls."),
+        (["--backends", "nccl", "--rounds", "2"], "cpu", "9 small float32 cases of the 3 ops.",
+         "Each case times the reference (the collective, then the matmul) beside the matmul alone, over 2 rounds of "
+         "3 calls."),
+    ],
+)  # fmt: skip
+def test_bench_intro_says_what_will_run(argv, device, first, second):
+    config = ops_scenario.make_config(cli.build_parser().parse_args(["bench", *argv]), 2, device)
+    text = ops_scenario.describe(config, 2, device, width=80)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    one_line = " ".join(text.split())
+    assert one_line.startswith("fluxtp bench ops: ") and first in one_line and one_line.endswith(second)
+
+
 def test_progress_bar_is_drawn_only_on_a_terminal():
     import io
 

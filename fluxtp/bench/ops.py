@@ -419,17 +419,18 @@ def describe(config: OpsConfig, world: int, device_type: str, width: int | None 
             f"fluxtp bench ops: no CUDA GPU here, so a demo on a {world}-process gloo group: "
             f"{len(config.cases)} small {dtype} cases of {what}."
         )
+    others = None if config.backends is None else [b for b in config.backends if b != BASELINE]
     if config.backends is None and device_type != "cuda":
-        second = (
-            f"Only the reference ({REFERENCE}) runs on CPU: each case times it beside the matmul alone, "
-            f"over {timing}."
-        )
+        second = f"Only the reference ({REFERENCE}) runs on CPU: each case times it beside the matmul alone"
+    elif others == []:
+        second = f"Each case times the reference ({REFERENCE}) beside the matmul alone"
     else:
-        chosen = "every backend usable here" if config.backends is None else ", ".join(config.backends)
+        chosen = "every backend usable here" if others is None else ", ".join(others)
         second = (
             f"Each case checks {chosen} against the reference ({REFERENCE}), then times them beside the "
-            f"matmul alone, over {timing}."
+            "reference and the matmul alone"
         )
+    second += f", over {timing}."
     width = width or terminal_width()
     return "\n".join(textwrap.fill(sentence, width) for sentence in (first, second))
 

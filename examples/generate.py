@@ -6,6 +6,10 @@
 On a GPU host each rank drives one GPU (NCCL, bfloat16) and the decode step is replayed from a
 CUDA graph; on a CPU host the ranks are gloo processes (float32) decoding eagerly. Every rank
 prints nothing but rank 0, which prints the new token ids and the time per generated token.
+
+Decoding is greedy and does not stop at an end-of-sequence token: every sequence gets exactly
+--new-tokens tokens (TPLlama.generate has no stop token), so cut each one after the model's
+eos_token_id yourself where it matters.
 """
 
 import argparse
@@ -20,12 +24,19 @@ from fluxtp.inference import TPLlama
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="a local Hugging Face checkpoint directory (default: random weights)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "fused", "nccl", "torch"))
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--backend", default="auto", choices=("auto", "fused", "nccl", "torch"), help="fluxtp backend (default: auto)"
+    )
+    parser.add_argument("--batch", type=int, default=2, help="sequences, one random prompt each (default: 2)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (default: 16)")
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=32,
+        help="tokens generated per sequence, always this many: no stop at end-of-sequence (default: 32)",
+    )
     args = parser.parse_args()
 
     on_gpu = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""Hybrid DP x PP x TP training of a LLaMA-style transformers model, launched by torchrun.
+r"""Hybrid DP x PP x TP training of a LLaMA-style transformers model, launched by torchrun.
 
 Tensor (+ sequence) parallelism with fluxtp inside a node, where the GPUs talk over NVLink;
 data parallelism (FSDP2) and pipeline parallelism (torch.distributed.pipelining) across nodes,
@@ -17,6 +17,9 @@ innermost dimension, so consecutive ranks (the GPUs of a node) share a TP group.
 
     # the same model and data in one process, no parallelism: the losses to compare with
     python examples/train_hybrid.py --reference
+
+Each process takes the GPU of its LOCAL_RANK and NCCL where CUDA GPUs are visible, else the CPU
+and gloo (CUDA_VISIBLE_DEVICES= forces the CPU). pp*dp*tp must equal the number of processes.
 
 Every run prints `step N loss X` per step (from one rank). Model, data and optimizer are
 deterministic functions of --seed, so a parallel run and the --reference run print the same
@@ -45,28 +48,32 @@ from torch import nn
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring's launch lines as they are, and each option's default."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    # The help shows what the script does and how to launch it: the docstring up to what it prints.
+    launch = __doc__[: __doc__.index("Every run prints")].rstrip()
+    p = argparse.ArgumentParser(description=launch, formatter_class=HelpFormatter)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost mesh dim)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step and data-parallel replica")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="pipeline schedule (pp > 1)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step, all replicas)")
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sequence")
+    p.add_argument("--hidden", type=int, default=64, help="model width")
+    p.add_argument("--ffn", type=int, default=128, help="MLP intermediate size")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (divisible by --tp)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (divisible by --tp)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--vocab", type=int, default=128, help="vocabulary size")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer")
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the data and the optimizer")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="parameter and activation dtype")
     p.add_argument("--backend", default="auto", help="fluxtp backend of the parallel linears")
     p.add_argument("--reference", action="store_true", help="one process, no parallelism: the losses to compare with")
     args = p.parse_args(argv)

@@ -27,9 +27,11 @@ import fluxtp
 from fluxtp import backends
 from fluxtp._dist import GroupInfo
 from fluxtp.bench import SCENARIOS, scenario_module
-from fluxtp.bench.launch import Launch, local_device_type, run_local, run_torchrun, under_torchrun
+from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL
+from fluxtp.bench.launch import Launch, intro, local_device_type, run_local, run_torchrun, under_torchrun
 from fluxtp.bench.plot import matplotlib_missing
 from fluxtp.bench.results import command_line, triton_version
+from fluxtp.bench.serve import PROTOCOLS as SERVE_PROTOCOLS
 from fluxtp.ops import BACKENDS, OPS
 from fluxtp.configs import WEIGHT_LAYOUTS
 
@@ -189,7 +191,12 @@ def _add_bench_parser(subparsers) -> None:
         metavar="NAME,...",
         help=f"comma list of {', '.join(BACKENDS)} (default: every backend usable here; nccl, the baseline, is always timed)",
     )
-    common.add_argument("--rounds", type=int, help="measured rounds per variant (default: 20 on GPUs, 5 on CPU)")
+    common.add_argument(
+        "--rounds",
+        type=int,
+        help=f"measured rounds per variant (default: {GPU_PROTOCOL.rounds} on GPUs, {CPU_PROTOCOL.rounds} on CPU; "
+        f"serve's prefill: {SERVE_PROTOCOLS['cuda']['prefill'].rounds} on GPUs)",
+    )
     common.add_argument("--nproc", type=int, help="processes to launch (default: one per local GPU; 2 on CPU)")
     common.add_argument(
         "--out",
@@ -225,6 +232,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         parser.error(str(e))
     launch = Launch(args.scenario, config, args.out, args.plot, args.command_line)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone
+        print(intro(launch, world, device_type), flush=True)
     if world == 1:
         print(
             "fluxtp bench: a world of one process: every op is a plain linear, nothing is communicated", file=sys.stderr
@@ -249,7 +258,7 @@ def _add_info_config_arguments(info) -> None:
     configs.add_argument("--shapes", metavar="MxNxK,...", help="global layer sizes (default: LLaMA-70B MLP dims)")
     configs.add_argument("--gpu", help="GPU name to look up (default: torch.cuda's GPU 0, or 'cpu' without one)")
     configs.add_argument("--world", type=int, help="group size (default: the local GPUs, at least 2)")
-    configs.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    configs.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="default: bfloat16")
     configs.add_argument(
         "--weight-layout",
         choices=WEIGHT_LAYOUTS,
@@ -279,30 +288,38 @@ def _add_tune_parser(subparsers) -> None:
     one_gpu.add_argument("--grid", help="a named grid of cases (fluxtp/bench/gemm_grid.py: full, bf16, llama3-70b, smoke)")
     one_gpu.add_argument("--worlds", default="2,4,8", help="with --shapes: the TP degrees to tune for (default 2,4,8)")
     one_gpu.add_argument("--cache", metavar="FILE.json", help="the cache file to write (default: the user's cache)")
-    tune.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    tune.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="default: bfloat16")
     tune.add_argument(
-        "--budget-seconds", type=float, default=600.0, help="for all shapes together (default: 600), split evenly"
+        "--budget-seconds",
+        type=float,
+        default=600.0,
+        help="for all shapes together (default: 600), split evenly; not used by --one-gpu (it screens every "
+        "tiling of each case)",
     )
-    tune.add_argument("--nproc", type=int, help="processes to launch (default: one per local GPU)")
+    tune.add_argument(
+        "--nproc", type=int, help="processes to launch (default: one per local GPU; --one-gpu runs on GPU 0 alone)"
+    )
     tune.add_argument(
         "--vary",
         metavar="FIELD,...",
         help="only re-measure these config fields (e.g. transport) around the config each shape uses now (the "
-        "cache's, the shipped table's or the heuristic), which then stands in for the heuristic as the baseline",
+        "cache's, the shipped table's or the heuristic), which then stands in for the heuristic as the baseline "
+        "(not with --one-gpu)",
     )
     tune.add_argument(
         "--weight-layout",
         choices=WEIGHT_LAYOUTS,
         default="linear",
         help="linear: nn.Linear's [N, K] weights (default); transposed: the W^T views the backward passes, "
-        "cached under a key of their own (calls with that layout fall back to the linear entries)",
+        "cached under a key of their own (calls with that layout fall back to the linear entries); "
+        "--one-gpu --grid takes the layouts of its grid",
     )
     tune.add_argument(
         "--out",
         metavar="FILE.json",
         help="also write the tuned-vs-heuristic comparison per shape (ms of cuBLAS, nccl, heuristic, tuned; "
         "E_overlap; schema fluxtp.bench/1, scenario tune) here; given a folder (e.g. benchmarks/results/), the file "
-        "is named tune-<gpu>-x<n>-<date>-<op>.json",
+        "is named tune-<gpu>-x<n>-<date>-<op>.json (with --one-gpu: the GEMM-only rows, tune_gemm-<gpu>-x1-<date>.json)",
     )
     tune.set_defaults(func=cmd_tune, parser=tune)
 

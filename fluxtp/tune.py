@@ -96,6 +96,7 @@ import torch
 import torch.distributed as dist
 
 from fluxtp._dist import max_over_ranks
+from fluxtp._terminal import fit_table, terminal_width, wrap
 
 # The product side (configs, search space, tables, lookup) lives in fluxtp.configs; re-exported
 # here for the tuner's code and its callers.
@@ -756,9 +757,8 @@ def _vs_nccl(choice: Choice, layout: str) -> str:
 
 
 def cmd_info_configs(args) -> int:
-    """`fluxtp info --configs`: which config each shape would get, and why (no GPU needed)."""
-    from tabulate import tabulate
-
+    """`fluxtp info --configs`: which config each shape would get, and why (no GPU needed),
+    fitted to the terminal's width (or $COLUMNS)."""
     from fluxtp.bench.ops import DEFAULT_SHAPES, parse_shapes, shard_shapes
 
     parser = args.parser
@@ -776,6 +776,7 @@ def cmd_info_configs(args) -> int:
     except ValueError as e:
         parser.error(str(e))
     path, shipped = cache_path(), shipped_path()
+    width = terminal_width()
     for label, table, is_shipped, absent in (
         ("config cache", path, False, "no file yet (`fluxtp tune` writes it)"),
         ("shipped table", shipped, True, "not found in this installation"),
@@ -787,21 +788,42 @@ def cmd_info_configs(args) -> int:
             state = absent
         else:
             state = f"{len(entries)} entries"
-        print(f"{label}: {table} ({state})")
+        print(wrap(f"{label}: {table} ({state})", width))
     layout = getattr(args, "weight_layout", None) or "linear"
     print(
-        f"lookup for: {gpu}, world {world}, {args.dtype}, {layout} weight "
-        "(the user's cache, then the shipped table, then the heuristic)"
+        wrap(
+            f"lookup for: {gpu}, world {world}, {args.dtype}, {layout} weight "
+            "(the user's cache, then the shipped table, then the heuristic)",
+            width,
+        )
     )
-    rows = []
-    for op, s in cases:
-        choice = choose(op, gpu, world, args.dtype, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout)
-        match = "-" if choice.source == "heuristic" else choice.source
-        config = describe(choice.config)
-        rows.append([op, str(s), m_bucket(s.M), choice.origin, match, config, _vs_nccl(choice, layout), choice.why])
-    headers = ["op", "MxNxK", "M bucket", "source", "match", "config", "vs nccl", "why"]
-    print(tabulate(rows, headers=headers, disable_numparse=True))
+    for op in dict.fromkeys(op for op, _ in cases):
+        print()
+        print(_format_choices(op, [s for o, s in cases if o == op], gpu, world, args.dtype, layout, path, shipped, width))
     return 0
+
+
+def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width) -> str:
+    """One op's table for `fluxtp info --configs`, fitted to `width`: the config of each shape and
+    where it comes from; below it, why, for the shapes whose source and bucket do not say it all
+    (a nearest bucket, another layout's entry, the heuristic), grouped by reason."""
+    rows, reasons = [], {}
+    for s in shapes:
+        choice = choose(op, gpu, world, dtype, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout)
+        source = choice.origin if choice.source == "heuristic" else f"{choice.origin}, {choice.source}"
+        rows.append([str(s), m_bucket(s.M), source, describe(choice.config), _vs_nccl(choice, layout)])
+        said_all = choice.source == "exact" and choice.entry.key.weight_layout == layout
+        if not said_all:
+            reasons.setdefault(choice.why, []).append(s)
+    headers = ["MxNxK", "M bucket", "source", "config", "vs nccl"]
+    # The config wraps first (it is the widest), then the source and the verdict.
+    table = fit_table(rows, headers, width, wrappable={2: 9, 3: 20, 4: 8})
+    lines = [f"{op}:", table]
+    same_nk = len({(s.N, s.K) for s in shapes}) == 1
+    for why, which in reasons.items():
+        label = "M " + ", ".join(str(s.M) for s in which) if same_nk else ", ".join(map(str, which))
+        lines.append(wrap(f"{label}: {why}", width, indent="    "))
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- python -m fluxtp.tune merge-defaults

@@ -22,6 +22,7 @@ from fluxtp.bench import ops as ops_scenario
 from fluxtp.bench.harness import Protocol, Timings, Variant, format_speedup, input_copies, measure, measure_rounds
 from fluxtp.bench.harness import overlap_efficiency, round_order, speedup, speedup_iqr
 from fluxtp.testing import run_on_ranks
+from fluxtp.bench.launch import NO_GPU_LINE
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +33,10 @@ ROW_KEYS = {
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
-def fluxtp_cli(*args, timeout=300, launcher=("-m", "fluxtp")):
+def fluxtp_cli(*args, timeout=300, launcher=("-m", "fluxtp"), columns=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if columns is not None:  # the terminal width the command sees (shutil.get_terminal_size reads COLUMNS)
+        env["COLUMNS"] = str(columns)
     return subprocess.run(
         [sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -82,13 +85,175 @@ def test_cpu_bench_prints_a_table_and_writes_json_and_png(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     for op in OPS:
         assert re.search(rf"^{op} \(float32", done.stdout, re.M), done.stdout
-    assert re.search(r"M\s+N\s+K\s+gemm ms\s+nccl ms", done.stdout)
-    assert "the fused kernels need NVIDIA GPUs" in done.stdout
+    assert re.search(r"M\s+N\s+K\s+gemm ms\s+nccl ms\s+ceiling \(p25-p75\)", done.stdout)
+    assert done.stdout.splitlines()[-1] == NO_GPU_LINE
     data = json.loads(out.read_text())
     check_envelope(data, world=2)
     assert data["command"].endswith(f"-m fluxtp bench --out {out} --plot {png}")
     assert {r["op"] for r in data["rows"]} == set(OPS)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _table_rows(stdout: str, title: str) -> list[list[str]]:
+    """The cells of the table under `title` (tabulate's plain format: a header, a dashes line)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    rows = []
+    for line in lines[start + 3 :]:
+        if not line.strip() or not line.lstrip()[0].isdigit():
+            break
+        rows.append(re.findall(r"\S+ \([^)]*\)|\S+", line.strip()))
+    return rows
+
+
+def test_cpu_bench_says_what_it_does_shows_the_ceiling_and_its_spread_and_what_gpus_need(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ("--op", "matmul_all_reduce", "--shapes", "32x48x64,64x48x64", "--rounds", "4", "--out", str(out))
+    done = fluxtp_cli("bench", *args, columns=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    # It starts by saying what it will do, in two sentences wrapped to the terminal.
+    intro = " ".join(lines[:4])
+    assert lines[0].startswith("fluxtp bench ops: no CUDA GPU here, so a demo on a 2-process gloo group: 2 small")
+    assert "float32 cases of matmul_all_reduce." in intro
+    assert "Only the reference (the collective, then the matmul) runs on CPU" in intro
+    assert "over 4 rounds of 3 calls." in intro
+    # The legend says what the speedups and their spread are.
+    text = " ".join(done.stdout.split())
+    assert "ceiling = nccl ms / gemm ms" in text
+    assert "(p25-p75) = the middle half of the per-round speedups" in text
+    header = next(line for line in lines if line.lstrip().startswith("M "))
+    assert header.split()[-2:] == ["ceiling", "(p25-p75)"], header
+    # Every line but the closing one fits the 100 columns (the table's are narrow on CPU).
+    assert all(len(line) <= 100 for line in lines[:-1]), [line for line in lines if len(line) > 100]
+    # The ceiling column: nccl ms / gemm ms of the results file, then the middle half of its rounds.
+    data = json.loads(out.read_text())
+    check_envelope(data, world=2)  # the table-only spread of the ceiling is not in the file
+    table = _table_rows(done.stdout, "matmul_all_reduce (float32")
+    assert [[int(c) for c in cells[:3]] for cells in table] == [[32, 48, 64], [64, 48, 64]]
+    for cells, row in zip(table, data["rows"], strict=True):
+        assert len(cells) == 6, cells  # M N K, gemm ms, nccl ms, ceiling
+        assert float(cells[3]) == pytest.approx(row["ms"]["gemm"], rel=2e-3, abs=1e-4)
+        assert float(cells[4]) == pytest.approx(row["ms"]["nccl"], rel=2e-3, abs=1e-4)
+        value, low, high = map(float, re.fullmatch(r"(\S+) \((\S+)-(\S+)\)", cells[5]).groups())
+        assert value == pytest.approx(row["ms"]["nccl"] / row["ms"]["gemm"], rel=1e-2)
+        assert 0 < low <= high
+    # It ends with what the fused kernels would need, after the files it wrote.
+    assert lines[-2] == f"wrote {out}"
+    assert lines[-1] == NO_GPU_LINE
+    for needle in ("NVIDIA GPUs", "peer access", "symmetric memory", "torchrun --nproc-per-node N -m fluxtp bench"):
+        assert needle in NO_GPU_LINE
+
+
+@pytest.mark.parametrize(
+    "argv, device, first, second",
+    [
+        ([], "cuda", "14 bfloat16 cases of the 3 ops on 2 GPUs, one process each.",
+         "Each case checks every backend usable here against the reference (the collective, then the matmul), then "
+         "times them beside the reference and the matmul alone, over 20 rounds of 5 calls."),
+        (["--backends", "fused", "--op", "matmul_all_reduce", "--cuda-graphs"], "cuda",
+         "6 bfloat16 cases of matmul_all_reduce on 2 GPUs, one process each.",
+         "Each case checks fused against the reference (the collective, then the matmul), then times them beside "
+         "the reference and the matmul alone, over 20 rounds of 5 calls (CUDA graph replays)."),
+        ([], "cpu", "no CUDA GPU here, so a demo on a 2-process gloo group: 9 small float32 cases of the 3 ops.",
+         "Only the reference (the collective, then the matmul) runs on CPU: each case times it beside the matmul "
+         "alone, over 5 rounds of 3 calls."),
+        (["--backends", "nccl", "--rounds", "2"], "cpu", "9 small float32 cases of the 3 ops.",
+         "Each case times the reference (the collective, then the matmul) beside the matmul alone, over 2 rounds of "
+         "3 calls."),
+    ],
+)  # fmt: skip
+def test_bench_intro_says_what_will_run(argv, device, first, second):
+    config = ops_scenario.make_config(cli.build_parser().parse_args(["bench", *argv]), 2, device)
+    text = ops_scenario.describe(config, 2, device, width=80)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    one_line = " ".join(text.split())
+    assert one_line.startswith("fluxtp bench ops: ") and first in one_line and one_line.endswith(second)
+
+
+def test_progress_bar_is_drawn_only_on_a_terminal():
+    import io
+
+    from fluxtp.bench.progress import DESCRIPTION_WIDTH, describe, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    pipe, terminal = io.StringIO(), Terminal()
+    assert progress_bar(3, "round", True, file=pipe).disable  # a log or a pipe: no carriage returns
+    assert progress_bar(3, "round", False, file=terminal).disable  # the ranks but 0
+    bar = progress_bar(3, "round", True, file=terminal)
+    assert not bar.disable
+    long = "1/9 matmul_reduce_scatter 8192x8192x28672 and more"
+    describe(bar, long)
+    bar.update(1)
+    bar.refresh()
+    frame = terminal.getvalue().split("\r")[-1]
+    assert frame.startswith(long[: DESCRIPTION_WIDTH - 3] + "... ")  # cut to a fixed width
+    assert frame[DESCRIPTION_WIDTH:].lstrip().startswith("33%") and "1/3 rounds" in frame
+    describe(bar, "short")
+    assert bar.desc == "short".ljust(DESCRIPTION_WIDTH)  # padded: the bar does not move
+    bar.close()
+
+
+def _help(monkeypatch, capsys, *command) -> str:
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width: one line per option
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # an option's help may start on the next line
+
+
+def test_help_defaults_are_the_ones_that_run(monkeypatch, capsys):
+    """Every default --help states is the constant the code paths use."""
+    from fluxtp.bench import serve, train
+
+    bench = _help(monkeypatch, capsys, "bench")
+    gpu, cpu = ops_scenario.GPU_PROTOCOL, ops_scenario.CPU_PROTOCOL
+    dtypes = ops_scenario.DEFAULT_DTYPE
+    assert f"--dtype {{bfloat16,float16,float32,float64}} default: {dtypes['cuda']} on GPUs, {dtypes['cpu']} on CPU" in bench
+    # --rounds: the ops', train's and serve's decode protocols agree; serve's prefill is named.
+    assert f"(default: {gpu.rounds} on GPUs, {cpu.rounds} on CPU; serve's prefill: " in bench
+    assert (train.GPU_PROTOCOL.rounds, train.CPU_PROTOCOL.rounds) == (gpu.rounds, cpu.rounds)
+    assert (serve.PROTOCOLS["cuda"]["decode"].rounds, serve.PROTOCOLS["cpu"]["decode"].rounds) == (gpu.rounds, cpu.rounds)
+    assert serve.PROTOCOLS["cpu"]["prefill"].rounds == cpu.rounds
+    assert f"serve's prefill: {serve.PROTOCOLS['cuda']['prefill'].rounds} on GPUs)" in bench
+    assert f"(default: {gpu.calls_per_sample} on GPUs, {cpu.calls_per_sample} on CPU)" in bench
+    # --shapes: the M of the default shapes, per op and device.
+    shapes = ops_scenario.DEFAULT_SHAPES
+    assert sorted({s.M for s in shapes["cuda"]["all_gather_matmul"]}) == [1024, 2048, 4096, 8192]
+    assert sorted({s.M for s in shapes["cuda"]["matmul_all_reduce"]}) == [1, 128, 1024, 2048, 4096, 8192]
+    assert "LLaMA-70B MLP dims, M 1024..8192, and M 1 and 128 too for matmul_all_reduce" in bench
+    assert {s.M for op in ops_scenario.OPS for s in shapes["cpu"][op]} == {64, 128, 256}
+    assert "on CPU: small demo shapes, M 64..256" in bench
+    assert "(default: all three)" in bench and cli.build_parser().parse_args(["bench"]).op == "all"
+    # train and serve.
+    t, sv = train.DEFAULTS, serve.DEFAULTS
+    assert f"(default: {t['cuda']['model']} on GPUs, {t['cpu']['model']} on CPU)" in bench
+    assert (sv["cuda"]["model"], sv["cpu"]["model"]) == (t["cuda"]["model"], t["cpu"]["model"])
+    assert t["cuda"]["layers"] == t["cpu"]["layers"] == sv["cuda"]["layers"] == sv["cpu"]["layers"] == 2
+    assert "decoder layers in the stack (default: 2)" in bench
+    seqs = {d: ",".join(map(str, t[d]["seq"])) for d in ("cuda", "cpu")}
+    assert f"(default on GPUs: {seqs['cuda']}; on CPU: {seqs['cpu']})" in bench
+    assert f"(default: {t['cuda']['batch']} on GPUs, {t['cpu']['batch']} on CPU)" in bench
+    batches = {d: ",".join(map(str, sv[d]["batch"])) for d in ("cuda", "cpu")}
+    assert f"(default: {batches['cuda']} on GPUs, {batches['cpu']} on CPU)" in bench
+    lens = {d: ",".join(map(str, sv[d]["prompt_len"])) for d in ("cuda", "cpu")}
+    assert f"(default on GPUs: {lens['cuda']}; on CPU: {lens['cpu']})" in bench
+    lr = train.LOSS_LEARNING_RATE
+    assert lr["llama3-8b"] == lr["llama3-70b"] == 1e-4 and lr["tiny"] == 1e-3
+    assert "(default: 1e-4 for llama3 sizes, 1e-3 for tiny)" in bench
+    assert "vocabulary 128256 for llama3-8b, 128256 for llama3-70b, 1024 for tiny" in bench
+    # info --configs and tune.
+    info = _help(monkeypatch, capsys, "info")
+    assert re.search(r"--dtype \{bfloat16,float16\}\s+default: bfloat16", info)
+    assert cli.build_parser().parse_args(["info"]).dtype == "bfloat16"
+    tune_help = _help(monkeypatch, capsys, "tune")
+    tune_args = cli.build_parser().parse_args(["tune"])
+    assert (tune_args.dtype, tune_args.budget_seconds, tune_args.worlds) == ("bfloat16", 600.0, "2,4,8")
+    assert re.search(r"--dtype \{bfloat16,float16\}\s+default: bfloat16", tune_help)
+    assert "(default: 600)" in tune_help and "(default 2,4,8)" in tune_help
 
 
 def test_bench_times_the_backward_weight_layout(tmp_path):
@@ -175,6 +340,23 @@ def test_quickstart_example_runs_under_torchrun():
     done = fluxtp_cli("examples/quickstart.py", launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "quickstart ok" in done.stdout
+
+
+def test_examples_help_says_how_to_launch_and_what_generate_stops_at():
+    hybrid = fluxtp_cli("--help", launcher=("examples/train_hybrid.py",), timeout=120)
+    assert hybrid.returncode == 0, hybrid.stderr
+    text = hybrid.stdout
+    assert "torchrun --standalone --nproc-per-node 4 examples/train_hybrid.py --dp 2 --tp 2" in text  # CPU
+    assert "torchrun --nnodes 1 --nproc-per-node 8 examples/train_hybrid.py --pp 2 --dp 2 --tp 2" in text  # GPUs
+    assert "python examples/train_hybrid.py --reference" in text
+    assert "NCCL where CUDA GPUs are visible, else the CPU\nand gloo" in text
+    assert re.search(r"--steps STEPS\s+optimizer steps \(default: 20\)", text), text
+    generate = fluxtp_cli("--help", launcher=("examples/generate.py",), timeout=120)
+    assert generate.returncode == 0, generate.stderr
+    text = " ".join(generate.stdout.split())
+    assert "torchrun --nproc-per-node 2 examples/generate.py" in text
+    assert "does not stop at an end-of-sequence token" in text
+    assert "always this many: no stop at end-of-sequence (default: 32)" in text
 
 
 # ------------------------------------------------------------- verification before timing
@@ -333,7 +515,7 @@ def test_ratio_quartiles_pair_samples_of_the_same_round():
     single = Timings(ms={"a": 2.0, "b": 1.0}, rounds={"a": [2.0], "b": [1.0]})
     assert single.ratio_quartiles("a", "b") == (2.0, 2.0, 2.0)
     assert format_speedup(1.0361, [1.0212, 1.0483]) == "1.036 (1.021-1.048)"
-    assert format_speedup(None, None) == "-" and format_speedup(0.9, None) == "0.9"
+    assert format_speedup(None, None) == "-" and format_speedup(0.9, None) == "0.9000"
 
 
 def test_shapes_are_sharded_as_the_layer_says():

@@ -846,7 +846,27 @@ def test_tune_rejects_bad_options(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_info_configs_says_what_each_shape_uses_and_why(cache, shipped, capsys):
+def config_tables(out: str) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """`fluxtp info --configs` output (wide enough not to wrap): per op, each shape's table row,
+    and the lines under the table (why, where the row does not say it all)."""
+    rows, notes, op = {}, {}, None
+    for line in out.splitlines():
+        if line in (f"{AG}:", f"{RS}:"):
+            op = line[:-1]
+            rows[op], notes[op] = {}, ""
+        elif op and re.match(r"\d+x\d+x\d+ ", line):
+            rows[op][line.split()[0]] = line
+        elif op and line.strip() and not line.startswith(("MxNxK ", "---")):
+            notes[op] += line + "\n"
+    return rows, notes
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # no cell wraps: a row is one line
+
+
+def test_info_configs_says_what_each_shape_uses_and_why(cache, shipped, wide, capsys):
     tune.write_entries([entry(m=4096, block_n=128, num_stages=4, chunk_rows=1024)])
     shapes = "4096x28672x8192,16384x28672x8192,4096x14336x8192"
     assert cli.main(["info", "--configs", "--op", AG, "--shapes", shapes, "--gpu", H200, "--world", "2"]) == 0
@@ -854,20 +874,25 @@ def test_info_configs_says_what_each_shape_uses_and_why(cache, shipped, capsys):
     assert f"config cache: {cache} (1 entries)" in out
     assert f"shipped table: {shipped} (not found in this installation)" in out
     assert f"lookup for: {H200}, world 2, bfloat16" in out
-    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(AG)}
-    assert " exact " in lines["4096x28672x8192"] and "128x128x64 w8 s4 g8 chunk_rows=1024" in lines["4096x28672x8192"]
-    assert " nearest " in lines["16384x28672x8192"] and "nearest M bucket 4096" in lines["16384x28672x8192"]
+    tables, notes = config_tables(out)
+    lines = tables[AG]
+    assert " user cache, exact " in lines["4096x28672x8192"]
+    assert "128x128x64 w8 s4 g8 chunk_rows=1024" in lines["4096x28672x8192"]
+    assert " user cache, nearest " in lines["16384x28672x8192"]
     heuristic = tune.describe(AllGatherMatmulConfig.heuristic(2048, 7168, 8192, 2))
     assert " heuristic " in lines["4096x14336x8192"] and heuristic in lines["4096x14336x8192"]
-    assert "no tuned entry" in lines["4096x14336x8192"]
+    # Why, under the table, for the shapes the row does not explain (N and K differ: full shapes).
+    assert "16384x28672x8192: user cache: nearest M bucket 4096 (none for bucket 16384)" in notes[AG]
+    assert re.search(r"^4096x14336x8192: heuristic \(.*N=14336 K=8192.*no tuned entry", notes[AG], re.M), notes[AG]
+    assert "4096x28672x8192:" not in notes[AG]  # an exact entry: the row says it all
 
 
-def test_info_configs_looks_up_a_weight_layout(cache, shipped, capsys):
+def test_info_configs_looks_up_a_weight_layout(cache, shipped, wide, capsys):
     tune.write_entries([entry(m=4096, layout="transposed", group_m=16)])
     args = ["info", "--configs", "--op", AG, "--shapes", "4096x28672x8192", "--gpu", H200, "--world", "2"]
     assert cli.main([*args, "--weight-layout", "transposed"]) == 0
     out = capsys.readouterr().out
-    assert "bfloat16, transposed weight" in out and re.search(r" user cache +exact +\S+ w8 s\d g16 ", out), out
+    assert "bfloat16, transposed weight" in out and re.search(r" user cache, exact +\S+ w8 s\d g16 ", out), out
     assert cli.main(args) == 0
     assert " heuristic " in capsys.readouterr().out  # the linear lookup does not take it
     with pytest.raises(SystemExit):
@@ -875,7 +900,7 @@ def test_info_configs_looks_up_a_weight_layout(cache, shipped, capsys):
     assert "go with --configs" in capsys.readouterr().err
 
 
-def test_info_configs_names_the_table_that_answered(cache, shipped, capsys):
+def test_info_configs_names_the_table_that_answered(cache, shipped, wide, capsys):
     tune.write_entries([entry(m=4096, group_m=16)])
     tune.write_entries([measured_entry(n=14336, k=4096, m=4096, group_m=4)], shipped)
     shapes = "4096x28672x8192,4096x14336x4096,4096x8192x8192"
@@ -883,25 +908,51 @@ def test_info_configs_names_the_table_that_answered(cache, shipped, capsys):
     out = capsys.readouterr().out
     assert f"config cache: {cache} (1 entries)" in out and f"shipped table: {shipped} (1 entries)" in out
     assert "(the user's cache, then the shipped table, then the heuristic)" in out
-    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(AG)}
-    assert re.search(r" user cache +exact +\S+ w8 s\d g16 ", lines["4096x28672x8192"]), out
-    assert re.search(r" shipped table +exact +\S+ w8 s\d g4 .* shipped table: exact key", lines["4096x14336x4096"]), out
-    assert re.search(r" heuristic +- ", lines["4096x8192x8192"]), out
+    lines = config_tables(out)[0][AG]
+    assert re.search(r" user cache, exact +\S+ w8 s\d g16 ", lines["4096x28672x8192"]), out
+    assert re.search(r" shipped table, exact +\S+ w8 s\d g4 ", lines["4096x14336x4096"]), out
+    assert re.search(r" heuristic +\S+ w\d", lines["4096x8192x8192"]), out
     # The measured speedup over NCCL, and what "auto" makes of it (measured_entry: 1.1 / 0.9 ms).
-    assert " 1.22x (auto: fused) " in lines["4096x14336x4096"], out
-    assert " exact " in lines["4096x28672x8192"] and " - " in lines["4096x28672x8192"]  # no nccl_ms recorded
+    assert " 1.22x (auto: fused)" in lines["4096x14336x4096"], out
+    assert lines["4096x28672x8192"].rstrip().endswith(" -")  # no nccl_ms recorded
 
 
-def test_info_configs_defaults_and_a_corrupt_cache(cache, capsys):
+def test_info_configs_defaults_and_a_corrupt_cache(cache, wide, capsys):
     cache.parent.mkdir(parents=True)
     cache.write_text("{broken")
     with pytest.warns(tune.CacheWarning):
         assert cli.main(["info", "--configs", "--gpu", H200]) == 0
     out = capsys.readouterr().out
     assert "ignored: not valid JSON" in out
-    rows = [line for line in out.splitlines() if line.startswith((AG, RS))]
-    assert {line.split()[0] for line in rows} == {AG, RS}  # both ops, the default LLaMA-70B shapes
-    assert all(" heuristic " in line and "cache file is ignored" in line for line in rows)
+    tables, notes = config_tables(out)
+    assert set(tables) == {AG, RS}  # both ops, the default LLaMA-70B shapes
+    assert [s.split("x")[0] for s in tables[AG]] == ["1024", "2048", "4096", "8192"]
+    assert all(" heuristic " in line for table in tables.values() for line in table.values())
+    assert all(note.startswith("M 1024, 2048, 4096, 8192: heuristic") for note in notes.values())
+    assert all("cache file is ignored" in note for note in notes.values())
+
+
+@pytest.mark.parametrize("columns", [80, 100, 120])
+def test_info_configs_fits_the_terminal(cache, shipped, monkeypatch, capsys, columns):
+    """Every line fits $COLUMNS (the table's config cells wrap, the reasons under it too), and
+    nothing is lost: each shape's row, its whole config and the reason stay."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    tune.write_entries([measured_entry(n=28672, k=8192, m=4096, group_m=4)], shipped)
+    assert cli.main(["info", "--configs", "--gpu", H200, "--world", "2"]) == 0
+    out = capsys.readouterr().out
+    # (a path longer than the terminal stays whole, alone on its line)
+    too_wide = [line for line in out.splitlines() if len(line) > columns and " " in line.strip()]
+    assert not too_wide, "\n".join(too_wide)
+    words = out.split()
+    for op in (AG, RS):
+        assert f"{op}:" in words
+        for m in (1024, 2048, 4096, 8192):
+            shape = f"{m}x28672x8192" if op == AG else f"{m}x8192x28672"
+            assert shape in words
+            config = tune.describe(tune.choose(op, H200, 2, "bfloat16", m, *map(int, shape.split("x")[1:])).config)
+            assert all(word in words for word in config.split()), (config, out)
+    assert "1.22x" in words and {"shipped", "table,", "exact"} <= set(words)  # the cells may wrap
+    assert "no tuned entry in the shipped table" in " ".join(words)
 
 
 def test_info_configs_needs_no_gpu_and_rejects_options_without_it(cache, capsys):

@@ -7,8 +7,11 @@ A scenario is a module named in SCENARIOS that provides:
 - `make_config(args, world, device_type) -> frozen dataclass`: checks the options before any
   process starts (ValueError with a message on bad ones); the config travels to every rank;
 - `run(config, info, device, show_progress) -> (rows, notes)`: on every rank, collectively;
-  rows are JSON-ready dicts, notes are sentences rank 0 prints under the table;
-- `format_table(rows) -> str` and `plot(rows, path, title)`: rank 0's report.
+  rows are JSON-ready dicts, notes are sentences rank 0 prints under the table; keys with a
+  leading underscore are for the table only and are left out of the results file;
+- `format_table(rows) -> str` and `plot(rows, path, title)`: rank 0's report;
+- optionally `describe(config, world, device_type) -> str`: what the run will do, a line or two
+  the CLI prints before it starts.
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ def format_speedup(value: float | None, iqr: list[float] | None) -> str:
     if value is None:
         return "-"
     if not iqr:
-        return f"{value:.4g}"
-    return f"{value:.4g} ({iqr[0]:.4g}-{iqr[1]:.4g})"
+        return f"{value:#.4g}"
+    return f"{value:#.4g} ({iqr[0]:#.4g}-{iqr[1]:#.4g})"  # "#": 4.000, not 4
 
 
 class _CudaClock:

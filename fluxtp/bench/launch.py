@@ -26,9 +26,10 @@ from fluxtp.testing import MULTICAST_OFF, run_on_ranks
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # A whole default GPU run takes minutes; a hung collective is cut off well before this.
 LAUNCH_TIMEOUT_S = 3600.0
+# The last line of a run on a host without CUDA: what it takes to time the fused kernels.
 NO_GPU_LINE = (
-    "note: no CUDA GPU here, so this was the {world}-process gloo demo of the API on small shapes; "
-    "the fused kernels need NVIDIA GPUs."
+    "The fused kernels need NVIDIA GPUs with peer access (torch symmetric memory); "
+    "there run: torchrun --nproc-per-node N -m fluxtp bench"
 )
 
 
@@ -51,6 +52,20 @@ def local_device_type() -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
 
 
+def intro(launch: Launch, world: int, device_type: str) -> str:
+    """What the run will do, printed before it starts: the scenario's `describe`, where it has one."""
+    module = scenario_module(launch.scenario)
+    if hasattr(module, "describe"):
+        return module.describe(launch.config, world, device_type)
+    where = f"{world} GPUs, one process each" if device_type == "cuda" else f"a {world}-process gloo group on CPU"
+    return f"fluxtp bench {launch.scenario}: verify, then time every backend usable here on {where}."
+
+
+def results_rows(rows: list[dict]) -> list[dict]:
+    """The rows as the results file holds them: without the table-only keys (a leading underscore)."""
+    return [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
+
+
 def _report(launch: Launch, rows: list[dict], notes: list[str], device: torch.device, world: int) -> None:
     module = scenario_module(launch.scenario)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -58,8 +73,7 @@ def _report(launch: Launch, rows: list[dict], notes: list[str], device: torch.de
     print(module.format_table(rows), flush=True)
     for note in notes:
         print(note, flush=True)
-    if device.type != "cuda":
-        print(NO_GPU_LINE.format(world=world), flush=True)
+    rows = results_rows(rows)
     data = envelope(launch.scenario, rows, device=device_name, gpus=gpus, world=world, command=launch.command)
     if launch.out:
         out = Path(launch.out)
@@ -70,6 +84,8 @@ def _report(launch: Launch, rows: list[dict], notes: list[str], device: torch.de
         title = f"fluxtp bench {launch.scenario}: {device_name} x{world}, {data['date']}, {data['commit'][:10]}"
         module.plot(rows, launch.plot, title)
         print(f"wrote {launch.plot}", flush=True)
+    if device.type != "cuda":
+        print(NO_GPU_LINE, flush=True)
 
 
 def rank_main(rank: int, world: int, launch: Launch) -> None:

@@ -18,19 +18,22 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import textwrap
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
-from tqdm import tqdm
 
 import fluxtp
 from fluxtp import backends
 from fluxtp._dist import GroupInfo, max_over_ranks
+from fluxtp._terminal import terminal_width
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import CPU_PROTOCOL, GPU_PROTOCOL, Protocol, Variant, cache_bytes, input_copies
 from fluxtp.bench.harness import format_speedup, graphed, measure_rounds, overlap_efficiency, speedup, speedup_iqr
+from fluxtp.bench.progress import describe as describe_bar
+from fluxtp.bench.progress import progress_bar
 from fluxtp.ops import BACKENDS, OPS
 from fluxtp.configs import WEIGHT_LAYOUTS
 
@@ -108,7 +111,8 @@ def add_arguments(group) -> None:
         "--shapes",
         metavar="MxNxK,...",
         help="global layer sizes: M tokens, N output and K input features of the whole layer "
-        "(default on GPUs: LLaMA-70B MLP dims, M 1024..8192; on CPU: small demo shapes)",
+        "(default on GPUs: LLaMA-70B MLP dims, M 1024..8192, and M 1 and 128 too for matmul_all_reduce; "
+        "on CPU: small demo shapes, M 64..256)",
     )
     group.add_argument(
         "--cuda-graphs",
@@ -119,7 +123,8 @@ def add_arguments(group) -> None:
         "--calls-per-sample",
         type=int,
         metavar="N",
-        help="back-to-back calls between a sample's two CUDA events (default 5). The GPU is idle when a "
+        help="back-to-back calls between a sample's two timestamps, CUDA events on GPUs (default: "
+        f"{GPU_PROTOCOL.calls_per_sample} on GPUs, {CPU_PROTOCOL.calls_per_sample} on CPU). The GPU is idle when a "
         "sample starts, so the first call's host time is part of it: more calls measure the steady state "
         "of a model whose host runs ahead of its GPU",
     )
@@ -361,6 +366,9 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_gemm, t_nccl), 4) for n in names},
         "speedup_vs_nccl": {n: _round(speedup(t_nccl, ms[n]), 4) for n in names},
         "speedup_vs_nccl_iqr": speedup_iqr(timings, BASELINE, names),
+        # For the table only (a leading underscore: not written to the results file): the spread
+        # of the ceiling T_nccl / T_gemm, the speedup with every collective hidden.
+        "_ceiling_iqr": speedup_iqr(timings, BASELINE, ["gemm"]).get("gemm"),
     }
     return row, skipped
 
@@ -369,10 +377,10 @@ def run(config: OpsConfig, info: GroupInfo, device: torch.device, show_progress:
     """Verify, then time every case; collective over the ranks of `info`. Returns (rows, notes)."""
     generator = torch.Generator(device=device).manual_seed(20261122 + info.rank)
     rows, notes = [], {}
-    bar = tqdm(total=len(config.cases) * config.protocol.rounds, disable=not show_progress, unit="round", leave=False)
+    bar = progress_bar(len(config.cases) * config.protocol.rounds, "round", show_progress)
     try:
-        for case in config.cases:
-            bar.set_description(f"{case.op} {case.shape}")
+        for i, case in enumerate(config.cases, 1):
+            describe_bar(bar, f"{i}/{len(config.cases)} {case.op} {case.shape}")
             row, skipped = _run_case(case, config, info, device, generator, lambda: bar.update(1))
             rows.append(row)
             for name, reason in skipped.items():
@@ -388,21 +396,62 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def format_table(rows: list[dict]) -> str:
-    """One table per op: time per call of every variant, then E_overlap and speedup of each backend."""
-    parts = []
+REFERENCE = "the collective, then the matmul"
+LEGEND = (
+    f"nccl is the reference: {REFERENCE}. ceiling = nccl ms / gemm ms, the speedup if every collective were "
+    "hidden behind the matmul. speedup = nccl ms / the backend's ms (above 1: faster than the reference). "
+    "(p25-p75) = the middle half of the per-round speedups (docs/benchmarks.md)."
+)
+
+
+def describe(config: OpsConfig, world: int, device_type: str, width: int | None = None) -> str:
+    """What the run will do, in two sentences wrapped to `width` (default: the terminal's); the
+    CLI prints it before it starts."""
+    ops = list(dict.fromkeys(c.op for c in config.cases))
+    what = "the 3 ops" if len(ops) == len(OPS) else ", ".join(ops)
+    dtype = str(config.dtype).removeprefix("torch.")
+    p = config.protocol
+    timing = f"{p.rounds} rounds of {p.calls_per_sample} calls" + (" (CUDA graph replays)" if config.cuda_graphs else "")
+    if device_type == "cuda":
+        first = f"fluxtp bench ops: {len(config.cases)} {dtype} cases of {what} on {world} GPUs, one process each."
+    else:
+        first = (
+            f"fluxtp bench ops: no CUDA GPU here, so a demo on a {world}-process gloo group: "
+            f"{len(config.cases)} small {dtype} cases of {what}."
+        )
+    others = None if config.backends is None else [b for b in config.backends if b != BASELINE]
+    if config.backends is None and device_type != "cuda":
+        second = f"Only the reference ({REFERENCE}) runs on CPU: each case times it beside the matmul alone"
+    elif others == []:
+        second = f"Each case times the reference ({REFERENCE}) beside the matmul alone"
+    else:
+        chosen = "every backend usable here" if others is None else ", ".join(others)
+        second = (
+            f"Each case checks {chosen} against the reference ({REFERENCE}), then times them beside the "
+            "reference and the matmul alone"
+        )
+    second += f", over {timing}."
+    width = width or terminal_width()
+    return "\n".join(textwrap.fill(sentence, width) for sentence in (first, second))
+
+
+def format_table(rows: list[dict], width: int | None = None) -> str:
+    """The legend, then one table per op: time per call of every variant, the ceiling, then the
+    speedup (with its spread) and E_overlap of each backend. `width`: the legend's, default the
+    terminal's."""
+    parts = [textwrap.fill(LEGEND, width or terminal_width())]
     for op in dict.fromkeys(r["op"] for r in rows):
         op_rows = [r for r in rows if r["op"] == op]
         variants = list(dict.fromkeys(k for r in op_rows for k in r["ms"]))
         compared = [b for b in dict.fromkeys(k for r in op_rows for k in r["E_overlap"]) if b != BASELINE]
-        headers = ["M", "N", "K"] + [f"{v} ms" for v in variants]
-        headers += [f"E_overlap {b}" for b in compared] + [f"speedup {b}" for b in compared]
+        headers = ["M", "N", "K"] + [f"{v} ms" for v in variants] + ["ceiling (p25-p75)"]
+        headers += [f"speedup {b} (p25-p75)" for b in compared] + [f"E_overlap {b}" for b in compared]
         body = []
         for r in op_rows:
             line = [r["M"], r["N"], r["K"]] + [_fmt(r["ms"].get(v)) for v in variants]
-            line += [_fmt(r["E_overlap"].get(b)) for b in compared] + [
-                format_speedup(r["speedup_vs_nccl"].get(b), r["speedup_vs_nccl_iqr"].get(b)) for b in compared
-            ]
+            line.append(format_speedup(speedup(r["ms"][BASELINE], r["ms"]["gemm"]), r.get("_ceiling_iqr")))
+            line += [format_speedup(r["speedup_vs_nccl"].get(b), r["speedup_vs_nccl_iqr"].get(b)) for b in compared]
+            line += [_fmt(r["E_overlap"].get(b)) for b in compared]
             body.append(line)
         title = f"{op} ({op_rows[0]['dtype']}; M, N, K are the layer's global sizes)"
         parts.append(title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right"))

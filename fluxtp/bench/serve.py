@@ -46,11 +46,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo, max_over_ranks
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Timings, Variant, measure_rounds
+from fluxtp.bench.progress import describe as describe_bar
+from fluxtp.bench.progress import progress_bar
 from fluxtp.bench.ops import BASELINE, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error, select_backends
 from fluxtp.bench.train import MODELS as LAYER_DIMS
 from fluxtp.bench.train import NO_COMM, VERIFY_TOLERANCE, LayerDims, step_metrics, step_table
@@ -125,7 +126,11 @@ def add_arguments(group) -> None:
     scenario (registered before this one) already defines --model, --layers and --batch: serve
     shares them (the same layer sizes and count), and widens --batch to take a comma list."""
     existing = group._option_string_actions  # the parser's table, shared by its argument groups
-    group.description = "also --model, --layers (llama3-8b/70b layer sizes, vocabulary 128256) and --batch (a list)"
+    group.description = (
+        "also --model, --layers (the layer sizes of --model; vocabulary "
+        + ", ".join(f"{v} for {m}" for m, v in VOCAB.items())
+        + ") and --batch (a list)"
+    )
     if "--model" not in existing:
         group.add_argument("--model", choices=tuple(LAYER_DIMS), help="layer sizes (default: llama3-70b on GPUs)")
     if "--layers" not in existing:
@@ -355,11 +360,11 @@ def run(config: ServeConfig, info: GroupInfo, device: torch.device, show_progres
         )
         cases = [(b, s) for b in config.batches for s in config.prompt_lens]
         rounds = sum(config.protocols[p].rounds for p in config.phases)
-        bar = tqdm(total=len(cases) * rounds, disable=not show_progress, unit="round", leave=False)
+        bar = progress_bar(len(cases) * rounds, "round", show_progress)
         agreement, rows = Agreement(), []
         try:
             for batch, prompt_len in cases:
-                bar.set_description(f"batch {batch} prompt_len {prompt_len}")
+                describe_bar(bar, f"batch {batch} prompt_len {prompt_len}")
                 rows += _run_case(
                     model, config, names, batch, prompt_len, info, device, agreement, lambda: bar.update(1)
                 )

@@ -90,13 +90,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
-from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo, max_over_ranks, resolve_group
 from fluxtp.backends import reference
 from fluxtp.bench import BenchError
 from fluxtp.bench.harness import Protocol, Timings, Variant, format_speedup, measure_rounds, overlap_efficiency
 from fluxtp.bench.harness import speedup, speedup_iqr
+from fluxtp.bench.progress import describe as describe_bar
+from fluxtp.bench.progress import progress_bar
 from fluxtp.bench.ops import (
     BASELINE,
     DEFAULT_DTYPE,
@@ -599,10 +600,10 @@ def loss_curves(config: TrainConfig, trainer: Trainer, names: list[str], info: G
     initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     variants = [*names, REORDERED]
     curves, rank_spread = {}, 0.0
-    bar = tqdm(total=len(variants) * steps, disable=not show_progress, unit="step", leave=False)
+    bar = progress_bar(len(variants) * steps, "step", show_progress)
     try:
         for variant in variants:
-            bar.set_description(f"loss curve {variant}")
+            describe_bar(bar, f"loss curve {variant}")
             values = train_losses(trainer, variant, initial, data, lr, lambda: bar.update(1))
             low, high = values.clone(), values.clone()
             if info.group is not None:
@@ -679,16 +680,11 @@ def run(config: TrainConfig, info: GroupInfo, device: torch.device, show_progres
     names, skipped = _select_backends(config, info, device)
     trainer = Trainer(config, info, device)
     rows = []
-    bar = tqdm(
-        total=len(config.seqs) * config.protocol.rounds,
-        disable=not show_progress,
-        unit="round",
-        leave=False,
-    )
+    bar = progress_bar(len(config.seqs) * config.protocol.rounds, "round", show_progress)
     try:
         for seq in config.seqs:
             where = f"{config.model} x{config.layers} layers, batch {config.batch}, seq {seq}"
-            bar.set_description(where)
+            describe_bar(bar, f"{config.model} batch {config.batch} seq {seq}")
             trainer.set_input(seq)
             verify(trainer, names, info, where)
             variants = [Variant(v, ((lambda v=v: trainer.step(v)),)) for v in (*names, NO_COMM)]
@@ -788,7 +784,7 @@ def step_table(rows: list[dict], key_columns: list[str], title: str) -> str:
     backends_ = list(dict.fromkeys(k for r in rows for k in r["tokens_per_s"]))
     compared = [b for b in backends_ if b != BASELINE]
     headers = list(key_columns) + [f"{v} ms" for v in variants]
-    headers += [f"{b} tok/s" for b in backends_] + [f"speedup {b}" for b in compared]
+    headers += [f"{b} tok/s" for b in backends_] + [f"speedup {b} (p25-p75)" for b in compared]
     headers += ["T_exposed_comm ms", "ideal_speedup"] + [f"E_overlap {b}" for b in compared]
     body = []
     for r in rows:

@@ -502,7 +502,8 @@ class TPLlama:
         return logits
 
     def generate(self, prompt_tokens: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool = True, **kwargs):
-        """Greedy generation; see fluxtp.inference.generate.generate."""
+        """Greedy generation of exactly max_new_tokens tokens per prompt (no stop at an end-of-sequence
+        token); see fluxtp.inference.generate.generate."""
         from fluxtp.inference.generate import generate
 
         return generate(self, prompt_tokens, max_new_tokens, cuda_graph=cuda_graph, **kwargs)

@@ -53,63 +53,10 @@ def all_reduce(x, info: GroupInfo):
 
 # ---------------------------------------------------------------- the scaled (FP8) ops
 #
-# Per tensor or row-wise as torch._scaled_mm (fluxtp.fp8): the float32 product of the FP8 values,
-# times scale_x (per row) and scale_w (per output feature), plus bias, rounded once to out_dtype.
-# The reduce-scatter sums every rank's float32 partial (one NCCL or gloo reduction, a fixed order
-# for a fixed group) and rounds once.
-
-
-def _scaled_mm_runs(x, weight) -> bool:
-    """Whether torch._scaled_mm takes these operands: CUDA, K and n multiples of 16, 16-byte
-    aligned row-major rows (its B is weight^T, column-major), not both e5m2 (validated)."""
-    return (
-        x.device.type == "cuda"
-        and x.shape[1] % 16 == 0
-        and weight.shape[0] % 16 == 0
-        and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight))
-    )
-
-
-def _scales(x, weight, scale_x, scale_w):
-    """The scales as torch._scaled_mm takes them: both one value, or [rows, 1] and [1, n]."""
-    if not fp8.is_row_wise(scale_x, scale_w):
-        return scale_x.reshape(()), scale_w.reshape(())
-    rows, n = x.shape[0], weight.shape[0]
-    return scale_x.reshape(-1, 1).expand(rows, 1).contiguous(), scale_w.reshape(1, -1).expand(1, n).contiguous()
-
-
-def scaled_product(x, weight, scale_x, scale_w, use_fast_accum: bool = False) -> torch.Tensor:
-    """float32 [rows, n]: (x @ weight^T) * scale_x * scale_w, no bias, no rounding to out_dtype.
-
-    On CUDA where torch._scaled_mm runs: its float32 output (per tensor scales applied by it;
-    row-wise, its row-wise kernel writes only bfloat16, so it runs unscaled and the scales follow
-    in float32). Elsewhere (CPU, unaligned shapes) the exact dequantized product: FP8 values are
-    exact in float32 and so are their products (8 significant bits); the sum is float32."""
-    sx, sw = _scales(x, weight, scale_x, scale_w)
-    if _scaled_mm_runs(x, weight):
-        if sx.dim() == 0:
-            return torch._scaled_mm(x, weight.t(), sx, sw, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
-        one = torch.ones((), dtype=torch.float32, device=x.device)
-        product = torch._scaled_mm(x, weight.t(), one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
-    else:
-        product = x.float() @ weight.float().t()
-    return product * sx * sw
-
-
-def scaled_linear(x, weight, scale_x, scale_w, bias, out_dtype, use_fast_accum: bool = False) -> torch.Tensor:
-    """[rows, n] in out_dtype: the scaled product plus bias, rounded once.
-
-    torch._scaled_mm computes it in one call where it can (per tensor, or row-wise into
-    bfloat16; the bias only where it is of out_dtype and not float32, as torch takes it)."""
-    sx, sw = _scales(x, weight, scale_x, scale_w)
-    fits_torch = sx.dim() == 0 or out_dtype == torch.bfloat16
-    bias_fits = bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32)
-    if fits_torch and bias_fits and _scaled_mm_runs(x, weight):
-        return torch._scaled_mm(x, weight.t(), sx, sw, bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    y = scaled_product(x, weight, scale_x, scale_w, use_fast_accum)
-    if bias is not None:
-        y += bias.float()
-    return y.to(out_dtype)
+# Per tensor or row-wise as torch._scaled_mm: fluxtp.fp8.scaled_linear, the float32 product of the
+# FP8 values times scale_x (per row) and scale_w (per output feature), plus bias, rounded once to
+# out_dtype. The reduce-scatter sums every rank's float32 partial (fp8.scaled_product; one NCCL or
+# gloo reduction, a fixed order for a fixed group) and rounds once.
 
 
 def gather_fp8_rows(x_shard, scale_x, scale_w, info: GroupInfo):
@@ -130,12 +77,12 @@ def gather_fp8_rows(x_shard, scale_x, scale_w, info: GroupInfo):
 def all_gather_scaled_matmul(x_shard, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum,
                              return_gathered: bool):  # fmt: skip
     x_gathered, scales = gather_fp8_rows(x_shard, scale_x, scale_w, info)
-    y = scaled_linear(x_gathered, weight, scales, scale_w, bias, out_dtype, use_fast_accum)
+    y = fp8.scaled_linear(x_gathered, weight, scales, scale_w, bias, out_dtype, use_fast_accum)
     return y, (x_gathered, scales) if return_gathered else None
 
 
 def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum):
-    partial = scaled_product(x, weight, scale_x, scale_w, use_fast_accum)
+    partial = fp8.scaled_product(x, weight, scale_x, scale_w, use_fast_accum)
     out = partial.new_empty(partial.shape[0] // info.world_size, partial.shape[1])
     dist.reduce_scatter_tensor(out, partial, group=info.group)
     if bias is not None:

@@ -125,11 +125,17 @@ def check_scaled_args(x, weight, scale_x, scale_w, bias, out_dtype, use_fast_acc
             raise TypeError(f"bias has dtype {bias.dtype}; expected one of {', '.join(str(d) for d in fp8.OUT_DTYPES)}")
         if bias.device != x.device:
             raise ValueError(f"device mismatch: bias is on {bias.device} but {x_name} is on {x.device}")
-    if x.device.type == "cuda":
-        capability = torch.cuda.get_device_capability(x.device)
-        if capability < fp8.MIN_CAPABILITY:
-            raise ValueError(
-                f"{x_name} is on {x.device} ({torch.cuda.get_device_name(x.device)}, compute capability "
-                f"{capability[0]}.{capability[1]}), which has no FP8 tensor cores; FP8 needs capability "
-                f"{fp8.MIN_CAPABILITY[0]}.{fp8.MIN_CAPABILITY[1]} or higher (Ada, Hopper)"
-            )
+    check_fp8_device(x_name, x.device)
+
+
+def check_fp8_device(name: str, device: torch.device) -> None:
+    """FP8 tensor cores on the tensor's GPU (none needed on CPU: the dequantized float32 product)."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < fp8.MIN_CAPABILITY:
+        raise ValueError(
+            f"{name} is on {device} ({torch.cuda.get_device_name(device)}, compute capability "
+            f"{capability[0]}.{capability[1]}), which has no FP8 tensor cores; FP8 needs capability "
+            f"{fp8.MIN_CAPABILITY[0]}.{fp8.MIN_CAPABILITY[1]} or higher (Ada, Hopper)"
+        )

@@ -8,7 +8,6 @@ import torch
 from fluxtp import backends, fp8
 from fluxtp._dist import GroupInfo, group_from_name, resolve_group
 from fluxtp._plan import PlanCache, tensor_key
-from fluxtp.backends import reference
 from fluxtp.ops._dispatch import direct, group_key
 from fluxtp.ops._validate import check_backend, check_scaled_args
 
@@ -28,7 +27,7 @@ def _build(x_shard, weight, scale_x, scale_w, bias, info: GroupInfo, backend, ou
     if info.world_size == 1:
 
         def alone(x, w, sx, sw, b):
-            y = reference.scaled_linear(x, w, sx, sw, b, out_dtype, use_fast_accum)
+            y = fp8.scaled_linear(x, w, sx, sw, b, out_dtype, use_fast_accum)
             if not return_gathered:
                 return y, None
             return y, (x.clone(), sx.reshape(-1, 1).expand(x.shape[0], 1).clone() if row_wise else sx.clone())

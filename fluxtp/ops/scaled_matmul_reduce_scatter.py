@@ -8,7 +8,6 @@ import torch
 from fluxtp import backends, fp8
 from fluxtp._dist import GroupInfo, group_from_name, resolve_group
 from fluxtp._plan import PlanCache, tensor_key
-from fluxtp.backends import reference
 from fluxtp.ops._dispatch import direct, group_key
 from fluxtp.ops._validate import check_backend, check_scaled_args
 
@@ -31,7 +30,7 @@ def _check(x, weight, scale_x, scale_w, bias, out_dtype, use_fast_accum, backend
 def _build(x, weight, scale_x, scale_w, bias, info: GroupInfo, backend, out_dtype, use_fast_accum):
     """The call plan: (x, weight, scale_x, scale_w, bias) -> [M/W, N] in out_dtype."""
     if info.world_size == 1:
-        return lambda x, w, sx, sw, b: reference.scaled_linear(x, w, sx, sw, b, out_dtype, use_fast_accum)
+        return lambda x, w, sx, sw, b: fp8.scaled_linear(x, w, sx, sw, b, out_dtype, use_fast_accum)
     details = {"row_wise": fp8.is_row_wise(scale_x, scale_w), "out_dtype": out_dtype, "use_fast_accum": use_fast_accum}
     name = backends.choose(OP, backend, x, weight, info, **details)
     return backends.prepare(OP, name, x, weight, bias, info, out_dtype, use_fast_accum)

@@ -26,13 +26,17 @@ from fluxtp.backends.fused._scaled import Scaled, flat  # noqa: E402
 from _rs_simulation import simulate  # noqa: E402 -- a sibling: this script runs as a file
 
 E4M3 = torch.float8_e4m3fn
-# Output rounding (u: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32) plus float32 accumulation and scaling.
-TOL = {torch.bfloat16: 2**-8 + 1e-5, torch.float16: 2**-11 + 1e-5, torch.float32: 1e-5}
+# Output rounding (u: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32) plus float32 accumulation and scaling;
+# bf16 2u: the interpreter's float32 -> bfloat16 cast truncates (measured: 6.3e-3 relative on
+# one value, against 2.2e-3 for torch's rounding), GPUs round to nearest (tests/gpu: u).
+TOL = {torch.bfloat16: 2 * 2**-8 + 1e-5, torch.float16: 2**-11 + 1e-5, torch.float32: 1e-5}
 
 
-def quantized(g, rows, cols, row_wise):
-    """(t_fp8, scale [rows, 1] or 0-d): rows of very different magnitudes."""
-    t = torch.randn(rows, cols, generator=g) * 2.0 ** torch.randint(-6, 7, (rows, 1), generator=g)
+def quantized(g, rows, cols, row_wise, spread=6):
+    """(t_fp8, scale [rows, 1] or 0-d): rows of magnitudes 2^-spread .. 2^spread (x: every row
+    scale must go to its row), or (weights, spread 0) of about 1/sqrt(cols): fp16 outputs stay finite."""
+    t = torch.randn(rows, cols, generator=g) * 2.0 ** torch.randint(-spread, spread + 1, (rows, 1), generator=g)
+    t = t if spread else t * cols**-0.5
     if row_wise:
         return fp8.quantize_rows(t)
     scale = t.abs().amax() / 448.0  # not a power of two: per-tensor scales are general
@@ -49,7 +53,7 @@ def check(out, ref, out_dtype, what):
 def all_gather_case(seed, world, rank, m, n, k, row_wise, out_dtype, bias_dtype, cfg, precise):
     g = torch.Generator().manual_seed(seed)
     x, sx = quantized(g, world * m, k, row_wise)
-    w, sw = quantized(g, n, k, row_wise)
+    w, sw = quantized(g, n, k, row_wise, spread=0)
     sw = sw.reshape(1, -1) if row_wise else sw
     b = torch.randn(n, generator=g).to(bias_dtype) if bias_dtype is not None else None
     scaled = Scaled.of(sx, sw, out_dtype, not precise)
@@ -108,7 +112,7 @@ def launcher_case(seed, world=3, m=40, n=32, k=32):
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.set_stream = lambda s: None
     cfg = ag.AllGatherMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
-    w, sw = quantized(g, n, k, True)
+    w, sw = quantized(g, n, k, True, spread=0)
     sw = sw.reshape(1, -1)
     try:
         for call in range(2):
@@ -134,7 +138,7 @@ def reduce_scatter_case(seed, world, m, n, k_local, row_wise, out_dtype, bias_dt
     xs, ws, scales = [], [], []
     for _ in range(world):  # each rank quantizes its own slice of K
         xr, sxr = quantized(g, world * m, k_local, row_wise)
-        wr, swr = quantized(g, n, k_local, row_wise)
+        wr, swr = quantized(g, n, k_local, row_wise, spread=0)
         xs.append(xr)
         ws.append(wr)
         scales.append((flat(sxr), flat(swr)))

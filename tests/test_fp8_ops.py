@@ -36,7 +36,10 @@ def _gpu_backends_refuse_cpu(rank, world):
             fluxtp.all_gather_scaled_matmul(xq, wq, sx, sw.reshape(1, -1), backend=backend)
         with pytest.raises(ValueError, match="CUDA"):
             fluxtp.scaled_matmul_reduce_scatter(xq, wq, sx, sw.reshape(1, -1), backend=backend)
+    # The reduce-scatter's rows must split over the group (checked before any backend runs).
+    with pytest.raises(ValueError, match=r"x has shape \(3, 16\): its M=3 rows must be divisible by the group's world size 2"):
+        fluxtp.scaled_matmul_reduce_scatter(xq[:3], wq, sx[:3], sw.reshape(1, -1))
 
 
-def test_gpu_backends_refuse_cpu_tensors():
+def test_gpu_backends_refuse_cpu_tensors_and_uneven_rows():
     run_on_ranks(_gpu_backends_refuse_cpu, 2, backend="gloo")

@@ -21,15 +21,28 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise TypeError(f"{name} has unsupported dtype {t.dtype}; expected one of {names}")
 
 
-def check_linear_args(x, weight, bias, x_name: str, x_layout: str, w_layout: str) -> None:
-    """x [rows, K] @ weight[n, K]^T (+ bias[n]): shapes, dtypes and devices agree."""
-    check_tensor(x_name, x, 2, x_layout)
-    check_tensor("weight", weight, 2, w_layout)
+def _check_k(x, weight, x_name: str) -> None:
     if weight.shape[1] != x.shape[1]:
         raise ValueError(
             f"K mismatch: {x_name} has shape {tuple(x.shape)} (K={x.shape[1]}) but weight has shape "
             f"{tuple(weight.shape)} (K={weight.shape[1]}); weight must be [out_features, K] as in nn.Linear"
         )
+
+
+def check_scatter_rows(x, world: int) -> None:
+    """The reduce-scatter's rows split evenly over the group."""
+    if world > 1 and x.shape[0] % world:
+        raise ValueError(
+            f"x has shape {tuple(x.shape)}: its M={x.shape[0]} rows must be divisible by the "
+            f"group's world size {world} to be scattered"
+        )
+
+
+def check_linear_args(x, weight, bias, x_name: str, x_layout: str, w_layout: str) -> None:
+    """x [rows, K] @ weight[n, K]^T (+ bias[n]): shapes, dtypes and devices agree."""
+    check_tensor(x_name, x, 2, x_layout)
+    check_tensor("weight", weight, 2, w_layout)
+    _check_k(x, weight, x_name)
     if weight.dtype != x.dtype:
         raise TypeError(f"dtype mismatch: {x_name} is {x.dtype} but weight is {weight.dtype}; expected the same dtype")
     if weight.device != x.device:
@@ -94,11 +107,7 @@ def check_scaled_args(x, weight, scale_x, scale_w, bias, out_dtype, use_fast_acc
     _check_fp8_operand("weight", weight, w_layout)
     if x.dtype == weight.dtype == torch.float8_e5m2:
         raise TypeError(f"{x_name} and weight are both float8_e5m2; at most one operand may be e5m2 (as in torch._scaled_mm)")
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"K mismatch: {x_name} has shape {tuple(x.shape)} (K={x.shape[1]}) but weight has shape "
-            f"{tuple(weight.shape)} (K={weight.shape[1]}); weight must be [out_features, K] as in nn.Linear"
-        )
+    _check_k(x, weight, x_name)
     if weight.device != x.device:
         raise ValueError(f"device mismatch: {x_name} is on {x.device} but weight is on {weight.device}")
     scale_x_name = "scale_" + x_name.split("_")[0]

@@ -3,6 +3,7 @@
     python benchmarks/gemm_efficiency.py [--shapes ag:1024x28672x8192,rs:1024x8192x28672,...]
         [--world 2] [--dtype bfloat16] [--weight-layout linear] [--rounds 10] [--out FILE.json]
     python benchmarks/gemm_efficiency.py --grid full [--rounds 6] [--out FILE.json]
+    python benchmarks/gemm_efficiency.py --grid fp8 [--fast-accum] [--out FILE.json]
 
 Per case (a layer's global MxNxK at one TP degree, as `fluxtp bench` takes it; --grid names a
 grid of fluxtp/bench/gemm_grid.py: both ops, TP 2/4/8, four models' MLP dims, 1024-16384
@@ -18,6 +19,9 @@ graphs, so that small GEMMs are timed by the GPU, not by the host's launch):
 - `plain_ptr_epilogue` (--pointer-epilogue): `plain` storing its tiles with pointer stores in the
   reduce-scatter's column slices (its epilogue_split; 2 for the all-gather) instead of TMA
   stores, as the reduce-scatter's epilogue must (it writes partial tiles through buffer addresses).
+FP8 cases (--dtype float8_e4m3fn, --grid fp8 / fp8-smoke): the scaled ops' kernels, row-wise scales,
+bf16 out, against `cublas` = torch._scaled_mm of the same per-rank operands and scales (its
+use_fast_accum as --fast-accum, as the fused kernel's); `plain` has no FP8 form and is left out.
 `--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
 the config negated (an A/B of one knob, interleaved with the rest); `--vary FIELD=INT` sets an
 integer field instead (e.g. `num_stages=4`); repeat it for more variants. Every output is checked
@@ -46,6 +50,7 @@ from fluxtp.bench.gemm_grid import (
     GRIDS,
     GemmCase,
     case_inputs,
+    fp8_case_inputs,
     expected_rows,
     gathered,
     gemm_only_case,
@@ -145,16 +150,34 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     return run
 
 
-def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: bool = False):
+def _fp8_runs(case: GemmCase, fast: bool):
+    """(runs, x, weight, config, scales) of an FP8 case: torch._scaled_mm and the fused GEMM-only mode."""
+    x, weight, scale_x, scale_w = fp8_case_inputs(case, "cuda")
+    full, full_scales = gathered(case, x), gathered(case, scale_x)  # the row scales travel with the rows
+    scales = (scale_x, scale_w)
+    config = launched_config(case, x, weight, scales, fast)
+    fused = gemm_only_case(case, x, weight, scales=scales, use_fast_accum=fast)
+    cublas = lambda: torch._scaled_mm(full, weight.t(), full_scales, scale_w, out_dtype=torch.bfloat16,  # noqa: E731
+                                      use_fast_accum=fast)
+    return {"cublas": cublas, "fused": fused}, x, weight, config, scales
+
+
+def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: bool = False, fast_accum: bool = False):
     """The variants of one case, each output checked against cuBLAS's, and the config used."""
-    x, weight = case_inputs(case, "cuda")
-    full = gathered(case, x)  # what cuBLAS multiplies after the collective
-    config = launched_config(case, x, weight)
-    fused = gemm_only_case(case, x, weight)
-    cublas = lambda: F.linear(full, weight)  # noqa: E731
-    ref = cublas().float()
-    runs = {"cublas": cublas, "fused": fused, "plain": plain_matmul(full, weight, config)}
-    if pointer_epilogue:
+    scales = None
+    if case.fp8:
+        runs, x, weight, config, scales = _fp8_runs(case, fast_accum)
+        ref = runs["cublas"]().float()
+    else:
+        x, weight = case_inputs(case, "cuda")
+        full = gathered(case, x)  # what cuBLAS multiplies after the collective
+        config = launched_config(case, x, weight)
+        fused = gemm_only_case(case, x, weight)
+        cublas = lambda: F.linear(full, weight)  # noqa: E731
+        ref = cublas().float()
+        runs = {"cublas": cublas, "fused": fused, "plain": plain_matmul(full, weight, config)}
+    fused = runs["fused"]
+    if pointer_epilogue and not case.fp8:
         runs["plain_ptr_epilogue"] = plain_matmul(full, weight, config, pointer_split=getattr(config, "epilogue_split", 2))
     for name, run in runs.items():
         want = expected_rows(case, ref) if name == "fused" else ref
@@ -165,7 +188,7 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
     for spec in vary:
         name, _, text = spec.partition("=")
         value = int(text) if text else not getattr(config, name)
-        varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **{name: value}))
+        varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **{name: value}), scales, fast_accum)
         if not torch.equal(varied(), fused()):
             raise AssertionError(f"{case.label()}: {name}={value} changes the fused kernel's output bits")
         variants.append(Variant(f"fused_{name}={value}", (graphed(varied),)))
@@ -191,7 +214,9 @@ def main() -> None:
     cases.add_argument("--grid", choices=tuple(GRIDS), help="a named grid of cases (fluxtp/bench/gemm_grid.py) instead")
     parser.add_argument("--world", type=int, default=2, help="with --shapes: the TP degree whose per-rank GEMM is timed")
     parser.add_argument("--rounds", type=int, default=GPU_PROTOCOL.rounds)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="with --shapes")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"), help="with --shapes")
+    parser.add_argument("--fast-accum", action="store_true",
+                        help="FP8 cases: use_fast_accum in both torch._scaled_mm and the fused kernel")
     parser.add_argument("--weight-layout", default="linear", choices=("linear", "transposed"), help="with --shapes")
     parser.add_argument("--pointer-epilogue", action="store_true",
                         help="also time the plain kernel storing through pointers in the reduce-scatter's column slices")
@@ -210,7 +235,7 @@ def main() -> None:
     print("GPU before:", gpu_state())
     rows = []
     for case in tqdm(todo, unit="case", mininterval=10):
-        variants, config = case_variants(case, tuple(args.vary), args.pointer_epilogue)
+        variants, config = case_variants(case, tuple(args.vary), args.pointer_epilogue, args.fast_accum)
         timings = measure_rounds(variants, protocol, GroupInfo(None, 0, 1), device)
         ms = {name: round(t, 4) for name, t in timings.ms.items()}
 
@@ -221,9 +246,10 @@ def main() -> None:
                     f"{a}_vs_{b}_iqr": [round(q, 4) for q in timings.ratio_quartiles(a, b)[::2]]}
 
         pointer = ratio("plain_ptr_epilogue", "plain") if "plain_ptr_epilogue" in ms else {}
+        plain = {**ratio("plain", "cublas"), **ratio("fused", "plain")} if "plain" in ms else {}
         rows.append({
-            **dataclasses.asdict(case), "ms": ms,
-            **ratio("fused", "cublas"), **ratio("plain", "cublas"), **ratio("fused", "plain"), **pointer,
+            **dataclasses.asdict(case), "ms": ms, **({"fast_accum": args.fast_accum} if case.fp8 else {}),
+            **ratio("fused", "cublas"), **plain, **pointer,
             **{key: v for name in ms if name.startswith("fused_") for key, v in ratio(name, "fused").items()},
             "config": dataclasses.asdict(config),
         })
@@ -248,9 +274,10 @@ def format_table(rows: list[dict]) -> str:
         return f"{r[key]:.3f} ({low:.3f}-{high:.3f})"
 
     extra = [key for key in ("plain_ptr_epilogue_vs_plain",) if rows and key in rows[0]] + (varied_keys(rows[0]) if rows else [])
-    table = [
-        [GemmCase(**{f: r[f] for f in GemmCase.__dataclass_fields__}).label(), r["ms"]["cublas"], r["ms"]["plain"],
-         r["ms"]["fused"], f'{r["plain_vs_cublas"]:.3f}', spread(r, "fused_vs_cublas"), f'{r["fused_vs_plain"]:.3f}']
+    table = [  # FP8 cases have no plain kernel: "-"
+        [GemmCase(**{f: r[f] for f in GemmCase.__dataclass_fields__}).label(), r["ms"]["cublas"], r["ms"].get("plain", "-"),
+         r["ms"]["fused"], f'{r["plain_vs_cublas"]:.3f}' if "plain_vs_cublas" in r else "-", spread(r, "fused_vs_cublas"),
+         f'{r["fused_vs_plain"]:.3f}' if "fused_vs_plain" in r else "-"]
         + [spread(r, key) for key in extra]
         for r in rows
     ]
@@ -262,10 +289,10 @@ def format_summary(rows: list[dict]) -> str:
     """fused/cuBLAS per (op, TP degree): geometric mean and worst case over the cases timed."""
     groups: dict[tuple, list[float]] = {}
     for r in rows:
-        groups.setdefault((r["op"], r["world"]), []).append(r["fused_vs_cublas"])
+        groups.setdefault((r["op"], r["world"], r["dtype"] in ("float8_e4m3fn",)), []).append(r["fused_vs_cublas"])
     table = [
-        [op, world, len(v), f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}", f"{max(v):.3f}"]
-        for (op, world), v in sorted(groups.items())
+        [op + (" fp8" if is_fp8 else ""), world, len(v), f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}", f"{max(v):.3f}"]
+        for (op, world, is_fp8), v in sorted(groups.items())
     ]
     return tabulate(table, headers=["op", "TP", "cases", "fused/cuBLAS geomean", "worst"])
 

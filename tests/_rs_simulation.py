@@ -1,13 +1,15 @@
 """W ranks of the fused GEMM+ReduceScatter simulated in one process, on one device (CPU under the
 Triton interpreter, or one GPU): the "symmetric buffers" are ordinary tensors addressed through
 the same int64 address table the GPUs use, and a stand-in handle gives the launcher its views of
-them. Used by tests/_interpret_gemm_rs.py and tests/gpu/test_rs_kernel_one_gpu.py."""
+them. Used by tests/_interpret_gemm_rs.py, tests/_interpret_fp8.py and tests/gpu/test_rs_kernel_one_gpu.py.
+A scaled (FP8) run passes `scaled` (fluxtp.backends.fused._scaled.Scaled) and every rank's
+(scale_x, scale_w) as `rank_scales`: its partial slots are float32."""
 
 from __future__ import annotations
 
 import torch
 
-from fluxtp.backends.fused._matmul_reduce_scatter import Layout, _Workspace, launch_kernel
+from fluxtp.backends.fused._matmul_reduce_scatter import Layout, _Workspace, launch_kernel, partial_dtype
 from fluxtp.symm import SymmBuffer
 
 
@@ -73,26 +75,35 @@ def shards(x, w, rank, k_local, transposed=False):
     return x[:, cols].contiguous(), wr
 
 
-def peer_steps(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
+def _scaling(scaled, rank_scales, rank):
+    """launch_kernel's scaled and scales arguments for `rank` (None, (None, None) unscaled)."""
+    return (scaled, rank_scales[rank]) if scaled is not None else (None, (None, None))
+
+
+def peer_steps(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False, scaled=None, rank_scales=None):
     """Every rank's peer steps (0..W-2), then (copy engine) the copy plan: returns the layout,
     the buffers, their address table and every rank's output [M/W, N], still NaN."""
     m, n = x.shape[0] // world, w.shape[0]
-    layout = Layout.of(m, n, x.element_size(), world, cfg)
-    buffers, ptrs = make_buffers(world, layout, poison, x.dtype, x.device)
-    outs = [torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device) for _ in range(world)]
+    part = partial_dtype(x, scaled)
+    out_dtype = x.dtype if scaled is None else scaled.out_dtype
+    layout = Layout.of(m, n, part.itemsize, world, cfg)
+    buffers, ptrs = make_buffers(world, layout, poison, part, x.device)
+    outs = [torch.full((m, n), float("nan"), dtype=out_dtype, device=x.device) for _ in range(world)]
     for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
-        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins)
+        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins,
+                      None, *_scaling(scaled, rank_scales, r))  # fmt: skip
     if cfg.copy_engine:
-        copy_engine(buffers, ptrs, layout, world, x.dtype)
+        copy_engine(buffers, ptrs, layout, world, part)
     return layout, buffers, ptrs, outs
 
 
-def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False):
+def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=False, scaled=None, rank_scales=None):
     """peer_steps, then every rank's own-rows step (W-1): returns every rank's output [M/W, N]
     and int32 flags."""
-    layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, poison, max_spins, transposed)
+    layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, poison, max_spins, transposed, scaled, rank_scales)
     for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
-        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins)
+        launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins,
+                      None, *_scaling(scaled, rank_scales, r))  # fmt: skip
     return outs, flag_views(buffers, layout)

@@ -43,6 +43,11 @@ def test_matmul_all_reduce_kernel():
     run_interpreted("_interpret_gemm_ar.py")
 
 
+def test_fp8_kernels_and_launcher():
+    """Both fused kernels with FP8 operands and scales, and the all-gather launcher's row scales."""
+    run_interpreted("_interpret_fp8.py")
+
+
 def test_weight_operand_reads_transposed_views_in_place():
     """The backward's W^T views go to the kernels' [k, n] path without a copy, unless TMA cannot
     read the [k, n] rows (n * element size not a multiple of 16 bytes): then a row-major [n, k]."""

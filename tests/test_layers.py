@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "fluxtp"
 PRODUCT = ("fluxtp.ops", "fluxtp.backends", "fluxtp.kernels", "fluxtp.configs", "fluxtp.symm", "fluxtp.nn",
-           "fluxtp.inference", "fluxtp._dist")  # fmt: skip
+           "fluxtp.inference", "fluxtp._dist", "fluxtp.fp8")  # fmt: skip
 TOOLING = ("fluxtp.tune", "fluxtp.bench", "fluxtp.cli")
 
 

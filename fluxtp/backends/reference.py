@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fluxtp import fp8
 from fluxtp._dist import GroupInfo
 
 # torch >= 2.12 renames the *_tensor collectives (*_single); 2.11 has only these names.
@@ -47,3 +49,42 @@ def all_reduce(x, info: GroupInfo):
     y = x.clone()
     dist.all_reduce(y, group=info.group)
     return y
+
+
+# ---------------------------------------------------------------- the scaled (FP8) ops
+#
+# Per tensor or row-wise as torch._scaled_mm: fluxtp.fp8.scaled_linear, the float32 product of the
+# FP8 values times scale_x (per row) and scale_w (per output feature), plus bias, rounded once to
+# out_dtype. The reduce-scatter sums every rank's float32 partial (fp8.scaled_product; one NCCL or
+# gloo reduction, a fixed order for a fixed group) and rounds once.
+
+
+def gather_fp8_rows(x_shard, scale_x, scale_w, info: GroupInfo):
+    """(x_gathered [W*m, K], its scales): the FP8 rows as bytes (every backend of the group's
+    moves bytes), row-wise scales gathered with them, a per-tensor scale as it is (one scale
+    of the whole x, the same on every rank)."""
+    m, k = x_shard.shape
+    world = info.world_size
+    x_gathered = torch.empty(m * world, k, dtype=x_shard.dtype, device=x_shard.device)
+    dist.all_gather_into_tensor(x_gathered.view(torch.uint8), x_shard.contiguous().view(torch.uint8), group=info.group)
+    if not fp8.is_row_wise(scale_x, scale_w):
+        return x_gathered, scale_x.clone()
+    scales = torch.empty(m * world, 1, dtype=torch.float32, device=x_shard.device)
+    dist.all_gather_into_tensor(scales, scale_x.reshape(-1, 1).expand(m, 1).contiguous(), group=info.group)
+    return x_gathered, scales
+
+
+def all_gather_scaled_matmul(x_shard, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum,
+                             return_gathered: bool):  # fmt: skip
+    x_gathered, scales = gather_fp8_rows(x_shard, scale_x, scale_w, info)
+    y = fp8.scaled_linear(x_gathered, weight, scales, scale_w, bias, out_dtype, use_fast_accum)
+    return y, (x_gathered, scales) if return_gathered else None
+
+
+def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum):
+    partial = fp8.scaled_product(x, weight, scale_x, scale_w, use_fast_accum)
+    out = partial.new_empty(partial.shape[0] // info.world_size, partial.shape[1])
+    dist.reduce_scatter_tensor(out, partial, group=info.group)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)

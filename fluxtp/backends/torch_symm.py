@@ -17,9 +17,13 @@ from fluxtp._dist import GroupInfo
 ONE_SHOT_MAX_BYTES = 1 << 20
 
 
-def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
+def unsupported_reason(op: str, x, weight, info: GroupInfo, **details) -> str | None:
     if x.device.type != "cuda":
         return f"it needs CUDA tensors (got {x.device}) and an NCCL group with symmetric memory"
+    if op in ("all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"):
+        reason = _scaled_unsupported_reason(op, x, weight, **details)
+        if reason is not None:
+            return reason
     if op in ("matmul_all_reduce", "all_reduce") and x.dtype not in (torch.bfloat16, torch.float32):
         # torch 2.11's one_shot_all_reduce raised NotImplementedError for float16 on 2xH200.
         return f"torch's symmetric-memory all-reduce takes bfloat16 and float32, got {x.dtype}"
@@ -76,3 +80,83 @@ def matmul_all_reduce(x, weight, bias, info: GroupInfo):
 def all_reduce(x, info: GroupInfo):
     symm.enable_for_group(info)
     return _symm_all_reduce(info, x.numel(), x.dtype, x.device, lambda flat: flat.copy_(x.view(-1))).view(x.shape)
+
+
+# ---------------------------------------------------------------- the scaled (FP8) ops
+#
+# torch.ops.symm_mem.fused_all_gather_scaled_matmul / fused_scaled_matmul_reduce_scatter: chunked
+# copy-engine transfers and one torch._scaled_mm per chunk. Each chunk's output is in the op's
+# out_dtype, and torch's row-wise scaled kernel writes only bfloat16: so the all-gather runs
+# row-wise only into bfloat16, and the reduce-scatter, whose partials fluxtp sums in float32
+# (rounded once), only per tensor (out_dtype float32 partials, rounded after the sum).
+_SCALED_OP_ARGS = {
+    "all_gather_scaled_matmul": ("fused_all_gather_scaled_matmul", ("A", "Bs", "A_scale", "B_scales", "gather_dim",
+                                 "group_name", "biases", "result_scales", "out_dtypes", "use_fast_accum")),
+    "scaled_matmul_reduce_scatter": ("fused_scaled_matmul_reduce_scatter", ("A", "B", "A_scale", "B_scale", "reduce_op",
+                                     "orig_scatter_dim", "scatter_dim_after_maybe_reshape", "group_name",
+                                     "output_shape", "bias", "result_scale", "out_dtype", "use_fast_accum")),
+}  # fmt: skip
+
+
+def _scaled_unsupported_reason(op, x, weight, row_wise: bool, out_dtype, use_fast_accum: bool) -> str | None:
+    name, args = _SCALED_OP_ARGS[op]
+    torch_op = getattr(torch.ops.symm_mem, name, None)
+    if torch_op is None:
+        return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{name}"
+    schema = tuple(a.name for a in torch_op.default._schema.arguments)
+    if schema != args:
+        return f"this torch's torch.ops.symm_mem.{name} takes ({', '.join(schema)}), not the ({', '.join(args)}) fluxtp calls"
+    if x.shape[1] % 16 or weight.shape[0] % 16:
+        return f"torch._scaled_mm needs K and n multiples of 16, got K={x.shape[1]}, n={weight.shape[0]}"
+    if row_wise and op == "scaled_matmul_reduce_scatter":
+        return "torch's row-wise scaled matmul writes bfloat16 partials; fluxtp sums float32 partials (rounded once)"
+    if row_wise and out_dtype != torch.bfloat16:
+        return f"torch's row-wise scaled matmul writes only bfloat16, out_dtype is {out_dtype}"
+    return None
+
+
+def all_gather_scaled_matmul(x_shard, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum,
+                             return_gathered: bool):  # fmt: skip
+    from fluxtp import fp8
+
+    symm.enable_for_group(info)
+    row_wise = fp8.is_row_wise(scale_x, scale_w)
+    m, n = x_shard.shape[0], weight.shape[0]
+    if row_wise:  # [m, 1] of this rank's rows: torch gathers them with the rows (its "row-wise sharded" mode)
+        sx, sw = scale_x.reshape(-1, 1).expand(m, 1).contiguous(), scale_w.reshape(1, -1).expand(1, n).contiguous()
+    else:
+        sx, sw = scale_x.reshape(()), scale_w.reshape(())
+    # Per tensor: a float32 product, then the bias, rounded once. Row-wise (bfloat16 only): a
+    # bfloat16 bias goes into torch's epilogue; another is added to the rounded product.
+    in_epilogue = row_wise and bias is not None and bias.dtype == torch.bfloat16
+    x_gathered, (y,) = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+        x_shard.contiguous(), [weight.t()], sx, [sw], 0, info.name, [bias if in_epilogue else None], [None],
+        [torch.bfloat16 if row_wise else torch.float32], [use_fast_accum],
+    )  # fmt: skip
+    if bias is not None and not in_epilogue:
+        y = y.float() + bias.float()
+    y = y.to(out_dtype)
+    if not return_gathered:
+        return y, None
+    # torch gathers the rows but returns no gathered scales: gather those (small) beside.
+    return y, (x_gathered, _gather_row_scales(sx, info) if row_wise else scale_x.clone())
+
+
+def _gather_row_scales(scale_rows, info: GroupInfo):
+    import torch.distributed as dist
+
+    out = scale_rows.new_empty(scale_rows.shape[0] * info.world_size, 1)
+    dist.all_gather_into_tensor(out, scale_rows, group=info.group)
+    return out
+
+
+def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum):
+    symm.enable_for_group(info)  # per tensor only (_scaled_unsupported_reason)
+    m_total, n = x.shape[0], weight.shape[0]
+    out = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+        x.contiguous(), weight.t(), scale_x.reshape(()), scale_w.reshape(()), "sum", 0, 0, info.name, [m_total, n],
+        None, None, torch.float32, use_fast_accum,
+    )  # fmt: skip
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)

@@ -8,6 +8,8 @@ A case is one layer (global MxNxK, the sizes `fluxtp bench --shapes` takes) at o
 weight_layout "transposed" is the backward's W^T view (the same dims: the down projection's
 input gradient is an all-gather GEMM over the down weight's transpose, and the reverse).
 M is any multiple of W (the rows must split evenly over the ranks), tile multiple or not.
+dtype float8_e4m3fn is a case of the scaled ops (all_gather_scaled_matmul, ...): the same per-rank
+GEMM on FP8 operands with row-wise scales (fp8_case_inputs), bf16 out, the weight row-major.
 
 `gemm_only_case` builds what one GPU can time of a case: the fused kernel exactly as rank 0 of
 a W-rank call launches it, with its communication switched off (the backends' gemm_only).
@@ -35,6 +37,7 @@ MODELS = {
 TP_DEGREES = (2, 4, 8)
 TOKENS = (1024, 2048, 4096, 8192, 16384)
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FP8_DTYPE_NAMES = {"float8_e4m3fn": torch.float8_e4m3fn}  # not in DTYPE_NAMES: the bf16/fp16 grids stay as they are
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,19 @@ class GemmCase:
     def __post_init__(self):
         if self.op not in OP_NAMES.values():
             raise ValueError(f"op must be one of {', '.join(OP_NAMES.values())}, got {self.op!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES and self.dtype not in FP8_DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join([*DTYPE_NAMES, *FP8_DTYPE_NAMES])}, got {self.dtype!r}")
+        if self.fp8 and self.weight_layout != "linear":
+            raise ValueError(f"{self}: FP8 weights are row-major [n, k] (FP8 tensor cores read both operands K-major)")
         if self.weight_layout not in ("linear", "transposed"):
             raise ValueError(f"weight_layout must be linear or transposed, got {self.weight_layout!r}")
         if self.M % self.world:
             raise ValueError(f"{self}: M={self.M} must be divisible by the TP degree {self.world}")
         self.shard_shapes  # noqa: B018 - the other sizes must divide too (ValueError)
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_DTYPE_NAMES
 
     @property
     def shard_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -102,6 +111,9 @@ GRIDS = {
     "full": _full,
     "bf16": lambda: [c for c in _full() if c.dtype == "bfloat16"],
     "llama3-70b": lambda: model_cases("llama3-70b", layouts=("linear", "transposed")),
+    # The FP8 ops (row-wise scales, the layers' recipe): the "full" grid's shapes, linear weights.
+    "fp8": lambda: [c for model in MODELS for c in model_cases(model, dtypes=tuple(FP8_DTYPE_NAMES))],
+    "fp8-smoke": lambda: model_cases("llama3-8b", tokens=(1024, 3000), worlds=(2, 8), dtypes=tuple(FP8_DTYPE_NAMES)),
     # A quick look (a few seconds of GPU time): one model, the smallest and a middle M, ragged M too.
     "smoke": lambda: model_cases("llama3-8b", tokens=(1024, 3000), worlds=(2, 8)),
 }
@@ -133,6 +145,17 @@ def case_inputs(case: GemmCase, device, generator=None) -> tuple[torch.Tensor, t
     return x, random_weight(w_shape, dtype, device, generator, w_shape[1] ** -0.5, case.weight_layout)
 
 
+def fp8_case_inputs(case: GemmCase, device, generator=None):
+    """Random (x, weight, scale_x [rows, 1], scale_w [1, n]) of one rank, FP8 with row-wise scales."""
+    from fluxtp.fp8 import quantize_rows
+
+    x_shape, w_shape = case.shard_shapes
+    dtype = FP8_DTYPE_NAMES[case.dtype]
+    x, scale_x = quantize_rows(torch.randn(x_shape, device=device, generator=generator), dtype)
+    weight, scale_w = quantize_rows(torch.randn(w_shape, device=device, generator=generator) * w_shape[1] ** -0.5, dtype)
+    return x, weight, scale_x, scale_w.view(1, -1)
+
+
 def gathered(case: GemmCase, x: torch.Tensor) -> torch.Tensor:
     """The input of one rank's whole GEMM: the all-gather's W copies of the shard (what its
     GEMM-only mode reads), or x itself for the reduce-scatter."""
@@ -154,21 +177,29 @@ def heuristic_config(case: GemmCase):
     return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
 
 
-def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor):
-    """The config a call of the case launches now (the user's cache, the shipped table, or the heuristic)."""
+def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scales=None, use_fast_accum: bool = False):
+    """The config a call of the case launches now (the user's cache, the shipped table, or the
+    heuristic; FP8 cases (scales given): the FP8 heuristic)."""
     from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
+    from fluxtp.backends.fused._scaled import Scaled
 
     module = _all_gather_matmul if case.op == "all_gather_matmul" else _matmul_reduce_scatter
-    return module._config_for(x, weight, case.world, None)
+    scaled = None if scales is None else Scaled.of(*scales, torch.bfloat16, use_fast_accum)
+    return module._config_for(x, weight, case.world, None, scaled)
 
 
-def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None):
+def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None, scales=None,
+                   use_fast_accum: bool = False):  # fmt: skip
     """A zero-argument callable launching the fused kernel of rank 0 of the case with
-    communication switched off, with `config` (default: the one a call would launch)."""
+    communication switched off, with `config` (default: the one a call would launch); an FP8
+    case passes its scales (the scaled op's kernel, bf16 out)."""
     from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
 
     module = _all_gather_matmul if case.op == "all_gather_matmul" else _matmul_reduce_scatter
-    return module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config=config)
+    if scales is None:
+        return module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config=config)
+    return module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config=config, scales=scales,
+                            use_fast_accum=use_fast_accum)  # fmt: skip
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

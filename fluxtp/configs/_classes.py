@@ -31,6 +31,17 @@ class GemmTiling:
 
 
 
+def fp8_tiling(narrow: bool) -> dict:
+    """GemmTiling fields of the FP8 kernels, a heuristic not yet measured on GPUs: K blocks of
+    128 (128 bytes of e4m3 a row, as 64 of bf16). 128x256 with 8 warps holds a 128-register
+    float32 accumulator a thread; float32 promotion (precise accumulation, not use_fast_accum)
+    keeps a second one beside it, so it takes the narrow 128x128 (64 + 64 registers). Stages:
+    128x256x128 is 48 KiB a stage (3 fit), 128x128x128 32 KiB (4)."""
+    if narrow:
+        return {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4}
+    return {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}
+
+
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
 HOPPER_SMS = 132
 # What a 128x128 tile costs relative to a 128x256 one (half the work, a little less efficient):
@@ -68,6 +79,14 @@ class AllGatherMatmulConfig(GemmTiling):
         else:
             config = AllGatherMatmulConfig()
         return config.with_communication_heuristic(rows_per_rank)
+
+    @staticmethod
+    @functools.cache
+    def heuristic_fp8(rows_per_rank: int, n: int, k: int, world: int, precise_acc: bool,
+                      sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
+        """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic()."""
+        narrow = precise_acc or narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
+        return AllGatherMatmulConfig(**fp8_tiling(narrow)).with_communication_heuristic(rows_per_rank)
 
     def with_communication_heuristic(self, rows_per_rank: int) -> AllGatherMatmulConfig:
         """This tiling with the heuristic's copy chunks: the peers' rows in four chunks from 4096
@@ -117,6 +136,14 @@ class MatmulReduceScatterConfig(GemmTiling):
         read 1.000-1.007x the best screened tiling in geometric mean: docs/perf-log.md); the copy
         engine's transport where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
         return MatmulReduceScatterConfig().with_communication_heuristic(m_total, n, world)
+
+    @staticmethod
+    def heuristic_fp8(m_total: int, n: int, k: int, world: int, precise_acc: bool) -> MatmulReduceScatterConfig:
+        """The scaled (FP8) ops' tiling (fp8_tiling; the narrow one's epilogue in 2 slices), the
+        same transport rule as heuristic()."""
+        tiling = fp8_tiling(precise_acc)
+        config = MatmulReduceScatterConfig(**tiling, epilogue_split=2 if tiling["block_n"] == 128 else 4)
+        return config.with_communication_heuristic(m_total, n, world)
 
     def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
         """This tiling with the heuristic's transport: the copy engine's where a segment of rows has

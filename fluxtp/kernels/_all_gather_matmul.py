@@ -15,6 +15,11 @@ The two phases are two loops (the same round-robin of tiles over programs as one
 give), so the flattened pipeline of each has no branch between descriptors.
 A tile never spans two segments (m need not be a multiple of BLOCK_M): rows past the segment
 end are loaded (another segment's rows, or TMA's zero padding) but never stored.
+
+Scaled (FP8) calls (SCALING, fluxtp/backends/fused/_scaled.py): A and B are float8, the float32
+accumulator is multiplied by the scales in the epilogue (per tensor; or row-wise, A's from
+scale_own_ptr for this rank's rows and from scale_a_ptr for the peers', which the copy stream
+gathered before any chunk's signal), then the bias is added and C (out_dtype) rounded once.
 """
 
 import triton
@@ -51,6 +56,7 @@ def _tiles(
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
     FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, B_KN: tl.constexpr,
+    scale_a_ptr=None, scale_b_ptr=None, SCALING: tl.constexpr = 0, PRECISE_ACC: tl.constexpr = False,
 ):
     """Tiles first_tile, first_tile + NUM_SMS, ... below end_tile: K loop, bias, store into C."""
     dtype = c_ptr.dtype.element_ty
@@ -87,6 +93,8 @@ def _tiles(
             a = a_desc.load([row0, ki * BLOCK_K])
             if B_KN:
                 acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
+            elif PRECISE_ACC:  # FP8: promoted to float32 after each K block (_scaled.py)
+                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
 
@@ -96,6 +104,14 @@ def _tiles(
         row_in_segment_c = pid_m_c * BLOCK_M
         row0_c = segment_c * rows_per_rank + row_in_segment_c
         offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SCALING == 1:
+            acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+        elif SCALING == 2:  # this rank's rows: scales indexed from its shard's first row, as A is
+            rows_s = row_in_segment_c + tl.arange(0, BLOCK_M)
+            first_s = 0 if OWN else segment_c * rows_per_rank
+            scale_a = tl.load(scale_a_ptr + first_s + rows_s, mask=rows_s < rows_per_rank, other=0.0)
+            scale_b = tl.load(scale_b_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc * scale_a[:, None] * scale_b[None, :]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -133,6 +149,9 @@ def all_gather_matmul_kernel(
     max_spins,
     signal_reset,  # what the last program writes into the signals: 0 (a call), 1 (GEMM-only mode)
     report_ptr,  # int32 [3], host-readable; unused until a timeout record costs the loop nothing
+    scale_a_ptr,  # scaled calls: float32 scales of A_gathered's rows (row-wise) or of A (per tensor); else None
+    scale_own_ptr,  # scaled calls: float32 scales of this rank's shard's rows (row-wise) or of A; else None
+    scale_b_ptr,  # scaled calls: float32 scales of B's rows [n] (row-wise) or of B; else None
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -146,6 +165,8 @@ def all_gather_matmul_kernel(
     TMA_STORE: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr,
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, n] (backward: no copy)
+    SCALING: tl.constexpr,  # 0 unscaled, 1 per tensor, 2 row-wise (FP8 operands; module docstring)
+    PRECISE_ACC: tl.constexpr,  # FP8 products promoted to float32 after each K block (not use_fast_accum)
 ):
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -156,11 +177,13 @@ def all_gather_matmul_kernel(
     # Tile t (0 .. num_tiles - 1, own segment first) goes to program t % NUM_SMS, as in one loop.
     _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, tiles_per_segment, rows_per_rank, N, k_tiles,
            stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, True, RANK, WORLD,
-           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN)
+           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN,
+           scale_own_ptr, scale_b_ptr, SCALING, PRECISE_ACC)
     first_peer_tile = pid + tl.maximum(tl.cdiv(tiles_per_segment - pid, NUM_SMS), 0) * NUM_SMS
     _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, first_peer_tile, num_tiles, rows_per_rank, N, k_tiles,
            stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, False, RANK, WORLD,
-           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN)
+           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN,
+           scale_a_ptr, scale_b_ptr, SCALING, PRECISE_ACC)
 
     # Every program's waits precede its increment, so the last one in reads no signal any more and
     # may reset them all (and the counter) for the next call. The next call's copy stream writes

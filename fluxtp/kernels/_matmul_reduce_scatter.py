@@ -34,6 +34,11 @@ The epilogue runs on EPI_SPLIT column slices of the tile (register pressure), an
 compiler that buffer bases are 16-byte aligned (addresses loaded from memory carry no
 alignment), so rows with N % 8 == 0 move in 16-byte accesses.
 
+Scaled (FP8) calls (SCALING, fluxtp/backends/fused/_scaled.py): x and w are float8; each tile's
+float32 accumulator is multiplied by its scales right after its K loop (row-wise: x's scale of
+each row of the whole x, w's of each column), and the partial slots hold float32: the owner sums
+float32 partials and rounds once into out (out_dtype).
+
 A wait that gives up writes (source rank, tile, this rank) to `report_ptr` (host-pinned memory,
 still readable after the trap; the launcher reports it) and traps. No device_print: a printf
 call, even in a branch never taken, slowed a fused kernel here by 25% (docs/perf-log.md).
@@ -107,10 +112,12 @@ def _epilogue(
     PUSH: tl.constexpr,
     COPY_ENGINE: tl.constexpr,
     REDUCE_UNROLL: tl.constexpr,
+    PARTIAL_F32: tl.constexpr = False,  # the partial slots hold float32 (scaled calls), else out's dtype
 ):
     BLOCK_M: tl.constexpr = acc.shape[0]
     WIDTH: tl.constexpr = acc.shape[1]
-    dtype = out_ptr.dtype.element_ty
+    out_dtype = out_ptr.dtype.element_ty
+    dtype = tl.float32 if PARTIAL_F32 else out_dtype
     offs_m = row_in_segment + tl.arange(0, BLOCK_M)
     offs_n = col + tl.arange(0, WIDTH)
     mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
@@ -127,7 +134,7 @@ def _epilogue(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=mask)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(out_dtype), mask=mask)
     else:
         holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)
         part_ptr = tl.multiple_of(tl.load(buffer_ptrs + holder).to(tl.pointer_type(dtype)), 16)
@@ -151,6 +158,8 @@ def matmul_reduce_scatter_kernel(
     last_step,
     max_spins,
     report_ptr,  # int32 [3]: where a timed-out wait records (source rank, tile, rank)
+    scale_a_ptr,  # scaled calls: float32 scales of x's rows [M] (row-wise) or of x (per tensor); else None
+    scale_b_ptr,  # scaled calls: float32 scales of w's rows [N] (row-wise) or of w; else None
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -166,6 +175,8 @@ def matmul_reduce_scatter_kernel(
     COPY_ENGINE: tl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
     REDUCE_UNROLL: tl.constexpr,  # the owner's W-1 partial loads unrolled (all in flight) or one at a time
     WORLD_POW2: tl.constexpr,  # the next power of two >= WORLD (the owner reads its peers' flags as one vector)
+    SCALING: tl.constexpr,  # 0 unscaled, 1 per tensor, 2 row-wise (FP8 operands, float32 partials)
+    PRECISE_ACC: tl.constexpr,  # FP8 products promoted to float32 after each K block (not use_fast_accum)
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -195,8 +206,18 @@ def matmul_reduce_scatter_kernel(
             a = a_desc.load([owner * rows_per_rank + row_in_segment, ki * BLOCK_K])
             if B_KN:
                 acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
+            elif PRECISE_ACC:  # FP8: promoted to float32 after each K block (_scaled.py)
+                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
+        if SCALING == 1:
+            acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+        elif SCALING == 2:
+            rows_s = row_in_segment + tl.arange(0, BLOCK_M)
+            cols_s = col0 + tl.arange(0, BLOCK_N)
+            scale_a = tl.load(scale_a_ptr + owner * rows_per_rank + rows_s, mask=rows_s < rows_per_rank, other=0.0)
+            scale_b = tl.load(scale_b_ptr + cols_s, mask=cols_s < N, other=0.0)
+            acc = acc * scale_a[:, None] * scale_b[None, :]
 
         if pending != 0:
             tl.debug_barrier()  # every thread's stores of that tile came before this barrier
@@ -229,25 +250,25 @@ def matmul_reduce_scatter_kernel(
 
         if EPI_SPLIT == 1:
             _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
         elif EPI_SPLIT == 2:
             a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
             _epilogue(a0, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
             _epilogue(a1, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
         else:
             a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
             a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
             a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
             _epilogue(a00, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
             _epilogue(a01, own, owner, row_in_segment, col0 + BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
             _epilogue(a10, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
             _epilogue(a11, own, owner, row_in_segment, col0 + 3 * BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
 
         if not own:
             holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)

@@ -254,6 +254,7 @@ def parallelize(
     *,
     backend: str = "auto",
     save_memory: bool = False,
+    fp8: bool = False,
 ) -> nn.Module:
     """Apply tensor + sequence parallelism to a LLaMA-style decoder, in place.
 
@@ -264,6 +265,8 @@ def parallelize(
         plan: where the parts are; default `default_plan(model)`.
         backend: for every parallel linear ("auto", "fused", "nccl", "torch").
         save_memory: column-parallel linears keep only their input rows for the backward.
+        fp8: every parallel linear's three GEMMs in FP8 with dynamic row-wise scales
+            (fluxtp.nn._fp8; docs/fp8.md); master weights and gradients stay in their dtype.
 
     Returns:
         The model. Its forward takes the same inputs and returns the same outputs (logits
@@ -281,11 +284,12 @@ def parallelize(
         for path in plan.column:
             linear = layer.get_submodule(path)
             _set_submodule(
-                layer, path, ColumnParallelLinear.from_linear(linear, group, backend=backend, save_memory=save_memory)
-            )
+                layer, path,
+                ColumnParallelLinear.from_linear(linear, group, backend=backend, save_memory=save_memory, fp8=fp8),
+            )  # fmt: skip
         for path in plan.row:
             _set_submodule(
-                layer, path, RowParallelLinear.from_linear(layer.get_submodule(path), group, backend=backend)
+                layer, path, RowParallelLinear.from_linear(layer.get_submodule(path), group, backend=backend, fp8=fp8)
             )
         attn = layer.get_submodule(plan.attention)
         # Local heads: rank r has query heads r*h/W.. and KV heads r*kv/W.., which keeps every

@@ -23,6 +23,10 @@ Backward (what each autograd function computes; G_* are gradients):
 The W_shard^T passed to the ops is a transposed view ([K, n] with strides (1, K)), not a copy;
 the fused kernels read it in place (their B_KN path), cuBLAS as a transposed operand.
 
+FP8 (fp8=True, fluxtp.nn._fp8): the same functions with each of the three GEMMs (forward, input
+gradient, weight gradient) in FP8 with dynamic row-wise scales (_Fp8Gemms); the parameters and
+every gradient stay in their own dtype.
+
 Nothing beside a fused op: no plain collective of ours is in flight while a fused op runs.
 The fused kernels are persistent (one program per SM) and spin on peers' signals; an NCCL
 kernel holding SMs while it waits for a peer that is itself spinning could stall both. So the
@@ -39,14 +43,52 @@ from torch import nn
 
 from fluxtp._dist import GroupInfo, resolve_group
 from fluxtp.nn._collectives import all_reduce_sum, gather_rows
+from fluxtp.nn._fp8 import Fp8Gemms, check_fp8_dtype
 from fluxtp.ops import all_gather_matmul, matmul_reduce_scatter
 from fluxtp.ops._validate import check_backend
+
+
+class _Gemms:
+    """The layers' three GEMMs in the parameters' own precision; _fp8.Fp8Gemms has the same
+    methods in FP8. `gathered` is what the all-gather GEMM returns beside its output and the
+    weight gradient reads (here the gathered rows themselves); `grad` marks backward GEMMs."""
+
+    @staticmethod
+    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False):
+        """(x_shard gathered @ weight^T + bias, gathered)."""
+        return all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend, return_gathered=True)
+
+    @staticmethod
+    def linear(gathered, weight, bias):
+        """gathered @ weight^T + bias: another column layer on the gathered rows."""
+        return torch.nn.functional.linear(gathered, weight, bias)
+
+    @staticmethod
+    def linear_reduce_scatter(x, weight, bias, info: GroupInfo, backend: str, grad: bool = False):
+        return matmul_reduce_scatter(x, weight, group=info.group, bias=bias, backend=backend)
+
+    @staticmethod
+    def weight_grad(grad_rows, input_rows, dtype):
+        """grad_rows^T @ input_rows: [T, n]^T @ [T, K] -> [n, K]."""
+        return grad_rows.t() @ input_rows
+
+    @staticmethod
+    def pack(gathered) -> tuple:
+        """`gathered` as the tensors save_for_backward takes (unpack inverts it)."""
+        return (gathered,)
+
+    @staticmethod
+    def unpack(tensors):
+        return tensors[0]
+
+
+GEMMS = {False: _Gemms(), True: Fp8Gemms()}
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """One or more column-parallel linears reading the same input rows: one all-gather.
 
-    forward(x_shard_m, info, backend, save_memory, n, W_0..W_{n-1}, b_0..b_{n-1}) -> (y_0..y_{n-1}).
+    forward(x_shard_m, info, backend, save_memory, gemms, n, W_0..W_{n-1}, b_0..b_{n-1}) -> (y_0..y_{n-1}).
     The gather is fused with W_0's GEMM; the others read the gathered copy. The backward sums
     their input gradients in one fused reduce-scatter: sum_i G_y_i @ W_i is
     [G_y_0 | G_y_1 | ...] @ [W_0; W_1; ...], so with n > 1 the gradients and the weights are
@@ -54,24 +96,23 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_shard_m, info: GroupInfo, backend: str, save_memory: bool, n: int, *params):
+    def forward(ctx, x_shard_m, info: GroupInfo, backend: str, save_memory: bool, gemms, n: int, *params):
         weights, biases = params[:n], params[n:]
-        y_0, x_gathered = all_gather_matmul(
-            x_shard_m, weights[0], group=info.group, bias=biases[0], backend=backend, return_gathered=True
-        )
-        ys = [y_0] + [torch.nn.functional.linear(x_gathered, w, b) for w, b in zip(weights[1:], biases[1:])]
-        ctx.save_for_backward(x_shard_m if save_memory else x_gathered, *weights)
-        ctx.info, ctx.backend, ctx.save_memory, ctx.n = info, backend, save_memory, n
+        y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend)
+        ys = [y_0] + [gemms.linear(gathered, w, b) for w, b in zip(weights[1:], biases[1:])]
+        saved = (x_shard_m,) if save_memory else gemms.pack(gathered)
+        ctx.save_for_backward(*weights, *saved)
+        ctx.info, ctx.backend, ctx.save_memory, ctx.gemms, ctx.n = info, backend, save_memory, gemms, n
         ctx.has_bias = [b is not None for b in biases]
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *grad_ys):
-        saved_x, *weights = ctx.saved_tensors
-        n = ctx.n
+        n, gemms = ctx.n, ctx.gemms
+        weights, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
         need_x = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[5 : 5 + n]
-        need_b = ctx.needs_input_grad[5 + n :]
+        need_w = ctx.needs_input_grad[6 : 6 + n]
+        need_b = ctx.needs_input_grad[6 + n :]
         grad_ys = [g.contiguous() for g in grad_ys]  # no-op in the usual case; ops want row-major rows
         grad_x_shard = None
         if need_x:
@@ -79,22 +120,24 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                 grad_y_cat, w_cat = grad_ys[0], weights[0]
             else:
                 grad_y_cat, w_cat = torch.cat(grad_ys, dim=1), torch.cat(weights, dim=0)
-            grad_x_shard = matmul_reduce_scatter(grad_y_cat, w_cat.t(), group=ctx.info.group, backend=ctx.backend)
+            grad_x_shard = gemms.linear_reduce_scatter(grad_y_cat, w_cat.t(), None, ctx.info, ctx.backend, grad=True)
         grad_ws = [None] * n
         if any(need_w):
             # Re-gathered after the fused op, not beside it (module docstring).
-            x_gathered = gather_rows(saved_x, ctx.info) if ctx.save_memory else saved_x
-            grad_ws = [g.t() @ x_gathered if need else None for g, need in zip(grad_ys, need_w)]
+            x_gathered = gather_rows(saved[0], ctx.info) if ctx.save_memory else gemms.unpack(saved)
+            grad_ws = [
+                gemms.weight_grad(g, x_gathered, w.dtype) if need else None for g, w, need in zip(grad_ys, weights, need_w)
+            ]
         grad_bs = [g.sum(0) if has and need else None for g, has, need in zip(grad_ys, ctx.has_bias, need_b)]
-        return (grad_x_shard, None, None, None, None, *grad_ws, *grad_bs)
+        return (grad_x_shard, None, None, None, None, None, *grad_ws, *grad_bs)
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_k, w_shard_k, bias, info: GroupInfo, backend: str):
-        out_shard = matmul_reduce_scatter(x_k, w_shard_k, group=info.group, bias=bias, backend=backend)
+    def forward(ctx, x_k, w_shard_k, bias, info: GroupInfo, backend: str, gemms):
+        out_shard = gemms.linear_reduce_scatter(x_k, w_shard_k, bias, info, backend)
         ctx.save_for_backward(x_k, w_shard_k)
-        ctx.info, ctx.backend = info, backend
+        ctx.info, ctx.backend, ctx.gemms = info, backend, gemms
         ctx.has_bias = bias is not None
         return out_shard
 
@@ -102,13 +145,11 @@ class _RowParallelLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out_shard):
         x_k, w_shard_k = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        info = ctx.info
+        info, gemms = ctx.info, ctx.gemms
         grad_out_shard = grad_out_shard.contiguous()
         grad_x = grad_out_gathered = None
         if need_x:
-            grad_x, grad_out_gathered = all_gather_matmul(
-                grad_out_shard, w_shard_k.t(), group=info.group, backend=ctx.backend, return_gathered=True
-            )
+            grad_x, grad_out_gathered = gemms.gather_linear(grad_out_shard, w_shard_k.t(), None, info, ctx.backend, grad=True)
         elif need_w:
             grad_out_gathered = gather_rows(grad_out_shard, info)
         bias_work = grad_b = None
@@ -118,10 +159,10 @@ class _RowParallelLinearFn(torch.autograd.Function):
             # "nothing beside a fused op" in the module docstring).
             grad_b = grad_out_shard.sum(0)
             bias_work = all_reduce_sum(grad_b, info, async_op=True)
-        grad_w = grad_out_gathered.t() @ x_k if need_w else None
+        grad_w = gemms.weight_grad(grad_out_gathered, x_k, w_shard_k.dtype) if need_w else None
         if bias_work is not None:
             bias_work.wait()
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _flatten_rows(x: torch.Tensor, features: int, name: str) -> torch.Tensor:
@@ -149,15 +190,19 @@ class _TensorParallelLinear(nn.Module):
     """What both parallel linears share: the group, the backend, the parameters and how they are
     initialized and copied from an nn.Linear."""
 
-    def __init__(self, in_features: int, out_features: int, group, backend: str):
+    def __init__(self, in_features: int, out_features: int, group, backend: str, fp8: bool):
         super().__init__()
         check_backend(backend)
         self.group = group
         self._info = resolve_group(group)
         self.in_features, self.out_features = in_features, out_features
         self.backend = backend
+        self.fp8 = bool(fp8)
+        self._gemms = GEMMS[self.fp8]
 
     def _make_parameters(self, weight_shape, bias_features: int, bias: bool, device, dtype) -> None:
+        if self.fp8:
+            check_fp8_dtype(type(self).__name__, dtype if dtype is not None else torch.get_default_dtype())
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(*weight_shape, **factory))
         self.bias = nn.Parameter(torch.empty(bias_features, **factory)) if bias else None
@@ -191,6 +236,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         backend: "auto", "fused", "nccl" or "torch" (see fluxtp.backends), forward and backward.
         save_memory: keep only this rank's input rows for the backward and re-gather them there
             (W times less saved activation memory, one more all-gather per backward).
+        fp8: the forward and both backward GEMMs in FP8 e4m3 with dynamic row-wise scales
+            (fluxtp.nn._fp8; parameters of bfloat16, float16 or float32).
 
     Shapes (W = group size, rank r):
         input:  x_shard [m, in_features], rank r's rows of x [m*W, in_features]; or
@@ -212,17 +259,19 @@ class ColumnParallelLinear(_TensorParallelLinear):
         bias: bool = True,
         backend: str = "auto",
         save_memory: bool = False,
+        fp8: bool = False,
         device=None,
         dtype=None,
     ):
-        super().__init__(in_features, out_features, group, backend)
+        super().__init__(in_features, out_features, group, backend, fp8)
         self.out_features_local = _check_divides(self._info.world_size, out_features, "out_features")
         self.save_memory = save_memory
         n = self.out_features_local
         self._make_parameters((n, in_features), n, bias, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto", save_memory: bool = False):
+    def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto", save_memory: bool = False,
+                    fp8: bool = False):  # fmt: skip
         """This rank's block of output features of `linear` (rows of its weight), copied."""
         w = linear.weight
         layer = cls(
@@ -232,6 +281,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
             bias=linear.bias is not None,
             backend=backend,
             save_memory=save_memory,
+            fp8=fp8,
             device=w.device,
             dtype=w.dtype,
         )
@@ -245,7 +295,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
             f"(local {self.out_features_local} of {self._info.world_size} ranks), bias={self.bias is not None}, "
-            f"backend={self.backend!r}, save_memory={self.save_memory}"
+            f"backend={self.backend!r}, save_memory={self.save_memory}" + (", fp8=True" if self.fp8 else "")
         )
 
 
@@ -259,8 +309,8 @@ def column_parallel_linears(x_shard: torch.Tensor, layers) -> tuple[torch.Tensor
 
     Args:
         x_shard: [m, K] or [d0, ..., K], as for ColumnParallelLinear.
-        layers: ColumnParallelLinear modules with the same in_features, group, backend and
-            save_memory.
+        layers: ColumnParallelLinear modules with the same in_features, group, backend,
+            save_memory and fp8.
 
     Returns:
         One output per layer, each as ColumnParallelLinear returns it.
@@ -270,15 +320,17 @@ def column_parallel_linears(x_shard: torch.Tensor, layers) -> tuple[torch.Tensor
     for layer in layers:
         if not isinstance(layer, ColumnParallelLinear):
             raise TypeError(f"layers must be ColumnParallelLinear modules, got {type(layer).__name__}")
-        same = (layer.in_features, layer._info.name, layer.backend, layer.save_memory)
-        if same != (first.in_features, first._info.name, first.backend, first.save_memory):
+        same = (layer.in_features, layer._info.name, layer.backend, layer.save_memory, layer.fp8)
+        if same != (first.in_features, first._info.name, first.backend, first.save_memory, first.fp8):
             raise ValueError(
-                "layers sharing one all-gather need the same in_features, group, backend and save_memory; got "
-                f"{(first.in_features, first._info.name, first.backend, first.save_memory)} and {same}"
+                "layers sharing one all-gather need the same in_features, group, backend and save_memory, and fp8; got "
+                f"{(first.in_features, first._info.name, first.backend, first.save_memory, first.fp8)} and {same}"
             )
     x_shard_m = _flatten_rows(x_shard, first.in_features, "x_shard")
     params = [layer.weight for layer in layers] + [layer.bias for layer in layers]
-    ys = _ColumnParallelLinearFn.apply(x_shard_m, first._info, first.backend, first.save_memory, len(layers), *params)
+    ys = _ColumnParallelLinearFn.apply(
+        x_shard_m, first._info, first.backend, first.save_memory, first._gemms, len(layers), *params
+    )
     if x_shard.dim() == 2:
         return tuple(ys)
     lead = (x_shard.shape[0] * first._info.world_size, *x_shard.shape[1:-1])
@@ -295,6 +347,7 @@ class RowParallelLinear(_TensorParallelLinear):
             once to the reduced rows; its gradient is summed over the group in the backward,
             so every rank holds the full (identical) gradient.
         backend: "auto", "fused", "nccl" or "torch", forward and backward.
+        fp8: the three GEMMs in FP8, as for ColumnParallelLinear.
 
     Shapes (W = group size, rank r):
         input:  x [M, in_features/W], all rows, input features r*in/W .. (r+1)*in/W - 1 (what
@@ -312,16 +365,17 @@ class RowParallelLinear(_TensorParallelLinear):
         group=None,
         bias: bool = True,
         backend: str = "auto",
+        fp8: bool = False,
         device=None,
         dtype=None,
     ):
-        super().__init__(in_features, out_features, group, backend)
+        super().__init__(in_features, out_features, group, backend, fp8)
         self.in_features_local = _check_divides(self._info.world_size, in_features, "in_features")
         # The bias is replicated (added once, after the sum): every rank holds all of it.
         self._make_parameters((out_features, self.in_features_local), out_features, bias, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto"):
+    def from_linear(cls, linear: nn.Linear, group=None, *, backend: str = "auto", fp8: bool = False):
         """This rank's block of input features of `linear` (columns of its weight), copied;
         the bias is copied whole."""
         w = linear.weight
@@ -331,6 +385,7 @@ class RowParallelLinear(_TensorParallelLinear):
             group=group,
             bias=linear.bias is not None,
             backend=backend,
+            fp8=fp8,
             device=w.device,
             dtype=w.dtype,
         )
@@ -347,7 +402,7 @@ class RowParallelLinear(_TensorParallelLinear):
                 f"tensor-parallel world size {world} to be scattered by rows (flatten to [tokens, features] "
                 f"to shard the tokens instead)"
             )
-        out_shard = _RowParallelLinearFn.apply(x_k, self.weight, self.bias, self._info, self.backend)
+        out_shard = _RowParallelLinearFn.apply(x_k, self.weight, self.bias, self._info, self.backend, self._gemms)
         if x.dim() == 2:
             return out_shard
         return out_shard.view(x.shape[0] // world, *x.shape[1:-1], self.out_features)
@@ -356,4 +411,5 @@ class RowParallelLinear(_TensorParallelLinear):
         return (
             f"in_features={self.in_features} (local {self.in_features_local} of {self._info.world_size} ranks), "
             f"out_features={self.out_features}, bias={self.bias is not None}, backend={self.backend!r}"
+            + (", fp8=True" if self.fp8 else "")
         )

@@ -9,7 +9,7 @@ from fluxtp import backends
 from fluxtp._dist import GroupInfo, group_from_name, resolve_group
 from fluxtp._plan import PlanCache, tensor_key
 from fluxtp.ops._dispatch import direct, group_key
-from fluxtp.ops._validate import check_backend, check_linear_args
+from fluxtp.ops._validate import check_backend, check_linear_args, check_scatter_rows
 
 OP = "matmul_reduce_scatter"
 _plans = PlanCache()
@@ -19,11 +19,7 @@ def _check(x, weight, bias, backend, group) -> GroupInfo:
     check_backend(backend)
     check_linear_args(x, weight, bias, "x", "[M, k]", "[N, k]")
     info = resolve_group(group)
-    if info.world_size > 1 and x.shape[0] % info.world_size:
-        raise ValueError(
-            f"x has shape {tuple(x.shape)}: its M={x.shape[0]} rows must be divisible by the "
-            f"group's world size {info.world_size} to be scattered"
-        )
+    check_scatter_rows(x, info.world_size)
     return info
 
 

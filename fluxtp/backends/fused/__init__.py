@@ -30,12 +30,22 @@ AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
 
 
-def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
+# The scaled ops run the same kernels with FP8 operands (their FP8 constexprs on): e4m3 both.
+FUSED_FP8_DTYPES = (torch.float8_e4m3fn,)
+_UNSCALED = {"all_gather_scaled_matmul": "all_gather_matmul", "scaled_matmul_reduce_scatter": "matmul_reduce_scatter"}
+
+
+def unsupported_reason(op: str, x, weight, info: GroupInfo, **details) -> str | None:
     if x.device.type != "cuda":
         return f"it needs CUDA tensors (got {x.device})"
-    if x.dtype not in FUSED_DTYPES:
+    if op in _UNSCALED:
+        if x.dtype not in FUSED_FP8_DTYPES or weight.dtype not in FUSED_FP8_DTYPES:
+            return f"its FP8 kernels take float8_e4m3fn operands, got {x.dtype} and {weight.dtype}"
+        if x.shape[1] % 16:
+            return f"K={x.shape[1]} must be a multiple of 16 (16-byte FP8 rows for the TMA descriptors)"
+    elif x.dtype not in FUSED_DTYPES:
         return f"it supports float16 and bfloat16, got {x.dtype}"
-    if weight is not None and x.shape[1] % 8:
+    elif weight is not None and x.shape[1] % 8:
         return f"K={x.shape[1]} must be a multiple of 8 (16-byte rows for the TMA descriptors)"
     try:
         import triton  # noqa: F401
@@ -44,7 +54,7 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo) -> str | None:
     return symm.unsupported_reason(info)
 
 
-def preferred(op: str, x, weight, info: GroupInfo) -> bool:
+def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     """Whether "auto" should take the fused kernel for this call: where the tuned config it would
     launch was measured for exactly this shape, that measurement decides when it is clear
     (tune.measured_verdict: at least 5% faster than NCCL, or slower); elsewhere the thresholds
@@ -53,9 +63,12 @@ def preferred(op: str, x, weight, info: GroupInfo) -> bool:
         return x.numel() * x.element_size() <= AUTO_MAX_BYTES[op]
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
-    verdict = measured_verdict(op, x, weight, info.world_size)
-    if verdict is not None:
-        return verdict
+    if op in _UNSCALED:  # no FP8 measurement yet: the bf16 op's thresholds (tokens, outputs)
+        op = _UNSCALED[op]
+    else:
+        verdict = measured_verdict(op, x, weight, info.world_size)
+        if verdict is not None:
+            return verdict
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
     two, more = AUTO_MIN_TOKENS[op]
     return tokens >= (two if info.world_size <= 2 else more) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
@@ -71,6 +84,14 @@ def plan(op: str, x, weight, bias, info: GroupInfo, *options):
         from fluxtp.backends.fused import _matmul_reduce_scatter
 
         return _matmul_reduce_scatter.plan(x, weight, bias, info)
+    if op == "all_gather_scaled_matmul":
+        from fluxtp.backends.fused import _all_gather_matmul
+
+        return _all_gather_matmul.scaled_plan(x, weight, bias, info, *options)
+    if op == "scaled_matmul_reduce_scatter":
+        from fluxtp.backends.fused import _matmul_reduce_scatter
+
+        return _matmul_reduce_scatter.scaled_plan(x, weight, bias, info, *options)
     from fluxtp.backends.fused import _matmul_all_reduce
 
     if op == "all_reduce":

@@ -17,6 +17,9 @@ of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the ba
 beside the GEMM that filled every SM).
 No host synchronization anywhere: back-to-back calls and CUDA graph capture work; the barriers
 and the in-kernel waits are bounded and fail with an error instead of hanging.
+Scaled (FP8) calls (all_gather_scaled_matmul, Plan's `scaled`): the same steps on FP8 rows; a
+row-wise call publishes its row scales after its shard in the same buffer and C pulls every
+peer's scales before the first chunk of rows, so a chunk's signal also says its scales are there.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import triton
 from fluxtp import _generation, symm
 from fluxtp._dist import GroupInfo
 from fluxtp._plan import PlanCache, tensor_key
-from fluxtp.backends.fused import _launch
+from fluxtp.backends.fused import _launch, _scaled
 from fluxtp.backends.fused._launch import (
     BARRIER_TIMEOUT_MS,
     MAX_SPINS_LOCAL,
@@ -54,12 +57,13 @@ class _Workspace:
     done: torch.Tensor  # int32 [1]: the GEMM's count of finished programs (0 between calls)
     views: dict = dataclasses.field(default_factory=dict)  # (dtype, shape) -> [view of rank r's shard]
 
-    def shard_views(self, dtype, shape, world: int) -> list[torch.Tensor]:
-        """Every rank's published shard as a tensor (made once per shape: get_buffer is slow)."""
-        key = (dtype, tuple(shape))
+    def shard_views(self, dtype, shape, world: int, offset: int = 0) -> list[torch.Tensor]:
+        """Every rank's published shard (or, at `offset`, its row scales) as a tensor (made once per
+        shape: get_buffer is slow)."""
+        key = (dtype, tuple(shape), offset)
         views = self.views.get(key)
         if views is None:
-            views = self.views[key] = [self.shard.peer(r, dtype, shape) for r in range(world)]
+            views = self.views[key] = [self.shard.peer(r, dtype, shape, offset) for r in range(world)]
         return views
 
 
@@ -95,16 +99,18 @@ class _Gemm:
     [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied); y [W*m, n]."""
 
     def __init__(self, weight, bias, y_stride, device, rows_per_rank, chunk_rows, info, config, max_spins, signal_reset,
-                 report):  # fmt: skip
+                 report, scaled=None):  # fmt: skip
         n, k = weight.shape
         sms = num_sms(device)
         tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
         self.config = config
         # weight_operand's choice, made once: a transposed view read in place, else row-major rows
-        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t())
+        # (FP8 always row-major: FP8 tensor cores read both operands K-major)
+        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t()) and scaled is None
         self.copy_w = not self.b_kn and not _tma_compatible(weight)
         # TMA stores need whole tiles inside each segment and 16-byte output rows.
-        self.tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y_stride * weight.element_size()) % 16 == 0
+        y_size = weight.element_size() if scaled is None else scaled.out_dtype.itemsize
+        self.tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y_stride * y_size) % 16 == 0
         self.store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
         self.layouts = None  # (a, own, b, c) DescriptorLayouts, from the first launch's tensors
         self.report = _launch.timeout_record(_OP, device) if report is None else report
@@ -126,11 +132,13 @@ class _Gemm:
             TMA_STORE=self.tma_store,
             EPILOGUE_SUBTILE=config.epilogue_subtile,
             B_KN=self.b_kn,
+            **_scaled.constexprs(scaled),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
 
-    def __call__(self, x_gathered, x_own, weight, bias, y, signals, done):
+    def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
+        """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat."""
         b = weight.t() if self.b_kn else (tma_ready(weight) if self.copy_w else weight)
         layouts = self.layouts
         if layouts is None:
@@ -153,12 +161,13 @@ class _Gemm:
             done,
             *self.scalars,
             self.report,
+            *scales,
         )
 
 
 def launch_gemm(
     x_gathered, x_own, weight, bias, y, signals, done, rows_per_rank, chunk_rows, info, config, max_spins=MAX_SPINS,
-    signal_reset=0, report=None,
+    signal_reset=0, report=None, scaled=None, scales=(None, None, None),
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
@@ -166,9 +175,11 @@ def launch_gemm(
     [n, k], or a transposed view of a [k, n] tensor (read as it is, not copied). done is an int32
     [1] counter that reads 0 (the kernel leaves it 0); the kernel's last program writes
     signal_reset into the call's W * cdiv(rows_per_rank, chunk_rows) signals. A wait that gives
-    up writes (rank, chunk, this rank) into `report` (default: this process's record)."""
-    gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, max_spins, signal_reset, report)
-    gemm(x_gathered, x_own, weight, bias, y, signals, done)
+    up writes (rank, chunk, this rank) into `report` (default: this process's record). A scaled
+    call passes `scaled` (_scaled.Scaled) and `scales` (A_gathered's, x_own's, the weight's)."""
+    gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, max_spins, signal_reset, report,
+                 scaled)  # fmt: skip
+    gemm(x_gathered, x_own, weight, bias, y, signals, done, scales)
 
 
 def _set_signal(signals: torch.Tensor, index: int) -> None:
@@ -181,9 +192,13 @@ def _write_value32(flags_u32, index, value):
     torch.ops.symm_mem.stream_write_value32_.default(flags_u32, index, value)
 
 
-def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None) -> AllGatherMatmulConfig:
-    """The caller's config, else the tuned table's for this shape, else the heuristic."""
+def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
+    """The caller's config, else the tuned table's for this shape, else the heuristic (FP8: its
+    own, nothing tuned yet)."""
     rows_per_rank, k = x_shard.shape
+    if scaled is not None:
+        return config or AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
+                                                             num_sms(x_shard.device))  # fmt: skip
     return config or tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
         rows_per_rank, weight.shape[0], k, world, num_sms(x_shard.device)
     )
@@ -194,18 +209,23 @@ class Plan:
     chunking, workspace and the shard views, the copy stream, the GEMM's launch. A call only
     allocates its outputs, binds its tensors and issues the steps."""
 
-    def __init__(self, x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config=None):
+    def __init__(self, x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config=None, scaled=None):
         self.copy_x = not _tma_compatible(x_shard)  # then each call copies x_shard (tma_ready)
         x_shard = tma_ready(x_shard)
         rows_per_rank, k = x_shard.shape
         n = weight.shape[0]
         world, rank = info.world_size, info.rank
-        self.config = config = _config_for(x_shard, weight, world, config)
+        self.config = config = _config_for(x_shard, weight, world, config, scaled)
         chunk_rows = config.chunk_rows_for(rows_per_rank)
         chunks_per_rank = triton.cdiv(rows_per_rank, chunk_rows)
         device = x_shard.device
-        self.ws = ws = _workspace(info, device, x_shard.numel() * x_shard.element_size(), world * chunks_per_rank)
+        shard_bytes = x_shard.numel() * x_shard.element_size()
+        row_scales = scaled is not None and scaled.row_wise  # published after the shard, 16-byte aligned
+        scales_at = triton.cdiv(shard_bytes, 16) * 16
+        self.ws = ws = _workspace(info, device, scales_at + 4 * rows_per_rank if row_scales else shard_bytes,
+                                  world * chunks_per_rank)  # fmt: skip
         self.return_gathered, self.rank, self.device, self.dtype = return_gathered, rank, device, x_shard.dtype
+        self.scaled, self.out_dtype = scaled, x_shard.dtype if scaled is None else scaled.out_dtype
         self.gathered_shape, self.y_shape = (rows_per_rank * world, k), (rows_per_rank * world, n)
         shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
         self.own_shard = shards[rank]
@@ -225,16 +245,27 @@ class Plan:
                 sizes.append(r1 - r0)
         self.split_sizes = sizes
         self.pulls = [(piece, source, signal) for _, piece, source, signal in sorted(pulls, key=lambda p: (p[0], p[3]))]
+        if row_scales:  # (rows of the gathered scales, a peer's published scales), in ring order
+            scale_views = ws.shard_views(torch.float32, (rows_per_rank,), world, scales_at)
+            self.own_scales = scale_views[rank]
+            peers = [(rank + step) % world for step in range(1, world)]
+            self.scale_pulls = [(slice(r * rows_per_rank, (r + 1) * rows_per_rank), scale_views[r]) for r in peers]
         self.signals_u32 = ws.signals.view(torch.uint32)
         self.copy_stream = symm.copy_stream(device)
         self.barrier = ws.shard.handle.barrier
-        self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None)
+        self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None, scaled)
 
-    def __call__(self, x_shard, weight, bias):
+    def __call__(self, x_shard, weight, bias, scale_x=None, scale_w=None):
+        """(y, x_gathered or None); a scaled call passes the scales (_scaled.flat) and gets
+        (y, (x_gathered, its scales) or None)."""
         if self.copy_x:
             x_shard = tma_ready(x_shard)
         x_gathered = torch.empty(self.gathered_shape, dtype=self.dtype, device=self.device)
-        y = torch.empty(self.y_shape, dtype=self.dtype, device=self.device)
+        y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
+        scales = (None, None, None)
+        if self.scaled is not None:
+            gathered_scales = torch.empty(self.gathered_shape[0], device=self.device) if self.scaled.row_wise else scale_x
+            scales = (gathered_scales, scale_x, scale_w)
         compute = torch.cuda.current_stream(self.device)
         copy = self.copy_stream
         copy.wait_stream(compute)
@@ -243,13 +274,20 @@ class Plan:
         torch.cuda.set_stream(copy)
         try:
             self.own_shard.copy_(x_shard)
+            if self.scaled is not None and self.scaled.row_wise:
+                self.own_scales.copy_(scale_x)
             # Before the GEMM: see the module docstring.
             self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         finally:
             torch.cuda.set_stream(compute)
-        self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done)
+        self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         torch.cuda.set_stream(copy)
         try:
+            if self.scaled is not None and self.scaled.row_wise:  # before every chunk (and its signal)
+                for rows, source in self.scale_pulls:
+                    gathered_scales[rows].copy_(source)
+                if self.return_gathered:
+                    gathered_scales[self.rank * scale_x.shape[0] : (self.rank + 1) * scale_x.shape[0]].copy_(scale_x)
             pieces = x_gathered.split(self.split_sizes)
             signals = self.signals_u32
             for piece, source, signal in self.pulls:
@@ -261,17 +299,37 @@ class Plan:
         finally:
             torch.cuda.set_stream(compute)
         compute.wait_stream(copy)
+        if self.scaled is not None:
+            gathered = (x_gathered, gathered_scales.view(-1, 1) if self.scaled.row_wise else scale_x.clone())
+            return y, gathered if self.return_gathered else None
         return y, x_gathered if self.return_gathered else None
 
 
 _plans = PlanCache()
 
 
-def plan(x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config=None) -> Plan:
+def plan(x_shard, weight, bias, info: GroupInfo, return_gathered: bool, config=None, scaled=None) -> Plan:
     """The cached Plan of this call signature (built on its first call)."""
-    key = (tensor_key(x_shard), tensor_key(weight), tensor_key(bias), info, return_gathered, config)
+    key = (tensor_key(x_shard), tensor_key(weight), tensor_key(bias), info, return_gathered, config, scaled)
     found = _plans.get(key)
-    return found if found is not None else _plans.put(key, Plan(x_shard, weight, bias, info, return_gathered, config))
+    if found is None:
+        found = _plans.put(key, Plan(x_shard, weight, bias, info, return_gathered, config, scaled))
+    return found
+
+
+def scaled_plan(x_shard, weight, bias, info: GroupInfo, out_dtype, use_fast_accum, return_gathered, config=None):
+    """all_gather_scaled_matmul's plan, a callable (x_shard, weight, scale_x, scale_w, bias) ->
+    (y, (x_gathered, scales) or None); built at the first call, whose scales decide the scaling."""
+    plans = {}
+
+    def run(x_shard, weight, scale_x, scale_w, bias):
+        scaled = _scaled.Scaled.of(scale_x, scale_w, out_dtype, use_fast_accum)
+        found = plans.get(scaled)
+        if found is None:
+            found = plans[scaled] = plan(x_shard, weight, bias, info, return_gathered, config, scaled)
+        return found(x_shard, weight, bias, _scaled.flat(scale_x), _scaled.flat(scale_w))
+
+    return run
 
 
 def all_gather_matmul(
@@ -280,26 +338,34 @@ def all_gather_matmul(
     return plan(x_shard, weight, bias, info, return_gathered, config)(x_shard, weight, bias)
 
 
-def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulConfig | None = None):
+def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulConfig | None = None, scales=None,
+              out_dtype=torch.bfloat16, use_fast_accum: bool = False):  # fmt: skip
     """The fused kernel with every signal preset (no communication), for the benchmark.
 
     Returns a zero-argument callable that launches exactly the kernel all_gather_matmul
-    launches for these inputs, reading an already gathered input.
+    launches for these inputs, reading an already gathered input. scales=(scale_x, scale_w):
+    all_gather_scaled_matmul's kernel (with out_dtype, use_fast_accum) instead.
     """
     x_shard = tma_ready(x_shard)  # the weight: the launch reads either layout as it is
     rows_per_rank = x_shard.shape[0]
     world = info.world_size
-    config = _config_for(x_shard, weight, world, config)  # the same config as all_gather_matmul
+    scaled = None if scales is None else _scaled.Scaled.of(*scales, out_dtype, use_fast_accum)
+    config = _config_for(x_shard, weight, world, config, scaled)  # the same config as all_gather_matmul
     chunk_rows = config.chunk_rows_for(rows_per_rank)
     x_gathered = x_shard.repeat(world, 1)
     # Every chunk already there, and the kernel's reset leaves them so (signal_reset=1).
     signals = torch.ones(world * triton.cdiv(rows_per_rank, chunk_rows), dtype=torch.int32, device=x_shard.device)
     done = torch.zeros(1, dtype=torch.int32, device=x_shard.device)
-    y = torch.empty(rows_per_rank * world, weight.shape[0], dtype=x_shard.dtype, device=x_shard.device)
-    gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 1, None)
+    y_dtype = x_shard.dtype if scaled is None else out_dtype
+    y = torch.empty(rows_per_rank * world, weight.shape[0], dtype=y_dtype, device=x_shard.device)
+    gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 1, None, scaled)
+    kernel_scales = (None, None, None)
+    if scaled is not None:
+        scale_x, scale_w = (_scaled.flat(s) for s in scales)
+        kernel_scales = (scale_x.repeat(world) if scaled.row_wise else scale_x, scale_x, scale_w)
 
     def run():
-        gemm(x_gathered, x_shard, weight, bias, y, signals, done)
+        gemm(x_gathered, x_shard, weight, bias, y, signals, done, kernel_scales)
         return y
 
     return run

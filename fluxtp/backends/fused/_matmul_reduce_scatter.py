@@ -18,6 +18,8 @@ up outside capture first: the workspace is allocated and rendezvoused on first u
 barriers and the in-kernel waits are bounded and fail with an error instead of hanging: a wait
 that gives up records the peer rank and tile in host-pinned memory and traps (the CUDA error
 surfaces at the next synchronization); timeout_report() and an exit hook name them.
+Scaled (FP8) calls (scaled_matmul_reduce_scatter, Plan's `scaled`): the same steps on FP8 operands,
+the partial slots (and the copy engine's bands) in float32, the output in out_dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp._plan import PlanCache, tensor_key
-from fluxtp.backends.fused import _launch
+from fluxtp.backends.fused import _launch, _scaled
 from fluxtp.backends.fused._launch import (
     BARRIER_TIMEOUT_MS,
     MAX_SPINS_PEER,
@@ -188,7 +190,7 @@ class _Kernel:
     tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor)."""
 
     def __init__(self, x, weight, bias, out_stride, buffer_flags_offset, rank, world, config, first_step, last_step,
-                 max_spins, report):  # fmt: skip
+                 max_spins, report, scaled=None):  # fmt: skip
         m_total, k = x.shape
         n = weight.shape[0]
         rows_per_rank = m_total // world
@@ -197,7 +199,8 @@ class _Kernel:
         self.empty = tiles <= 0
         self.config = config
         # weight_operand's choice, made once: a transposed view read in place, else row-major rows
-        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t())
+        # (FP8 always row-major: FP8 tensor cores read both operands K-major)
+        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t()) and scaled is None
         self.copy_w = not self.b_kn and not _tma_compatible(weight)
         self.layouts = None
         report = _launch.timeout_record(_OP, x.device) if report is None else report
@@ -220,11 +223,13 @@ class _Kernel:
             COPY_ENGINE=config.copy_engine,
             REDUCE_UNROLL=world >= REDUCE_UNROLL_MIN_WORLD,
             WORLD_POW2=triton.next_power_of_2(world),
+            **_scaled.constexprs(scaled),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
 
-    def __call__(self, x, weight, bias, out, buffer_ptrs):
+    def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):
+        """scales: a scaled call's (x's, the weight's), _scaled.flat."""
         if self.empty:
             return
         b = weight.t() if self.b_kn else (tma_ready(weight) if self.copy_w else weight)
@@ -235,7 +240,8 @@ class _Kernel:
                 DescriptorLayout(x, [c.block_m, c.block_k]),
                 DescriptorLayout(b, [c.block_k, c.block_n] if self.b_kn else [c.block_n, c.block_k]),
             )
-        self.launch(layouts[0].over(x), layouts[1].over(b), out, out if bias is None else bias, buffer_ptrs, *self.scalars)
+        self.launch(layouts[0].over(x), layouts[1].over(b), out, out if bias is None else bias, buffer_ptrs, *self.scalars,
+                    *scales)  # fmt: skip
 
 
 def launch_kernel(
@@ -252,6 +258,8 @@ def launch_kernel(
     last_step: int | None = None,
     max_spins: int = MAX_SPINS,
     report: torch.Tensor | None = None,
+    scaled=None,
+    scales=(None, None),
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
@@ -259,20 +267,29 @@ def launch_kernel(
     buffer_ptrs int64 [W] of buffers laid out as Layout.of(...) says, their flags zero (or set
     by peers). Runs owner steps first_step..last_step (default all: 0..W-1, the last being this
     rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
-    (default: this process's record).
+    (default: this process's record). A scaled call passes `scaled` (_scaled.Scaled) and `scales`
+    (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials.
     """
     last_step = world - 1 if last_step is None else last_step
     kernel = _Kernel(x, weight, bias, out.stride(0), flags_offset, rank, world, config, first_step, last_step, max_spins,
-                     report)  # fmt: skip
-    kernel(x, weight, bias, out, buffer_ptrs)
+                     report, scaled)  # fmt: skip
+    kernel(x, weight, bias, out, buffer_ptrs, scales)
 
 
-def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None) -> MatmulReduceScatterConfig:
-    """The caller's config, else the tuned table's for this shape, else the heuristic."""
+def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None, scaled=None) -> MatmulReduceScatterConfig:
+    """The caller's config, else the tuned table's for this shape, else the heuristic (FP8: its
+    own, nothing tuned yet)."""
     m_total, k = x.shape
+    if scaled is not None:
+        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, weight.shape[0], k, world, scaled.precise_acc)
     return config or tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(
         m_total, weight.shape[0], k, world
     )
+
+
+def partial_dtype(x, scaled) -> torch.dtype:
+    """The partial slots' dtype: the input's, float32 for a scaled call (summed in float32)."""
+    return x.dtype if scaled is None else torch.float32
 
 
 def _write_value32(flags_u32, index, value):
@@ -285,25 +302,27 @@ class Plan:
     views (flags, copy-engine steps), the kernel's launch. prepare() is steps 1-2 of the module
     docstring, launch() steps 3-4; a call is both."""
 
-    def __init__(self, x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
+    def __init__(self, x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None, scaled=None):
         # The weight is left as it is: the kernel reads either of its layouts without a copy.
         self.copy_x = not _tma_compatible(x)
         self.copy_bias = bias is not None and not bias.is_contiguous()
         x = tma_ready(x)
         world, rank = info.world_size, info.rank
         self.info = info
-        self.config = config = _config_for(x, weight, world, config)
-        self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], x.element_size(), world, config)
+        self.config = config = _config_for(x, weight, world, config, scaled)
+        part = partial_dtype(x, scaled)
+        self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], part.itemsize, world, config)
         self.ws = ws = _workspace(info, x.device, layout.nbytes)
-        self.device, self.dtype = x.device, x.dtype
+        self.device, self.dtype = x.device, x.dtype if scaled is None else scaled.out_dtype
+        self.scaled = scaled
         self.out_shape = (x.shape[0] // world, weight.shape[0])
         self.flags = ws.flags(layout)
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
-                              MAX_SPINS, None)  # fmt: skip
+                              MAX_SPINS, None, scaled)  # fmt: skip
         if config.copy_engine:
             self.copy_stream = symm.copy_stream(x.device)
-            self.counters, self.steps = ws.copy_engine_steps(layout, x.dtype, rank, world)
+            self.counters, self.steps = ws.copy_engine_steps(layout, part, rank, world)
 
     def ready(self, x, weight, bias):
         """The tensors the kernel reads: x TMA-ready, the bias contiguous (the weight as it is)."""
@@ -319,16 +338,16 @@ class Plan:
         self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         return self
 
-    def launch(self, x, weight, bias) -> torch.Tensor:
-        """Steps 3-4 on the current stream (x, weight, bias as ready() gives them); returns this
-        rank's rows of the sum, [M/W, n]."""
+    def launch(self, x, weight, bias, scales=(None, None)) -> torch.Tensor:
+        """Steps 3-4 on the current stream (x, weight, bias as ready() gives them; a scaled call's
+        scales, _scaled.flat); returns this rank's rows of the sum, [M/W, n]."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.config.copy_engine:
             # Fork before the kernel: forked after it, the copy stream would wait for the kernel's
             # end, and the kernel waits for the copies (the first try trapped on 2x H200).
             compute, copy = torch.cuda.current_stream(self.device), self.copy_stream
             copy.wait_stream(compute)
-        self.kernel(x, weight, bias, out, self.ws.buffer_ptrs)
+        self.kernel(x, weight, bias, out, self.ws.buffer_ptrs, scales)
         if self.config.copy_engine:
             self._push_bands(compute, copy)
         if self.config.transport == "pull":
@@ -355,10 +374,10 @@ class Plan:
             torch.cuda.set_stream(compute)
         compute.wait_stream(copy)
 
-    def __call__(self, x, weight, bias) -> torch.Tensor:
+    def __call__(self, x, weight, bias, scales=(None, None)) -> torch.Tensor:
         x, weight, bias = self.ready(x, weight, bias)
         self.prepare()
-        return self.launch(x, weight, bias)
+        return self.launch(x, weight, bias, scales)
 
 
 Call = Plan  # prepare()'s result, launch()'s argument
@@ -367,11 +386,26 @@ Call = Plan  # prepare()'s result, launch()'s argument
 _plans = PlanCache()
 
 
-def plan(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None) -> Plan:
+def plan(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None, scaled=None) -> Plan:
     """The cached Plan of this call signature (built on its first call)."""
-    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), info, config)
+    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), info, config, scaled)
     found = _plans.get(key)
-    return found if found is not None else _plans.put(key, Plan(x, weight, bias, info, config))
+    return found if found is not None else _plans.put(key, Plan(x, weight, bias, info, config, scaled))
+
+
+def scaled_plan(x, weight, bias, info: GroupInfo, out_dtype, use_fast_accum, config=None):
+    """scaled_matmul_reduce_scatter's plan, a callable (x, weight, scale_x, scale_w, bias) ->
+    [M/W, n] in out_dtype; built at the first call, whose scales decide the scaling."""
+    plans = {}
+
+    def run(x, weight, scale_x, scale_w, bias):
+        scaled = _scaled.Scaled.of(scale_x, scale_w, out_dtype, use_fast_accum)
+        found = plans.get(scaled)
+        if found is None:
+            found = plans[scaled] = plan(x, weight, bias, info, config, scaled)
+        return found(x, weight, bias, (_scaled.flat(scale_x), _scaled.flat(scale_w)))
+
+    return run
 
 
 def prepare(x, weight, info: GroupInfo, config: MatmulReduceScatterConfig | None = None) -> Plan:
@@ -392,8 +426,10 @@ def matmul_reduce_scatter(x, weight, bias, info: GroupInfo, config: MatmulReduce
     return plan(x, weight, bias, info, config)(x, weight, bias)
 
 
-def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None):
-    """The fused kernel with communication switched off, for the benchmark.
+def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfig | None = None, scales=None,
+              out_dtype=torch.bfloat16, use_fast_accum: bool = False):  # fmt: skip
+    """The fused kernel with communication switched off, for the benchmark (scales=(scale_x,
+    scale_w): scaled_matmul_reduce_scatter's kernel, with out_dtype and use_fast_accum).
 
     Returns a zero-argument callable that launches exactly the kernel matmul_reduce_scatter
     launches for these inputs, with every rank's buffer address pointing at local memory: the
@@ -403,8 +439,9 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     x, bias = tma_ready(x), None if bias is None else bias.contiguous()  # the weight: read as it is
     m_total, n = x.shape[0], weight.shape[0]
     world, rank = info.world_size, info.rank
-    config = _config_for(x, weight, world, config)  # the same config as matmul_reduce_scatter
-    layout = Layout.of(m_total // world, n, x.element_size(), world, config)
+    scaled = None if scales is None else _scaled.Scaled.of(*scales, out_dtype, use_fast_accum)
+    config = _config_for(x, weight, world, config, scaled)  # the same config as matmul_reduce_scatter
+    layout = Layout.of(m_total // world, n, partial_dtype(x, scaled).itemsize, world, config)
     read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
     read[layout.flags_offset :].view(torch.int32).fill_(1)
     scratch = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
@@ -412,12 +449,13 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     own, peers = (scratch, read) if config.transport == "pull" else (read, scratch)
     ptrs = [own.data_ptr() if r == rank else peers.data_ptr() for r in range(world)]
     buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=x.device)
-    out = torch.empty(m_total // world, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m_total // world, n, dtype=x.dtype if scaled is None else out_dtype, device=x.device)
     kernel = _Kernel(x, weight, bias, out.stride(0), layout.flags_offset, rank, world, config, 0, world - 1, MAX_SPINS,
-                     None)  # fmt: skip
+                     None, scaled)  # fmt: skip
+    kernel_scales = (None, None) if scales is None else tuple(_scaled.flat(s) for s in scales)
 
     def run():
-        kernel(x, weight, bias, out, buffer_ptrs)
+        kernel(x, weight, bias, out, buffer_ptrs, kernel_scales)
         return out
 
     run.workspace = (read, scratch)  # buffer_ptrs holds their raw addresses: keep them alive with run

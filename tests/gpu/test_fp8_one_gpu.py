@@ -1,0 +1,157 @@
+"""The FP8 paths on ONE GPU: the fused kernels with FP8 operands under the one-GPU harnesses, and
+the ops' local scaled GEMM (torch._scaled_mm, or the dequantized float32 product), each against
+float64 on the dequantized inputs (tests/_fp8_cases.py's tolerances).
+
+All-gather: one simulated rank's kernel runs while a copy stream delivers the peers' row scales
+and then their FP8 rows chunk by chunk, each chunk behind a host gate (tests/_gates.py), as the
+launcher orders them; rows and scales a tile could read early are NaN until copied. Reduce-scatter:
+W ranks simulated one after another (tests/_rs_simulation.py), every transport, float32 partials,
+bitwise repeatable. Ragged rows, per-tensor and row-wise scales, bf16 / fp16 / fp32 outputs,
+precise and fast accumulation, the heuristic's FP8 tilings.
+"""
+
+import random
+
+import pytest
+import torch
+import triton
+
+import fluxtp
+from fluxtp import fp8
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
+from fluxtp.backends.fused._matmul_reduce_scatter import TRANSPORTS, MatmulReduceScatterConfig, gemm_only
+from fluxtp.backends.fused._scaled import Scaled, flat
+from tests._fp8_cases import quantize, rel_error, tolerance
+from tests._gates import HostGates
+from tests._rs_simulation import simulate
+
+pytestmark = pytest.mark.gpus(1)
+
+GATE_DELAY_S = 0.004
+MAX_SPINS = 1 << 26
+
+
+def _operands(seed, rows, n, k, row_wise, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(-6, 7, (rows, 1), generator=g)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) * k**-0.5
+    (xq, sx), (wq, sw) = quantize(x, row_wise), quantize(w, row_wise)
+    return xq.to(device), sx.to(device), wq.to(device), (sw.reshape(1, -1) if row_wise else sw).to(device)
+
+
+def _reference(xq, sx, wq, sw, bias):
+    ref = (xq.double() * sx.double()) @ (wq.double() * sw.double().reshape(-1, 1)).T
+    return ref + bias.double() if bias is not None else ref
+
+
+@pytest.mark.parametrize(
+    "world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows",
+    [
+        (2, 1, 1000, 1000, 2048, True, torch.bfloat16, True, 256),  # ragged rows, N not a tile multiple, 4 chunks
+        (2, 0, 512, 2048, 4096, False, torch.float32, False, 512),  # per tensor, fast accumulation, one chunk
+        (4, 2, 384, 1536, 1024, True, torch.float16, False, 128),  # a chunk per tile row, the ring wraps
+    ],
+)
+def test_all_gather_fp8_waits_for_rows_and_scales(world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows):
+    seed = random.randrange(1 << 30)
+    what = f"world={world} rank={rank} m={m} row_wise={row_wise} {out_dtype} precise={precise} seed={seed}"
+    xq, sx, wq, sw = _operands(seed, world * m, n, k, row_wise)
+    bias = torch.randn(n, device="cuda", dtype=out_dtype)
+    scaled = Scaled(out_dtype, row_wise, precise)
+    cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise)
+    cfg = AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
+    own = slice(rank * m, (rank + 1) * m)
+    x_own = xq[own].clone()
+    x_gathered = torch.full_like(xq.view(torch.uint8), 0x7F).view(xq.dtype)  # e4m3 NaN until copied
+    scales_own = flat(sx[own] if row_wise else sx)
+    scales_gathered = torch.full((world * m,), float("nan"), device="cuda") if row_wise else flat(sx)
+    y = torch.full((world * m, n), float("nan"), dtype=out_dtype, device="cuda")
+    chunk_rows = cfg.chunk_rows_for(m)
+    chunks = triton.cdiv(m, chunk_rows)
+    signals = torch.zeros(world * chunks, dtype=torch.int32, device="cuda")
+    done = torch.zeros(1, dtype=torch.int32, device="cuda")
+    gates = HostGates((world - 1) * (chunks + 1))
+    compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
+    finished = torch.cuda.Event()
+    copy.wait_stream(compute)
+    launch_gemm(x_gathered, x_own, wq, bias, y, signals, done, m, chunk_rows, GroupInfo(None, rank, world), cfg,
+                max_spins=MAX_SPINS, scaled=scaled, scales=(scales_gathered, scales_own, flat(sw)))  # fmt: skip
+    finished.record(compute)
+    with torch.cuda.stream(copy):
+        peers = [(rank + s) % world for s in range(1, world)]
+        if row_wise:  # the launcher's order: every peer's scales, then the rows chunk by chunk
+            for r in peers:
+                gates.hold()
+                scales_gathered[r * m : (r + 1) * m].copy_(flat(sx)[r * m : (r + 1) * m])
+        for r in peers:
+            for c in range(chunks):
+                r0, r1 = r * m + c * chunk_rows, r * m + min((c + 1) * chunk_rows, m)
+                gates.hold()
+                x_gathered[r0:r1].copy_(xq[r0:r1])
+                _set_signal(signals, r * chunks + c)
+    gates.open_slowly(finished, GATE_DELAY_S, what)
+    torch.cuda.synchronize()
+    err = rel_error(y, _reference(xq, sx, wq, sw, bias))
+    assert err <= tolerance(out_dtype, k, not precise), f"{what}: rel err {err:.2e}"
+    assert signals.eq(0).all() and done.item() == 0, f"{what}: signals left {signals.tolist()}"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    "world, m, n, k_local, row_wise, out_dtype, precise",
+    [
+        (2, 1000, 1000, 2048, True, torch.bfloat16, True),  # ragged rows, N not a tile multiple
+        (4, 384, 1536, 1024, False, torch.float32, False),
+        (8, 200, 1024, 512, True, torch.float16, False),  # the unrolled reduction
+    ],
+)
+def test_reduce_scatter_fp8_simulated_ranks(transport, world, m, n, k_local, row_wise, out_dtype, precise):
+    seed = random.randrange(1 << 30)
+    what = f"{transport} world={world} m={m} row_wise={row_wise} {out_dtype} precise={precise} seed={seed}"
+    parts, scales = [], []
+    for r in range(world):  # each rank quantizes its own slice of K
+        xq, sx, wq, sw = _operands(seed + r, world * m, n, k_local, row_wise)
+        parts.append((xq, wq))
+        scales.append((flat(sx), flat(sw)))
+    x, w = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    bias = torch.randn(n, device="cuda", dtype=torch.float32)
+    base = MatmulReduceScatterConfig.heuristic_fp8(world * m, n, world * k_local, world, precise)
+    cfg = MatmulReduceScatterConfig(**{**base.__dict__, "transport": transport})
+    scaled = Scaled(out_dtype, row_wise, precise)
+    outs, _ = simulate(x, w, bias, world, k_local, cfg, float("nan"), MAX_SPINS, scaled=scaled, rank_scales=scales)
+    again, _ = simulate(x, w, bias, world, k_local, cfg, 12345.0, MAX_SPINS, scaled=scaled, rank_scales=scales)
+    ref = sum(_reference(xq, s[0].reshape(-1, 1), wq, s[1], None) for (xq, wq), s in zip(parts, scales)) + bias.double()
+    for r in range(world):
+        err = rel_error(outs[r], ref[r * m : (r + 1) * m].cpu())
+        assert err <= tolerance(out_dtype, world * k_local, not precise), f"{what} rank={r}: rel err {err:.2e}"
+        assert torch.equal(outs[r], again[r]), f"{what} rank={r}: not bitwise repeatable"
+    own = gemm_only(parts[0][0], parts[0][1], bias, GroupInfo(None, 0, world), cfg, scales=scales[0], out_dtype=out_dtype,
+                    use_fast_accum=not precise)()  # fmt: skip
+    want = _reference(parts[0][0][:m], scales[0][0][:m].reshape(-1, 1) if row_wise else scales[0][0], parts[0][1],
+                      scales[0][1], bias)  # fmt: skip
+    assert rel_error(own, want.cpu()) <= tolerance(out_dtype, k_local, not precise), f"{what}: gemm_only"
+
+
+@pytest.mark.parametrize("row_wise", [True, False])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(256, 512, 1024), (100, 48, 40)])  # torch._scaled_mm's, and its float32 fallback
+def test_local_scaled_gemm_on_cuda(row_wise, out_dtype, shape):
+    """A world of one: fluxtp.fp8.scaled_linear (torch._scaled_mm where it runs) against float64."""
+    m, n, k = shape
+    xq, sx, wq, sw = _operands(random.randrange(1 << 30), m, n, k, row_wise)
+    for bias in (None, torch.randn(n, device="cuda", dtype=out_dtype), torch.randn(n, device="cuda")):
+        for fast in (False, True):
+            y = fluxtp.all_gather_scaled_matmul(xq, wq, sx, sw, bias=bias, out_dtype=out_dtype, use_fast_accum=fast)
+            assert y.dtype == out_dtype and y.shape == (m, n)
+            err = rel_error(y, _reference(xq, sx, wq, sw, bias).cpu())
+            assert err <= tolerance(out_dtype, k, fast), f"{shape} row_wise={row_wise} {out_dtype} fast={fast}: {err:.2e}"
+            out = fluxtp.scaled_matmul_reduce_scatter(xq, wq, sx, sw, bias=bias, out_dtype=out_dtype, use_fast_accum=fast)
+            assert rel_error(out, _reference(xq, sx, wq, sw, bias).cpu()) <= tolerance(out_dtype, k, fast)
+
+
+def test_quantize_rows_on_cuda_matches_cpu():
+    t = torch.randn(64, 300) * 2.0 ** torch.randint(-10, 10, (64, 1))
+    q_cpu, s_cpu = fp8.quantize_rows(t)
+    q_gpu, s_gpu = fp8.quantize_rows(t.cuda())
+    assert torch.equal(s_gpu.cpu(), s_cpu) and torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))

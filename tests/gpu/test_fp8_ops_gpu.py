@@ -1,0 +1,85 @@
+"""The FP8 ops on real ranks (2+ GPUs, NCCL and symmetric memory): every backend against float64
+on the dequantized inputs, gathered FP8 rows and scales exact (tests/_fp8_cases.py), at shapes the
+fused kernels and torch._scaled_mm take, with the torch backend's documented refusals; and the
+FP8 layers through the fused backend against the nccl one."""
+
+import os
+import random
+
+import pytest
+import torch
+
+import fluxtp
+from fluxtp.testing import run_on_ranks
+from tests._fp8_cases import check_all_gather_scaled, check_scaled_reduce_scatter
+
+WORLD = int(os.environ.get("FLUXTP_TEST_WORLD", "2"))
+CASES = [  # (m per rank, n, k): ragged rows, N not a tile multiple, one chunk or several
+    (1000, 1000, 2048),
+    (512, 2048, 1024),
+    (4096, 1024, 512),
+]
+
+
+def _ops_body(rank, world, seed):
+    device = torch.device("cuda", rank)
+    case = 0
+    for backend in ("fused", "nccl", "torch", "auto"):
+        for m, n, k in CASES:
+            for row_wise in (True, False):
+                for out_dtype, fast in ((torch.bfloat16, False), (torch.float32, True), (torch.float16, False)):
+                    bias_dtype = (None, out_dtype, torch.float32)[case % 3]
+                    s = seed + 10 * case
+                    case += 1
+                    ag_refused = backend == "torch" and row_wise and out_dtype != torch.bfloat16
+                    rs_refused = backend == "torch" and row_wise
+                    args = (rank, world, s, m, n, k, device, backend, row_wise, out_dtype, bias_dtype)
+                    if ag_refused:
+                        with pytest.raises(ValueError, match="row-wise scaled matmul writes only bfloat16"):
+                            check_all_gather_scaled(*args, fast=fast)
+                    else:
+                        check_all_gather_scaled(*args, fast=fast)
+                    if rs_refused:
+                        with pytest.raises(ValueError, match="float32 partials"):
+                            check_scaled_reduce_scatter(*args, fast=fast)
+                    else:
+                        check_scaled_reduce_scatter(*args, fast=fast)
+
+
+def test_fp8_ops_every_backend():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    run_on_ranks(_ops_body, WORLD, random.randrange(1 << 30))
+
+
+def _layers_body(rank, world, seed):
+    from torch import nn
+
+    from fluxtp.nn import ColumnParallelLinear, RowParallelLinear
+    from tests._fp8_cases import rel_error
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(seed)
+    up, down = nn.Linear(1024, 4096, dtype=torch.bfloat16), nn.Linear(4096, 1024, dtype=torch.bfloat16)
+    x = torch.randn(4096, 1024, dtype=torch.bfloat16)
+    rows = slice(rank * 4096 // world, (rank + 1) * 4096 // world)
+    results = {}
+    for backend in ("nccl", "fused"):
+        col = ColumnParallelLinear.from_linear(up, fp8=True, backend=backend).to(device)
+        row = RowParallelLinear.from_linear(down, fp8=True, backend=backend).to(device)
+        x_shard = x[rows].to(device).requires_grad_(True)
+        out = row(torch.nn.functional.gelu(col(x_shard)))
+        out.float().square().sum().backward()
+        results[backend] = [out, x_shard.grad, col.weight.grad, row.weight.grad]
+    # The same FP8 operands in both: they differ by accumulation order and the fused all-gather's
+    # fast forward accumulation only; bf16 outputs: allow 4 bf16 roundings.
+    names = ("output", "input grad", "column weight grad", "row weight grad")
+    for name, fused, ref in zip(names, results["fused"], results["nccl"]):
+        err = rel_error(fused, ref.double().cpu())
+        assert err <= 4 * 2**-8, f"FP8 layers, fused vs nccl {name}: rel err {err:.2e}"
+
+
+def test_fp8_layers_fused_match_nccl():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    run_on_ranks(_layers_body, WORLD, random.randrange(1 << 30))

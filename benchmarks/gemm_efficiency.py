@@ -23,8 +23,9 @@ FP8 cases (--dtype float8_e4m3fn, --grid fp8 / fp8-smoke): the scaled ops' kerne
 bf16 out, against `cublas` = torch._scaled_mm of the same per-rank operands and scales (its
 use_fast_accum as --fast-accum, as the fused kernel's); `plain` has no FP8 form and is left out.
 `--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
-the config negated (an A/B of one knob, interleaved with the rest); `--vary FIELD=INT` sets an
-integer field instead (e.g. `num_stages=4`); repeat it for more variants. Every output is checked
+the config negated (an A/B of one knob, interleaved with the rest); `--vary FIELD=INT` (or
+`=true`/`=false`) sets a field instead (e.g. `num_stages=4`), `--vary A=1,B=true` several at
+once; repeat it for more variants. Every output is checked
 against cuBLAS's before timing, and each varied kernel's bitwise against the fused one's (so only
 knobs that keep the order of the sums can be varied). The table ends with fused/cuBLAS per op and
 TP degree: geometric mean and worst case.
@@ -186,13 +187,30 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
             raise AssertionError(f"{case.label()}: {name} differs from cuBLAS (relative error {err:.2e})")
     variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
     for spec in vary:
-        name, _, text = spec.partition("=")
-        value = int(text) if text else not getattr(config, name)
-        varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **{name: value}), scales, fast_accum)
+        changes = varied_fields(config, spec)
+        label = ",".join(f"{name}={value}" for name, value in changes.items())
+        varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales, fast_accum)
         if not torch.equal(varied(), fused()):
-            raise AssertionError(f"{case.label()}: {name}={value} changes the fused kernel's output bits")
-        variants.append(Variant(f"fused_{name}={value}", (graphed(varied),)))
+            raise AssertionError(f"{case.label()}: {label} changes the fused kernel's output bits")
+        variants.append(Variant(f"fused_{label}", (graphed(varied),)))
     return variants, config
+
+
+def varied_fields(config, spec: str) -> dict:
+    """`--vary`'s FIELD[=VALUE][,FIELD[=VALUE]...] as field values: a bare FIELD negates a boolean,
+    VALUE is an integer, true, false or a word (transport=push)."""
+    changes = {}
+    for item in spec.split(","):
+        name, _, text = item.strip().partition("=")
+        if not hasattr(config, name):
+            raise ValueError(f"--vary {spec!r}: {type(config).__name__} has no field {name!r}")
+        if not text:
+            changes[name] = not getattr(config, name)
+        elif text.lower() in ("true", "false"):
+            changes[name] = text.lower() == "true"
+        else:
+            changes[name] = int(text) if text.lstrip("-").isdigit() else text
+    return changes
 
 
 def varied_keys(row: dict) -> list[str]:

@@ -41,7 +41,8 @@ def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
 
 def workspace(buffers, ptrs, rank) -> _Workspace:
     """Rank `rank`'s workspace over the simulated buffers, as the launcher builds it."""
-    return _Workspace(SymmBuffer(buffers[rank], Handle(buffers, rank), buffers[rank].numel()), ptrs)
+    claims = torch.zeros(2, dtype=torch.int32, device=ptrs.device)
+    return _Workspace(SymmBuffer(buffers[rank], Handle(buffers, rank), buffers[rank].numel()), ptrs, claims)
 
 
 def flag_views(buffers, layout):

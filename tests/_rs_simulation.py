@@ -41,8 +41,7 @@ def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
 
 def workspace(buffers, ptrs, rank) -> _Workspace:
     """Rank `rank`'s workspace over the simulated buffers, as the launcher builds it."""
-    claims = torch.zeros(2, dtype=torch.int32, device=ptrs.device)
-    return _Workspace(SymmBuffer(buffers[rank], Handle(buffers, rank), buffers[rank].numel()), ptrs, claims)
+    return _Workspace(SymmBuffer(buffers[rank], Handle(buffers, rank), buffers[rank].numel()), ptrs)
 
 
 def flag_views(buffers, layout):

@@ -121,22 +121,10 @@ class MatmulReduceScatterConfig(GemmTiling):
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
     epilogue_split: int = 4
-    # Tile order (see the kernel): False, owner by owner, this rank's own tiles last; True,
-    # position by position, each own tile own_lag positions behind its peers' tiles, so that
-    # the own tiles' reductions spread over the kernel instead of filling its last wave.
-    interleave: bool = False
-    own_lag: int = 0
-    # Tiles claimed from a counter rather than dealt by a fixed stride: the own tiles (a K loop
-    # plus W-1 partials to read) cost more than the others, and claiming evens that out.
-    dynamic: bool = False
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.interleave and self.transport == "copy_engine":
-            raise ValueError("interleave needs transport 'push' or 'pull': the copy engine copies bands owner by owner")
-        if self.own_lag < 0:
-            raise ValueError(f"own_lag must be >= 0, got {self.own_lag}")
 
     @property
     def copy_engine(self) -> bool:
@@ -317,8 +305,5 @@ def describe(config) -> str:
     text = f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
     if hasattr(c, "chunk_rows"):
         return text + f" chunk_rows={c.chunk_rows}"
-    text += f" {c.transport} epilogue_split={c.epilogue_split}"
-    if c.interleave:
-        text += f" interleave own_lag={c.own_lag}"
-    return text + (" dynamic" if c.dynamic else "")
+    return text + f" {c.transport} epilogue_split={c.epilogue_split}"
 

@@ -3,18 +3,11 @@ scattered, every rank's partial tile handed to the rank that owns its rows by th
 
 Rows of the partial C = x @ w^T [M, N] are W segments of m = M/W rows; segment o belongs to
 rank o. Tiles never span two segments (m need not be a multiple of BLOCK_M: rows past the
-segment end are computed from the next segment's or TMA's zero rows, never stored). Step s
-covers owner (RANK + 1 + s) % W, so at any moment the ranks write to different owners; step
-W-1 is this rank's own rows. Within a segment tiles go in grouped_tile order (their position).
-Two orders (_scheduled_tile): owner by owner (every own tile last), or INTERLEAVE, position by
-position (at each, every peer's tile), each own tile `own_lag` positions behind its peers': the
-own tiles, which read W-1 partials after their K loop, then spread over the whole kernel
-instead of piling up in its last wave. Either way a tile waits only for tiles at earlier indices
-of its peers' orders, so no set of waits can close a cycle. Tiles are dealt to the persistent
-programs by a fixed stride or, DYNAMIC, claimed from a counter (uneven tiles even out over the
-programs; the last program to finish resets the counter for the next launch). A launch may run
-only steps first_step..last_step (the interpreter test runs every rank's peer steps, then every
-rank's own step; a real call runs all of them).
+segment end are computed from the next segment's or TMA's zero rows, never stored). Tiles are
+visited owner step by owner step: step s covers owner (RANK + 1 + s) % W, so at any moment the
+ranks write to different owners, and the last step is this rank's own rows; within a step in
+grouped_tile order. A launch may run only steps first_step..last_step (the interpreter test
+runs every rank's peer steps, then every rank's own step; a real call runs all of them).
 
 Workspace: every rank has one buffer (its base address, as this GPU sees it, is
 buffer_ptrs[rank]) holding W-1 partial slots [m, N] of the input dtype and, at byte
@@ -150,139 +143,6 @@ def _epilogue(
 
 
 @triton.jit
-def _scheduled_tile(index, tiles_per_segment, own_lag, WORLD: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """(owner step, position in the segment) of the index-th tile of this rank's order."""
-    if INTERLEAVE:
-        # (W-1)*lag peer tiles first, then W tiles per position (W-1 peers', the own tile `lag`
-        # positions back), then the last `lag` own tiles.
-        lag = tl.minimum(own_lag, tiles_per_segment)
-        lead = (WORLD - 1) * lag
-        if index < lead:
-            step = index % (WORLD - 1)
-            position = index // (WORLD - 1)
-        elif index < WORLD * tiles_per_segment - lag:
-            step = (index - lead) % WORLD
-            position = (index - lead) // WORLD + tl.where(step == WORLD - 1, 0, lag)
-        else:
-            step = index * 0 + (WORLD - 1)
-            position = index - (WORLD - 1) * tiles_per_segment
-    else:
-        step = index // tiles_per_segment
-        position = index % tiles_per_segment
-    return step, position
-
-
-@triton.jit
-def _run_tile(
-    step, position, pending, pending_flag,
-    a_desc, b_desc, out_ptr, bias_ptr, buffer_ptrs, rows_per_rank, N, K, stride_om, flags_offset, max_spins, report_ptr,
-    scale_a_ptr, scale_b_ptr,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, B_KN: tl.constexpr, COPY_ENGINE: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
-    WORLD_POW2: tl.constexpr, SCALING: tl.constexpr, PRECISE_ACC: tl.constexpr,
-):  # fmt: skip
-    """One tile: its K loop, the release of the previous peer tile's flag, then its epilogue (own:
-    wait for the peers' partials and reduce; peer: hand the partial over). Returns the flag this
-    tile leaves to release (pending, pending_flag)."""
-    tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_segment = tiles_m * tiles_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    bands = tl.cdiv(tiles_m, GROUP_M)  # copy-engine mode: one flag per GROUP_M rows of tiles
-    owner = (RANK + 1 + step) % WORLD
-    own = owner == RANK
-    pid_m, pid_n = grouped_tile(position, tiles_m, tiles_n, GROUP_M)
-    tile = pid_m * tiles_n + pid_n
-    row_in_segment = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
-        a = a_desc.load([owner * rows_per_rank + row_in_segment, ki * BLOCK_K])
-        if B_KN:
-            acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
-        elif PRECISE_ACC:  # FP8: promoted to float32 after each K block (_scaled.py)
-            acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
-    if SCALING == 1:
-        acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
-    elif SCALING == 2:
-        rows_s = row_in_segment + tl.arange(0, BLOCK_M)
-        cols_s = col0 + tl.arange(0, BLOCK_N)
-        scale_a = tl.load(scale_a_ptr + owner * rows_per_rank + rows_s, mask=rows_s < rows_per_rank, other=0.0)
-        scale_b = tl.load(scale_b_ptr + cols_s, mask=cols_s < N, other=0.0)
-        acc = acc * scale_a[:, None] * scale_b[None, :]
-
-    if pending != 0:
-        tl.debug_barrier()  # every thread's stores of that tile came before this barrier
-        set_flag(pending_flag, 1, "sys")
-    pending = 0
-
-    if own:
-        # Every peer's partial of this tile has arrived (acquire), after the K loop (which
-        # overlaps the peers' work), before any thread loads one. All W-1 flags are read at
-        # once: one at a time, their round trips added up.
-        srcs = tl.arange(0, WORLD_POW2)
-        peer = (srcs < WORLD) & (srcs != RANK)
-        if PUSH:
-            holders = tl.full((WORLD_POW2,), RANK, tl.int32)
-            slots = srcs - (srcs > RANK).to(tl.int32)
-        else:
-            holders = srcs
-            slots = tl.full((WORLD_POW2,), RANK, tl.int32) - (srcs < RANK).to(tl.int32)
-        bases = tl.load(buffer_ptrs + holders, mask=peer, other=0) + flags_offset
-        if COPY_ENGINE:
-            index = slots * bands + pid_m // GROUP_M
-        else:
-            index = slots * tiles_per_segment + tile
-        flag_ptrs = bases.to(tl.pointer_type(tl.int32)) + index
-        arrived = wait_flags(flag_ptrs, peer, 1, max_spins, "sys")
-        if tl.min(arrived.to(tl.int32), 0) == 0:
-            late = tl.min(tl.where(arrived, WORLD_POW2, srcs), 0)
-            give_up(report_ptr, pending_flag, late, tile, RANK)
-        tl.debug_barrier()
-
-    if EPI_SPLIT == 1:
-        _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                  rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
-    elif EPI_SPLIT == 2:
-        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
-        _epilogue(a0, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                  rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
-        _epilogue(a1, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                  rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
-    else:
-        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
-        a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
-        a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
-        _epilogue(a00, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                  rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
-        _epilogue(a01, own, owner, row_in_segment, col0 + BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                  rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
-        _epilogue(a10, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                  rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
-        _epilogue(a11, own, owner, row_in_segment, col0 + 3 * BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                  rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
-
-    if not own:
-        holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)
-        flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
-        if COPY_ENGINE:
-            # Count the tile into its band, in this rank's memory, where the copy stream waits
-            # for the band to fill. At once: the fence waits only for local stores, and a late
-            # count would hold the last band's copy back by a whole tile.
-            tl.debug_barrier()
-            tl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")
-        else:
-            # The tile's flag, released after the next tile's K loop (above) or after the loop.
-            pending_flag = flags + slot * tiles_per_segment + tile
-            pending = 1
-    return pending, pending_flag
-
-
-@triton.jit
 def matmul_reduce_scatter_kernel(
     a_desc,  # TensorDescriptor over x [M, K], block [BLOCK_M, BLOCK_K]
     b_desc,  # over w [N, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]; with B_KN over w^T [K, N], block [BLOCK_K, BLOCK_N]
@@ -296,8 +156,6 @@ def matmul_reduce_scatter_kernel(
     flags_offset,  # bytes from a buffer's base to its int32 flags
     first_step,  # owner steps to run: first_step..last_step (a full call: 0..W-1)
     last_step,
-    own_lag,  # INTERLEAVE: positions the own tiles trail their peers' tiles
-    claim_ptr,  # DYNAMIC: int32 [2], zero before the launch (tiles claimed, programs finished)
     max_spins,
     report_ptr,  # int32 [3]: where a timed-out wait records (source rank, tile, rank)
     scale_a_ptr,  # scaled calls: float32 scales of x's rows [M] (row-wise) or of x (per tensor); else None
@@ -319,58 +177,113 @@ def matmul_reduce_scatter_kernel(
     WORLD_POW2: tl.constexpr,  # the next power of two >= WORLD (the owner reads its peers' flags as one vector)
     SCALING: tl.constexpr,  # 0 unscaled, 1 per tensor, 2 row-wise (FP8 operands, float32 partials)
     PRECISE_ACC: tl.constexpr,  # FP8 products promoted to float32 after each K block (not use_fast_accum)
-    INTERLEAVE: tl.constexpr,  # position by position, own tiles own_lag behind (else owner by owner)
-    DYNAMIC: tl.constexpr,  # tiles claimed from claim_ptr's counter (else every NUM_SMS-th)
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
-    tl.static_assert(not (INTERLEAVE and COPY_ENGINE))  # the copy stream copies bands owner by owner
-    tiles_per_segment = tl.cdiv(rows_per_rank, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    # Owner by owner, the steps to run are one range of the order; interleaved, tiles of other
-    # steps are skipped.
-    if INTERLEAVE:
-        start = 0
-        end = WORLD * tiles_per_segment
-    else:
-        start = first_step * tiles_per_segment
-        end = (last_step + 1) * tiles_per_segment
+    tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_segment = tiles_m * tiles_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    bands = tl.cdiv(tiles_m, GROUP_M)  # copy-engine mode: one flag per GROUP_M rows of tiles
+    first_tile = first_step * tiles_per_segment + tl.program_id(0)
+    end_tile = (last_step + 1) * tiles_per_segment
     # A peer tile's flag is released only after the next tile's K loop (or after the last tile),
     # when its stores are long complete: released right after them, the fence held every SM for
-    # their NVLink round trip (docs/perf-log.md). Each program releases what it holds before it
-    # waits for anything, so no wait can close a cycle.
+    # their NVLink round trip (2% of the whole kernel at 4096x8192x28672, docs/perf-log.md). Each
+    # program releases what it holds before it waits for anything, so no wait can close a cycle.
     pending = 0
     pending_flag = (tl.load(buffer_ptrs + RANK) + flags_offset).to(tl.pointer_type(tl.int32))
 
-    if DYNAMIC:
-        index = start + tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-        while index < end:
-            # The next tile is claimed before this one runs: the atomic's round trip hides behind it.
-            next_index = start + tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-            step, position = _scheduled_tile(index, tiles_per_segment, own_lag, WORLD, INTERLEAVE)
-            if (step >= first_step) & (step <= last_step):
-                pending, pending_flag = _run_tile(
-                    step, position, pending, pending_flag, a_desc, b_desc, out_ptr, bias_ptr, buffer_ptrs,
-                    rows_per_rank, N, K, stride_om, flags_offset, max_spins, report_ptr, scale_a_ptr, scale_b_ptr,
-                    RANK, WORLD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS, PUSH, NUM_STAGES, EPI_SPLIT, B_KN,
-                    COPY_ENGINE, REDUCE_UNROLL, WORLD_POW2, SCALING, PRECISE_ACC)  # fmt: skip
-            index = next_index
-    else:
-        # Interleaved launches of some steps only have fewer programs than NUM_SMS.
-        stride = tl.num_programs(0) if INTERLEAVE else NUM_SMS
-        for index in tl.range(start + tl.program_id(0), end, stride, num_stages=1):
-            step, position = _scheduled_tile(index, tiles_per_segment, own_lag, WORLD, INTERLEAVE)
-            if (step >= first_step) & (step <= last_step):
-                pending, pending_flag = _run_tile(
-                    step, position, pending, pending_flag, a_desc, b_desc, out_ptr, bias_ptr, buffer_ptrs,
-                    rows_per_rank, N, K, stride_om, flags_offset, max_spins, report_ptr, scale_a_ptr, scale_b_ptr,
-                    RANK, WORLD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS, PUSH, NUM_STAGES, EPI_SPLIT, B_KN,
-                    COPY_ENGINE, REDUCE_UNROLL, WORLD_POW2, SCALING, PRECISE_ACC)  # fmt: skip
+    for tile_id in tl.range(first_tile, end_tile, NUM_SMS, num_stages=1):
+        owner = (RANK + 1 + tile_id // tiles_per_segment) % WORLD
+        own = owner == RANK
+        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        tile = pid_m * tiles_n + pid_n
+        row_in_segment = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
+            a = a_desc.load([owner * rows_per_rank + row_in_segment, ki * BLOCK_K])
+            if B_KN:
+                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
+            elif PRECISE_ACC:  # FP8: promoted to float32 after each K block (_scaled.py)
+                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
+        if SCALING == 1:
+            acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+        elif SCALING == 2:
+            rows_s = row_in_segment + tl.arange(0, BLOCK_M)
+            cols_s = col0 + tl.arange(0, BLOCK_N)
+            scale_a = tl.load(scale_a_ptr + owner * rows_per_rank + rows_s, mask=rows_s < rows_per_rank, other=0.0)
+            scale_b = tl.load(scale_b_ptr + cols_s, mask=cols_s < N, other=0.0)
+            acc = acc * scale_a[:, None] * scale_b[None, :]
+
+        if pending != 0:
+            tl.debug_barrier()  # every thread's stores of that tile came before this barrier
+            set_flag(pending_flag, 1, "sys")
+        pending = 0
+
+        if own:
+            # Every peer's partial of this tile has arrived (acquire), after the K loop (which
+            # overlaps the peers' work), before any thread loads one. All W-1 flags are read at
+            # once: one at a time, their round trips added up.
+            srcs = tl.arange(0, WORLD_POW2)
+            peer = (srcs < WORLD) & (srcs != RANK)
+            if PUSH:
+                holders = tl.full((WORLD_POW2,), RANK, tl.int32)
+                slots = srcs - (srcs > RANK).to(tl.int32)
+            else:
+                holders = srcs
+                slots = tl.full((WORLD_POW2,), RANK, tl.int32) - (srcs < RANK).to(tl.int32)
+            bases = tl.load(buffer_ptrs + holders, mask=peer, other=0) + flags_offset
+            if COPY_ENGINE:
+                index = slots * bands + pid_m // GROUP_M
+            else:
+                index = slots * tiles_per_segment + tile
+            flag_ptrs = bases.to(tl.pointer_type(tl.int32)) + index
+            arrived = wait_flags(flag_ptrs, peer, 1, max_spins, "sys")
+            if tl.min(arrived.to(tl.int32), 0) == 0:
+                late = tl.min(tl.where(arrived, WORLD_POW2, srcs), 0)
+                give_up(report_ptr, pending_flag, late, tile, RANK)
+            tl.debug_barrier()
+
+        if EPI_SPLIT == 1:
+            _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+        elif EPI_SPLIT == 2:
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            _epilogue(a0, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+            _epilogue(a1, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+        else:
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
+            a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
+            _epilogue(a00, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+            _epilogue(a01, own, owner, row_in_segment, col0 + BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+            _epilogue(a10, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+            _epilogue(a11, own, owner, row_in_segment, col0 + 3 * BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
+                      rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+
+        if not own:
+            holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)
+            flags = (tl.load(buffer_ptrs + holder) + flags_offset).to(tl.pointer_type(tl.int32))
+            if COPY_ENGINE:
+                # Count the tile into its band, in this rank's memory, where the copy stream waits
+                # for the band to fill. At once: the fence waits only for local stores, and a late
+                # count would hold the last band's copy back by a whole tile.
+                tl.debug_barrier()
+                tl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")
+            else:
+                # The tile's flag, released after the next tile's K loop (above) or after the loop.
+                pending_flag = flags + slot * tiles_per_segment + tile
+                pending = 1
 
     if pending != 0:
         tl.debug_barrier()
         set_flag(pending_flag, 1, "sys")
-    if DYNAMIC:
-        # Every program made its last (failed) claim before it counts itself finished: the last
-        # one to finish resets both counters for the next launch.
-        if tl.atomic_add(claim_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(claim_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(claim_ptr + 1, 0, sem="relaxed", scope="gpu")

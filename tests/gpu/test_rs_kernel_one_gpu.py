@@ -17,7 +17,6 @@ import random
 import pytest
 import torch
 
-from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel
 from tests._cases import TOLERANCE, draw, rel_error
@@ -74,43 +73,6 @@ def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n
         assert torch.equal(outs[r], again[r]), f"rank {r}: outputs differ between identical runs ({transport})"
 
 
-# The interleaved order (own tiles own_lag positions behind their peers') and claimed tiles.
-SPREAD = dataclasses.replace(WIDE, transport="push", interleave=True, own_lag=3, dynamic=True)
-
-
-@pytest.mark.parametrize(
-    "world, m, n, k_local, cfg, dtype",
-    [
-        (8, 200, 1024, 512, SPREAD, torch.bfloat16),
-        (8, 300, 2048, 512, dataclasses.replace(SPREAD, transport="pull", dynamic=False), torch.bfloat16),
-        (4, 384, 1536, 1024, dataclasses.replace(DEEP, dynamic=True), torch.float16),  # claimed, owner by owner
-        (2, 1000, 1000, 2048, dataclasses.replace(SPREAD, own_lag=0), torch.bfloat16),
-    ],
-)
-def test_interleaved_and_claimed_orders_match_float64_and_the_default_order_bitwise(world, m, n, k_local, cfg, dtype):
-    seed = random.randrange(1 << 30)
-    x, w, b = _inputs(seed, world, m, n, k_local, dtype, True)
-    outs, _ = simulate(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
-    default = dataclasses.replace(cfg, interleave=False, own_lag=0, dynamic=False)
-    want, _ = simulate(x, w, b, world, k_local, default, 12345.0, max_spins=1 << 20)
-    for r in range(world):
-        what = f"{cfg} world={world} rank={r} seed={seed}"
-        err = rel_error(outs[r], _reference(x, w, b, r, world))
-        assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"
-        assert torch.equal(outs[r], want[r]), f"{what}: another order changed the bits"
-    # The claim counters reset themselves: one set serves launch after launch.
-    run = _matmul_reduce_scatter.gemm_only(*shards(x, w, 1, k_local), b, GroupInfo(None, 1, world), cfg)
-    first = run().clone()
-    assert all(torch.equal(run(), first) for _ in range(5)), f"{cfg}: repeated GEMM-only launches differ"
-    claims = torch.zeros(2, dtype=torch.int32, device="cuda")
-    layout = Layout.of(m, n, x.element_size(), world, cfg)
-    _, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
-    for step in range(2):  # rank 0's own rows again, then all of its steps: counters zero after each
-        launch_kernel(*shards(x, w, 0, k_local), b, outs[0], ptrs, layout.flags_offset, 0, world, cfg, step * (world - 1),
-                      world - 1, 1 << 20, claims=claims)  # fmt: skip
-        assert claims.tolist() == [0, 0], f"{cfg}: claim counters left at {claims.tolist()}"
-
-
 def _deliveries(layout, cfg, owner, world):
     """What the owner's own-rows step waits for: (holder, slot, flag index, rows, cols) per
     (peer, tile), or per (peer, band) with the copy engine; rows and cols within the slot."""
@@ -139,12 +101,9 @@ def _deliveries(layout, cfg, owner, world):
     [
         (2, 1, 500, 600, 2048, WIDE, torch.bfloat16, True),  # ragged: 4 x 3 tiles of 128 x 256
         (4, 2, 256, 512, 1024, dataclasses.replace(NARROW, group_m=1), torch.float16, False),  # 2 bands per peer
-        (8, 3, 256, 1024, 512, dataclasses.replace(SPREAD, own_lag=1), torch.bfloat16, False),  # interleaved, claimed
     ],
 )
 def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_local, base, dtype, with_bias):
-    if base.interleave and transport == "copy_engine":
-        pytest.skip("the interleaved order needs push or pull (MatmulReduceScatterConfig)")
     seed = random.randrange(1 << 30)
     what = f"{transport} world={world} owner={owner} seed={seed}"
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)

@@ -126,7 +126,6 @@ class _BandCopy:
 class _Workspace:
     buffer: symm.SymmBuffer
     buffer_ptrs: torch.Tensor  # int64 [W], every rank's buffer base as this GPU addresses it
-    claims: torch.Tensor  # int32 [2], the kernel's tile-claim counters (config.dynamic), zero between calls
     flag_views: dict = field(default_factory=dict)  # Layout -> this rank's flags as an int32 tensor
     band_copies: dict = field(default_factory=dict)  # (Layout, dtype) -> (counters, [_BandCopy])
 
@@ -175,8 +174,7 @@ def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace
     ws = _workspaces.get(key)
     if ws is None or ws.buffer is not buf:
         ptrs = [buf.peer(r, torch.uint8, (buf.nbytes,)).data_ptr() for r in range(info.world_size)]
-        ws = _Workspace(buf, torch.tensor(ptrs, dtype=torch.int64, device=device),
-                        torch.zeros(2, dtype=torch.int32, device=device))
+        ws = _Workspace(buf, torch.tensor(ptrs, dtype=torch.int64, device=device))
         _workspaces[key] = ws
     return ws
 
@@ -192,7 +190,7 @@ class _Kernel:
     tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor)."""
 
     def __init__(self, x, weight, bias, out_stride, buffer_flags_offset, rank, world, config, first_step, last_step,
-                 max_spins, report, scaled=None, claims=None):  # fmt: skip
+                 max_spins, report, scaled=None):  # fmt: skip
         m_total, k = x.shape
         n = weight.shape[0]
         rows_per_rank = m_total // world
@@ -206,10 +204,7 @@ class _Kernel:
         self.copy_w = not self.b_kn and not _tma_compatible(weight)
         self.layouts = None
         report = _launch.timeout_record(_OP, x.device) if report is None else report
-        # DYNAMIC's claim counters: the workspace's (one op call at a time per buffer), else a launch's own
-        claims = torch.zeros(2, dtype=torch.int32, device=x.device) if claims is None else claims
-        self.scalars = (rows_per_rank, n, k, out_stride, buffer_flags_offset, first_step, last_step, config.own_lag,
-                        claims, max_spins, report)  # fmt: skip
+        self.scalars = (rows_per_rank, n, k, out_stride, buffer_flags_offset, first_step, last_step, max_spins, report)
         self.launch = Launch(
             matmul_reduce_scatter_kernel,
             min(sms, max(tiles, 1)),
@@ -229,8 +224,6 @@ class _Kernel:
             REDUCE_UNROLL=world >= REDUCE_UNROLL_MIN_WORLD,
             WORLD_POW2=triton.next_power_of_2(world),
             **_scaled.constexprs(scaled),
-            INTERLEAVE=config.interleave and world > 1,
-            DYNAMIC=config.dynamic,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -267,7 +260,6 @@ def launch_kernel(
     report: torch.Tensor | None = None,
     scaled=None,
     scales=(None, None),
-    claims: torch.Tensor | None = None,
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
@@ -276,12 +268,11 @@ def launch_kernel(
     by peers). Runs owner steps first_step..last_step (default all: 0..W-1, the last being this
     rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
     (default: this process's record). A scaled call passes `scaled` (_scaled.Scaled) and `scales`
-    (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials. `claims`: the
-    int32 [2] tile-claim counters of a config.dynamic launch, zero (default: fresh ones).
+    (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials.
     """
     last_step = world - 1 if last_step is None else last_step
     kernel = _Kernel(x, weight, bias, out.stride(0), flags_offset, rank, world, config, first_step, last_step, max_spins,
-                     report, scaled, claims)  # fmt: skip
+                     report, scaled)  # fmt: skip
     kernel(x, weight, bias, out, buffer_ptrs, scales)
 
 
@@ -328,7 +319,7 @@ class Plan:
         self.flags = ws.flags(layout)
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
-                              MAX_SPINS, None, scaled, ws.claims)  # fmt: skip
+                              MAX_SPINS, None, scaled)  # fmt: skip
         if config.copy_engine:
             self.copy_stream = symm.copy_stream(x.device)
             self.counters, self.steps = ws.copy_engine_steps(layout, part, rank, world)

@@ -31,12 +31,16 @@ class GemmTiling:
 
 
 
-def fp8_tiling(narrow: bool) -> dict:
-    """GemmTiling fields of the FP8 kernels, a heuristic not yet measured on GPUs: K blocks of
-    128 (128 bytes of e4m3 a row, as 64 of bf16). 128x256 with 8 warps holds a 128-register
-    float32 accumulator a thread; float32 promotion (precise accumulation, not use_fast_accum)
-    keeps a second one beside it, so it takes the narrow 128x128 (64 + 64 registers). Stages:
-    128x256x128 is 48 KiB a stage (3 fit), 128x128x128 32 KiB (4)."""
+def fp8_tiling(precise: bool, narrow: bool) -> dict:
+    """GemmTiling fields of the FP8 kernels, the fastest of eight tilings screened on one H200
+    (GEMM-only against torch._scaled_mm, llama3-8b dims, TP 2 and 8: docs/perf-log.md).
+    Precise accumulation (not use_fast_accum) keeps a float32 accumulator beside the MMA's, so
+    it takes 128x128 tiles (64 + 64 registers a thread at 8 warps) with K blocks of 256: each
+    promotion waits for the MMAs of its block, and longer blocks wait less often (0.85-0.92x
+    the time of 128x128x128). Fast accumulation: 128x256x128, 3 stages (48 KiB a stage), unless
+    narrow (its last wave mostly empty), then 128x128x128, 4 stages."""
+    if precise:
+        return {"block_m": 128, "block_n": 128, "block_k": 256, "num_warps": 8, "num_stages": 3}
     if narrow:
         return {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4}
     return {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}
@@ -85,8 +89,8 @@ class AllGatherMatmulConfig(GemmTiling):
     def heuristic_fp8(rows_per_rank: int, n: int, k: int, world: int, precise_acc: bool,
                       sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
         """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic()."""
-        narrow = precise_acc or narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
-        return AllGatherMatmulConfig(**fp8_tiling(narrow)).with_communication_heuristic(rows_per_rank)
+        narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
+        return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 
     def with_communication_heuristic(self, rows_per_rank: int) -> AllGatherMatmulConfig:
         """This tiling with the heuristic's copy chunks: the peers' rows in four chunks from 4096
@@ -141,7 +145,7 @@ class MatmulReduceScatterConfig(GemmTiling):
     def heuristic_fp8(m_total: int, n: int, k: int, world: int, precise_acc: bool) -> MatmulReduceScatterConfig:
         """The scaled (FP8) ops' tiling (fp8_tiling; the narrow one's epilogue in 2 slices), the
         same transport rule as heuristic()."""
-        tiling = fp8_tiling(precise_acc)
+        tiling = fp8_tiling(precise_acc, narrow=False)
         config = MatmulReduceScatterConfig(**tiling, epilogue_split=2 if tiling["block_n"] == 128 else 4)
         return config.with_communication_heuristic(m_total, n, world)
 

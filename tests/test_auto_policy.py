@@ -35,6 +35,14 @@ def test_matmul_reduce_scatter_counts_rows_at_any_width():
         assert fused.preferred("matmul_reduce_scatter", torch.empty(threshold, 64, device="meta"), w, TWO)
 
 
+@pytest.mark.parametrize("op", ["all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"])
+def test_fp8_ops_are_left_to_nccl_where_the_bf16_ops_would_fuse(op):
+    """The FP8 kernels' GEMM alone is slower than torch._scaled_mm by more than they could hide."""
+    x, w = torch.empty(16384, 8192, device="meta"), torch.empty(14336, 8192, device="meta")
+    assert fused.preferred(op.replace("scaled_", ""), x, w, TWO)
+    assert not fused.preferred(op, x, w, TWO)
+
+
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
 def test_more_ranks_need_more_tokens(op):
     four = GroupInfo(None, 0, 4)

@@ -36,8 +36,8 @@ def fp8_tiling(precise: bool, narrow: bool) -> dict:
     (GEMM-only against torch._scaled_mm, llama3-8b dims, TP 2 and 8: docs/perf-log.md).
     Precise accumulation (not use_fast_accum) keeps a float32 accumulator beside the MMA's, so
     it takes 128x128 tiles (64 + 64 registers a thread at 8 warps) with K blocks of 256: each
-    promotion waits for the MMAs of its block, and longer blocks wait less often (0.85-0.92x
-    the time of 128x128x128). Fast accumulation: 128x256x128, 3 stages (48 KiB a stage), unless
+    promotion waits for the MMAs of its block, and longer blocks wait less often (128x128x128
+    took 1.04-1.16x its time). Fast accumulation: 128x256x128, 3 stages (48 KiB a stage), unless
     narrow (its last wave mostly empty), then 128x128x128, 4 stages."""
     if precise:
         return {"block_m": 128, "block_n": 128, "block_k": 256, "num_warps": 8, "num_stages": 3}

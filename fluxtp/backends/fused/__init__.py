@@ -63,12 +63,13 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
         return x.numel() * x.element_size() <= AUTO_MAX_BYTES[op]
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
-    if op in _UNSCALED:  # no FP8 measurement yet: the bf16 op's thresholds (tokens, outputs)
-        op = _UNSCALED[op]
-    else:
-        verdict = measured_verdict(op, x, weight, info.world_size)
-        if verdict is not None:
-            return verdict
+    if op in _UNSCALED:
+        # The FP8 kernels' GEMM alone takes 1.4-2.3x torch._scaled_mm's time (one H200, docs/fp8.md),
+        # more than the communication they could hide: auto leaves them to NCCL.
+        return False
+    verdict = measured_verdict(op, x, weight, info.world_size)
+    if verdict is not None:
+        return verdict
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
     two, more = AUTO_MIN_TOKENS[op]
     return tokens >= (two if info.world_size <= 2 else more) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)

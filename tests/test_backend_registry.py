@@ -5,9 +5,12 @@ registration fails at once with a message naming what is wrong."""
 import types
 
 import pytest
+import torch
 
+import fluxtp
 from fluxtp import backends
-from fluxtp.nn import ColumnParallelLinear, RowParallelLinear
+from fluxtp.nn import ColumnParallelLinear, RowParallelLinear, set_backend
+from fluxtp.testing import run_on_ranks
 
 
 def _toy_module(name: str) -> types.ModuleType:
@@ -73,3 +76,43 @@ def test_a_registered_name_is_a_valid_backend_and_auto_never_picks_it():
     with pytest.raises(ValueError, match="backend must be one of .*'toy_valid', got 'toy_unknown'"):
         RowParallelLinear(8, 8, backend="toy_unknown")
     assert "toy_valid" not in backends.AUTO_ORDER
+
+
+def _registered_rank(rank, world):
+    toy = _toy_module("toy_ranks")
+    backends.register("toy_ranks", toy)
+    generator = torch.Generator().manual_seed(0)
+    x_shard, weight = torch.randn(4, 16, generator=generator), torch.randn(6, 16, generator=generator)
+    # The public op reaches the registered module, and computes what the reference does.
+    y = fluxtp.all_gather_matmul(x_shard, weight, backend="toy_ranks")
+    assert toy.calls == ["all_gather_matmul"]
+    assert torch.equal(y, fluxtp.all_gather_matmul(x_shard, weight, backend="nccl"))
+    # An op the module lacks: the reason names the backend and the op.
+    with pytest.raises(ValueError, match="backend 'toy_ranks' does not implement matmul_all_reduce"):
+        fluxtp.matmul_all_reduce(x_shard, weight, backend="toy_ranks")
+
+    # Layers with a bias and a re-gather, trained: every collective of their forward and
+    # backward runs through the backend that set_backend gave them.
+    column = ColumnParallelLinear(16, 8, save_memory=True, backend="nccl")
+    row = RowParallelLinear(8, 16, backend="nccl")
+    layers = torch.nn.ModuleList([column, row])
+    set_backend(layers, "toy_ranks")
+    assert column.backend == row.backend == "toy_ranks"
+    toy.calls.clear()
+    x = x_shard.clone().requires_grad_()
+    row(column(x)).square().sum().backward()
+    forward = ["all_gather_matmul", "matmul_reduce_scatter"]
+    backward = ["all_gather_matmul", "gather_rows", "all_reduce_sum", "matmul_reduce_scatter"]
+    assert sorted(toy.calls) == sorted(forward + backward), toy.calls
+    # The same layers on the reference: the same gradients, to the bit.
+    grads = [p.grad for p in (x, *layers.parameters())]
+    set_backend(layers, "nccl")
+    x.grad = None
+    layers.zero_grad(set_to_none=True)
+    row(column(x)).square().sum().backward()
+    for grad, p in zip(grads, (x, *layers.parameters())):
+        assert torch.equal(grad, p.grad)
+
+
+def test_a_registered_backend_runs_the_public_ops_and_every_collective_of_the_layers():
+    run_on_ranks(_registered_rank, 2, backend="gloo", timeout_s=120)

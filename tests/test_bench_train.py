@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fluxtp
 from fluxtp import cli
 from fluxtp._dist import resolve_group
-from fluxtp.bench import train
+from fluxtp.bench import nccl_reordered, no_comm, train
 from fluxtp.bench.harness import Protocol
 from fluxtp.bench.harness import Timings
 from fluxtp.bench.launch import NO_GPU_LINE
@@ -177,24 +178,40 @@ def test_loss_data_follows_the_chain_is_fixed_by_the_seed_and_new_every_step():
         assert len(set(row)) > train.MARKOV_BRANCHES  # it wanders over the vocabulary
 
 
-def test_reordered_stand_ins_compute_the_ops_in_another_order():
-    torch.manual_seed(0)
-    x, w, bias = torch.randn(64, 256), torch.randn(48, 256), torch.randn(48)
-    ref = x @ w.t() + bias
-    y, gathered = train._reordered_all_gather_matmul(x, w, bias=bias, return_gathered=True)
-    assert torch.equal(gathered, x)  # the gathered rows are the real ones (the weight gradient reads them)
-    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4)
-    assert torch.allclose(train._reordered_matmul_reduce_scatter(x, w, bias=bias), ref, rtol=1e-5, atol=1e-4)
-    # the layers' backward passes transposed views of the weights
-    w_t = torch.randn(256, 48).t()
-    assert torch.allclose(train._reordered_all_gather_matmul(x, w_t), x @ w_t.t(), rtol=1e-5, atol=1e-4)
-    x_swapped, w_swapped = train._k_swapped(x, w)
-    assert torch.equal(x_swapped[:, :128], x[:, 128:]) and torch.equal(w_swapped[:, 128:], w[:, :128])
-    with train.reordered_gemms():
-        from fluxtp.nn import linear
+def _bench_backends_rank(rank, world):
+    """The bench's backends through the public ops, against nccl's on the same inputs."""
+    generator = torch.Generator().manual_seed(0)
+    x_full, w, bias = (torch.randn(shape, generator=generator) for shape in ((8 * world, 256), (48, 256), (48,)))
+    x_shard = x_full.chunk(world)[rank]
+    w_t = torch.randn(256, 48, generator=generator).t()  # the layers' backward passes transposed views
+    for weight in (w, w_t):
+        y_ref, gathered_ref = fluxtp.all_gather_matmul(x_shard, weight, bias=bias, backend="nccl", return_gathered=True)
+        y, gathered = fluxtp.all_gather_matmul(x_shard, weight, bias=bias, backend=train.REORDERED, return_gathered=True)
+        assert torch.equal(gathered, gathered_ref)  # the real rows (the weight gradient reads them)
+        assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-4)
+        out_ref = fluxtp.matmul_reduce_scatter(x_full, weight, bias=bias, backend="nccl")
+        out = fluxtp.matmul_reduce_scatter(x_full, weight, bias=bias, backend=train.REORDERED)
+        assert torch.allclose(out, out_ref, rtol=1e-5, atol=1e-4)
 
-        assert linear.all_gather_matmul is train._reordered_all_gather_matmul
-    assert linear.all_gather_matmul is not train._reordered_all_gather_matmul
+    y, gathered = fluxtp.all_gather_matmul(x_shard, w, bias=bias, backend=train.NO_COMM, return_gathered=True)
+    assert torch.equal(gathered, x_shard.repeat(world, 1))
+    assert torch.equal(y, torch.nn.functional.linear(gathered, w, bias))
+    partial = x_full @ w.t()
+    out = fluxtp.matmul_reduce_scatter(x_full, w, bias=bias, backend=train.NO_COMM)
+    assert torch.allclose(out, partial.view(world, -1, partial.shape[1]).sum(0) + bias)
+
+
+def test_bench_backends_run_through_the_public_ops():
+    run_on_ranks(_bench_backends_rank, 2, backend="gloo", timeout_s=120)
+
+
+def test_reordered_backend_sums_the_gemm_in_another_order():
+    one = resolve_group(None)
+    x, w = torch.randn(64, 256), torch.randn(48, 256)
+    x_swapped, w_swapped = nccl_reordered.k_swapped(x, w)
+    assert torch.equal(x_swapped[:, :128], x[:, 128:]) and torch.equal(w_swapped[:, 128:], w[:, :128])
+    y, gathered = nccl_reordered.all_gather_matmul(x, w, None, one, True)
+    assert torch.equal(gathered, x) and torch.allclose(y, x @ w.t(), rtol=1e-5, atol=1e-4)
 
 
 def test_loss_rows_have_their_own_table_and_plot(tmp_path):
@@ -257,9 +274,6 @@ def _no_comm_rank(rank, world):
     )
     trainer = train.Trainer(config, resolve_group(None), torch.device("cpu"))
     trainer.set_input(16)
-    originals = {
-        (m, n): getattr(__import__(m, fromlist=[n]), n) for m, names in train.NO_COMM_REPLACES.items() for n in names
-    }
 
     weights = [p.detach().clone() for p in trainer.optimizer.param_groups[0]["params"]]
     trainer.step("nccl")
@@ -276,9 +290,12 @@ def _no_comm_rank(rank, world):
     # Both steps trained: every parameter moved.
     after = trainer.optimizer.param_groups[0]["params"]
     assert all(not torch.equal(w, p) for w, p in zip(weights, after))
-    # The stand-ins are gone again: the layers communicate as before.
-    for (module, name), original in originals.items():
-        assert getattr(__import__(module, fromlist=[name]), name) is original
+    # The whole model (embedding, token scatter before the first layer and gather after the
+    # last, the final norm's gradient sum, the head) communicates through its backend too.
+    ids = torch.randint(train.VOCAB, (2, 16))
+    trainer.model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == [], f"the no_comm model communicated: {calls}"
+    # Back on nccl, the layers communicate as before.
     trainer.step("nccl")
     assert "reduce_scatter_tensor" in calls
 
@@ -290,11 +307,12 @@ def test_no_comm_step_issues_no_collective_and_keeps_the_shapes():
 def test_no_comm_stand_ins_compute_the_shapes_of_the_ops():
     one = resolve_group(None)  # a world of one: W = 1, the stand-ins are the plain linear
     x, w = torch.randn(6, 4), torch.randn(5, 4)
-    y, gathered = train._local_all_gather_matmul(x, w, return_gathered=True)
+    y, gathered = no_comm.all_gather_matmul(x, w, None, one, True)
     assert torch.equal(gathered, x) and torch.allclose(y, x @ w.t())
-    assert torch.allclose(train._local_matmul_reduce_scatter(x, w, bias=torch.ones(5)), x @ w.t() + 1)
-    assert torch.equal(train._local_gather_rows(x, one), x)
-    assert train._local_all_reduce_sum(x, one) is None
+    assert torch.allclose(no_comm.matmul_reduce_scatter(x, w, torch.ones(5), one), x @ w.t() + 1)
+    assert torch.allclose(no_comm.matmul_all_reduce(x, w, None, one), x @ w.t())
+    assert torch.equal(no_comm.gather_rows(x, one), x)
+    assert no_comm.all_reduce_sum(x, one, async_op=True) is None
 
 
 def test_row_arithmetic():

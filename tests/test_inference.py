@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from fluxtp.bench import NO_COMM  # registers the benchmark's backends
 from fluxtp.inference import TPLlama
 from fluxtp.testing import run_on_ranks
 from tests._cases import rel_error
@@ -157,8 +158,9 @@ def check_from_pretrained(rank, model, checkpoint, seed):
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "reduce_scatter_tensor")
 
 
-def check_communicate_false_issues_no_collective(model, seed):
-    """TPLlama.communicate=False (the benchmark's no_comm variant): the same shapes, no collective."""
+def check_no_comm_backend_issues_no_collective(model, seed):
+    """On the benchmark's no_comm backend every collective of the model goes: the same shapes, no
+    collective (so the model's communication all runs through its backend)."""
     tp = TPLlama.from_hf(model)
     tp.allocate_cache(2, 8)
     prompts = prompts_for(seed, 2, 6, 128)
@@ -171,9 +173,9 @@ def check_communicate_false_issues_no_collective(model, seed):
         ref = tp.prefill(prompts), tp.decode_step(prompts[:, -1])
         assert calls, "the counters see no collective of the communicating model"
         calls.clear()
-        tp.communicate = False
+        tp.backend = NO_COMM
         local = tp.prefill(prompts), tp.decode_step(prompts[:, -1])
-        assert calls == [], f"communicate=False still called {calls}"
+        assert calls == [], f"backend {NO_COMM!r} still called {calls}"
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -187,7 +189,7 @@ def _sharded_body(rank, world, seed, checkpoint):
     check_heads_must_divide(world)
     check_random_init_is_one_model(rank, world, seed + 20)
     check_from_pretrained(rank, llama, checkpoint, seed)
-    check_communicate_false_issues_no_collective(llama, seed)
+    check_no_comm_backend_issues_no_collective(llama, seed)
 
 
 def test_sharded_greedy_matches_hf(tmp_path):

@@ -20,9 +20,7 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 
 
 def all_gather_matmul(x_shard, weight, bias, info: GroupInfo, return_gathered: bool):
-    m, k = x_shard.shape
-    x_gathered = x_shard.new_empty(m * info.world_size, k)
-    dist.all_gather_into_tensor(x_gathered, x_shard.contiguous(), group=info.group)
+    x_gathered = gather_rows(x_shard, info)
     y = F.linear(x_gathered, weight, bias)
     return y, x_gathered if return_gathered else None
 
@@ -44,11 +42,30 @@ def matmul_all_reduce(x, weight, bias, info: GroupInfo):
     return y
 
 
-
 def all_reduce(x, info: GroupInfo):
     y = x.clone()
     dist.all_reduce(y, group=info.group)
     return y
+
+
+# ---------------------------------------------------------------- the plain collectives (backends.COLLECTIVES)
+
+
+def gather_rows(x_shard: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """[m, *] on every rank -> [m*W, *], rank r's rows at r*m."""
+    x_shard = x_shard.contiguous()
+    x_gathered = x_shard.new_empty(x_shard.shape[0] * info.world_size, *x_shard.shape[1:])
+    if info.world_size == 1:
+        return x_gathered.copy_(x_shard)
+    dist.all_gather_into_tensor(x_gathered, x_shard, group=info.group)
+    return x_gathered
+
+
+def all_reduce_sum(t: torch.Tensor, info: GroupInfo, async_op: bool = False):
+    """Sum `t` over the group in place (a contiguous tensor). With async_op, the work handle."""
+    if info.world_size == 1:
+        return None
+    return dist.all_reduce(t, group=info.group, async_op=async_op)
 
 
 # ---------------------------------------------------------------- the scaled (FP8) ops

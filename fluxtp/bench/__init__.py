@@ -12,11 +12,25 @@ A scenario is a module named in SCENARIOS that provides:
 - `format_table(rows) -> str` and `plot(rows, path, title)`: rank 0's report;
 - optionally `describe(config, world, device_type) -> str`: what the run will do, a line or two
   the CLI prints before it starts.
+
+The benchmark's own backends, registered here (fluxtp.backends.register) so that importing any
+part of fluxtp.bench makes them selectable like the built-in ones (backend=NO_COMM anywhere):
+NO_COMM (fluxtp/bench/no_comm.py: the communication removed, the ceiling of train and serve)
+and REORDERED (fluxtp/bench/nccl_reordered.py: nccl summed in another order, the loss curves'
+noise reference).
 """
 
 from __future__ import annotations
 
 import importlib
+
+from fluxtp import backends
+from fluxtp.bench import nccl_reordered, no_comm
+
+NO_COMM = "no_comm"
+REORDERED = "nccl_reordered"
+backends.register(NO_COMM, no_comm)
+backends.register(REORDERED, nccl_reordered)
 
 # Later scenarios ("serve") add a line here.
 SCENARIOS = {"ops": "fluxtp.bench.ops", "train": "fluxtp.bench.train", "serve": "fluxtp.bench.serve"}

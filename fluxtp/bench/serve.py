@@ -21,11 +21,11 @@ interleaved by fluxtp.bench.harness. One row per (phase, batch, prompt_len):
   advance between replays, so each does the same work); on CPU the step runs eagerly.
 
 Variants: nccl (the baseline), torch, fused (those usable here, or --backends), and `no_comm`:
-the nccl model with every collective replaced by a local stand-in of the same shapes
-(TPLlama.communicate = False: the row-parallel layers skip the sum over ranks, the logits gather
-repeats this rank's block), so every GEMM, attention, norm and copy keeps its size and nothing
-crosses GPUs. Its time is the step with communication perfectly hidden, as in the train
-scenario: T_exposed_comm = T_nccl - T_no_comm, ideal_speedup = T_nccl / T_no_comm,
+the model on the bench's no_comm backend (fluxtp/bench/no_comm.py), which replaces every
+collective by a local stand-in of the same shapes (the row-parallel layers skip the sum over
+ranks, the logits gather repeats this rank's block), so every GEMM, attention, norm and copy
+keeps its size and nothing crosses GPUs. Its time is the step with communication perfectly
+hidden, as in the train scenario: T_exposed_comm = T_nccl - T_no_comm, ideal_speedup = T_nccl / T_no_comm,
 E_overlap[x] = 1 - (T_x - T_no_comm) / T_exposed_comm (the share of the exposed time x hides).
 
 `ms` is the harness's number (median per rank, slowest rank); tokens_per_s counts the whole
@@ -48,13 +48,13 @@ from dataclasses import dataclass
 import torch
 
 from fluxtp._dist import GroupInfo, max_over_ranks
-from fluxtp.bench import BenchError
+from fluxtp.bench import NO_COMM, BenchError
 from fluxtp.bench.harness import Protocol, Timings, Variant, measure_rounds
 from fluxtp.bench.progress import describe as describe_bar
 from fluxtp.bench.progress import progress_bar
 from fluxtp.bench.ops import BASELINE, DEFAULT_DTYPE, DTYPES, parse_backends, relative_error, select_backends
 from fluxtp.bench.train import MODELS as LAYER_DIMS
-from fluxtp.bench.train import NO_COMM, VERIFY_TOLERANCE, LayerDims, step_metrics, step_table
+from fluxtp.bench.train import VERIFY_TOLERANCE, LayerDims, step_metrics, step_table
 
 PHASES = ("prefill", "decode")
 VOCAB = {"llama3-8b": 128256, "llama3-70b": 128256, "tiny": 1024}
@@ -270,19 +270,13 @@ def _check(
 # ---------------------------------------------------------------- run
 
 
-def _use(model, variant: str) -> None:
-    """Switch the model to a variant: a backend, or NO_COMM (nccl with every collective removed)."""
-    model.backend = BASELINE if variant == NO_COMM else variant
-    model.communicate = variant != NO_COMM
-
-
-def _prefill(model, variant: str, prompts: torch.Tensor) -> torch.Tensor:
-    _use(model, variant)
+def _prefill(model, backend: str, prompts: torch.Tensor) -> torch.Tensor:
+    model.backend = backend
     return model.prefill(prompts)
 
 
-def _decode_eager(model, variant: str, tokens: torch.Tensor) -> torch.Tensor:
-    _use(model, variant)
+def _decode_eager(model, backend: str, tokens: torch.Tensor) -> torch.Tensor:
+    model.backend = backend
     return model.decode_step(tokens, advance=False).argmax(-1)
 
 
@@ -305,7 +299,7 @@ def _time_decode(model, config, names, prompts, info, device, agreement, where, 
     tokens = _prefill(model, BASELINE, prompts).argmax(-1)
     step = {}
     for name in names:
-        _use(model, name)
+        model.backend = name
         step[name] = model.decode_step(tokens, advance=False)
     for name in names:
         _check(name, step[name], step[BASELINE], info, where, "decode step", tolerance)
@@ -315,7 +309,7 @@ def _time_decode(model, config, names, prompts, info, device, agreement, where, 
         return measure_rounds(variants, config.protocols["decode"], info, device, on_round)
     graphs = {}
     for variant in (*names, NO_COMM):  # the same order on every rank: the captures' warm-ups are collective
-        _use(model, variant)
+        model.backend = variant
         graph = DecodeGraph(model, batch=tokens.shape[0], advance=False)
         graph.tokens.copy_(tokens)
         graph.replay()
@@ -324,7 +318,7 @@ def _time_decode(model, config, names, prompts, info, device, agreement, where, 
                 variant, graph.logits, step[BASELINE], info, where, "decode step replayed from a CUDA graph", tolerance
             )
         graphs[variant] = graph
-    _use(model, BASELINE)
+    model.backend = BASELINE
     if any(g.stale() for g in graphs.values()):  # the eager checks sized every workspace: never expected
         raise BenchError(f"a symmetric workspace grew while the decode graphs were captured ({where})")
     variants = [Variant(v, (g.graph.replay,)) for v, g in graphs.items()]

@@ -21,15 +21,11 @@ What a step contains (each rank; T = batch*seq tokens, W ranks):
   layers' parameters; zero_grad.
 
 Variants: `nccl` (the baseline), `torch`, `fused` (those usable here, or --backends), and
-`no_comm`: the nccl step with every communication of the layers removed (NO_COMM_REPLACES):
-- all_gather_matmul (forward of q/k/v and gate/up, backward of o and down): the gathered input
-  [T, K] is this rank's shard repeated W times (a local copy of the same size as the gather's
-  output), then the same F.linear;
-- matmul_reduce_scatter (forward of o and down, backward of q/k/v and gate/up): the same full
-  GEMM [T, k] x [k, N], then this rank's W row blocks summed locally to [T/W, N] (the reduce's
-  local reading and writing, without any peer's data);
-- the plain collectives of fluxtp.nn (gradient all-reduces of the replicated norm weights and
-  row biases, re-gathers): nothing, or the same local repeat for a gather.
+`no_comm`: the step with every communication of the layers removed, the whole model switched
+(fluxtp.nn.set_backend) to the bench's no_comm backend, fluxtp/bench/no_comm.py, which the
+layers run all of their communication through: each all-gather becomes a local repeat of this
+rank's rows (before the same GEMM), each reduce-scatter a local sum of this rank's row blocks
+of its own product, each gradient all-reduce nothing.
 So `no_comm` keeps every GEMM, attention, norm, elementwise op, memory copy of the output
 buffers and the optimizer step at their shapes, and drops every transfer between GPUs and
 every wait for a peer. Its time is what a step would take with communication perfectly hidden:
@@ -66,9 +62,10 @@ same data, at the first `--seq`:
   steps (an ulp flipped in one step changes the next step's gradients). To tell that from a
   real difference, nccl is trained a second time as `nccl_reordered`: the same function with
   the GEMMs of the two ops (all_gather_matmul, matmul_reduce_scatter: the GEMMs the backends
-  replace) summed in another order (their K dim halves swapped, REORDER_REPLACES), so its
-  curve differs from nccl's by rounding alone. A backend's curve is "within noise" when its
-  largest relative difference from nccl's over the steps is at most
+  replace) summed in another order (their K dim halves swapped: the bench's nccl_reordered
+  backend, fluxtp/bench/nccl_reordered.py), so its curve differs from nccl's by rounding alone
+  (with one rank the ops are plain linears for every backend, this one too). A backend's curve
+  is "within noise" when its largest relative difference from nccl's over the steps is at most
   LOSS_NOISE_MARGIN x the reference's (or the dtype's unit roundoff, if larger).
 Rows: one per variant, {"phase": "loss", "backend", model, layers, seq, batch, dtype, lr,
 warmup_steps, final_lr_fraction, "losses": [one per step], "max_rel_diff_vs_nccl",
@@ -79,21 +76,17 @@ timing rows (which have no "phase"); `--plot X.png` draws the curves to X-loss.p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import importlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tabulate import tabulate
 
-from fluxtp._dist import GroupInfo, max_over_ranks, resolve_group
-from fluxtp.backends import reference
-from fluxtp.bench import BenchError
+from fluxtp._dist import GroupInfo, max_over_ranks
+from fluxtp.bench import NO_COMM, REORDERED, BenchError
 from fluxtp.bench.harness import Protocol, Timings, Variant, format_speedup, measure_rounds, overlap_efficiency
 from fluxtp.bench.harness import speedup, speedup_iqr
 from fluxtp.bench.progress import describe as describe_bar
@@ -106,10 +99,7 @@ from fluxtp.bench.ops import (
     relative_error,
     select_backends,
 )
-from fluxtp.nn._collectives import gather_rows
 
-NO_COMM = "no_comm"
-REORDERED = "nccl_reordered"  # the loss curves' noise reference (module docstring)
 LOSS_PHASE = "loss"
 
 
@@ -271,116 +261,6 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> Train
     )
 
 
-# ---------------------------------------------------------------- communication removed
-
-
-def _local_all_gather_matmul(x_shard, weight, *, group=None, bias=None, backend="auto", return_gathered=False):
-    """all_gather_matmul's shapes and GEMM without the gather: this rank's rows repeated W times."""
-    x_gathered = x_shard.repeat(resolve_group(group).world_size, 1)
-    y = F.linear(x_gathered, weight, bias)
-    return (y, x_gathered) if return_gathered else y
-
-
-def _local_matmul_reduce_scatter(x, weight, *, group=None, bias=None, backend="auto"):
-    """matmul_reduce_scatter's shapes and GEMM without the exchange: the W row blocks of this
-    rank's own partial product summed locally."""
-    world = resolve_group(group).world_size
-    partial = F.linear(x, weight)
-    out = partial.view(world, partial.shape[0] // world, partial.shape[1]).sum(0)
-    return out if bias is None else out + bias
-
-
-def _local_gather_rows(x_shard, info: GroupInfo, async_op: bool = False):
-    x_gathered = x_shard.contiguous().repeat(info.world_size, *([1] * (x_shard.dim() - 1)))
-    return (x_gathered, None) if async_op else x_gathered
-
-
-def _local_all_reduce_sum(t, info: GroupInfo, async_op: bool = False):
-    return None  # the gradient stays this rank's partial sum
-
-
-# Module -> {name it imported: its local stand-in}: every communication fluxtp.nn issues goes
-# through one of these names (tests/test_bench_train.py checks that a no_comm step issues none).
-NO_COMM_REPLACES = {
-    "fluxtp.nn.linear": {
-        "all_gather_matmul": _local_all_gather_matmul,
-        "matmul_reduce_scatter": _local_matmul_reduce_scatter,
-        "gather_rows": _local_gather_rows,
-        "all_reduce_sum": _local_all_reduce_sum,
-    },
-    "fluxtp.nn.sequence": {
-        "gather_rows": _local_gather_rows,
-        "all_reduce_sum": _local_all_reduce_sum,
-    },
-}
-
-
-@contextlib.contextmanager
-def _replaced(replaces: dict[str, dict]):
-    saved = []
-    try:
-        for module_name, replacements in replaces.items():
-            module = importlib.import_module(module_name)
-            for name, local in replacements.items():
-                if not hasattr(module, name):
-                    raise RuntimeError(
-                        f"{module_name} no longer has {name!r}: update fluxtp.bench.train's stand-ins to the "
-                        "collectives it calls now"
-                    )
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, local)
-        yield
-    finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
-
-
-def no_communication():
-    """Inside: fluxtp.nn's layers compute with local stand-ins of their collectives (see the
-    module docstring). Process-wide (autograd's backward threads see it too); not re-entrant."""
-    return _replaced(NO_COMM_REPLACES)
-
-
-# ---------------------------------------------------------------- the same GEMMs summed in another order
-
-
-def _k_swapped(x, weight):
-    """x [.., K] and weight [N, K] with the two halves of K swapped in both: x @ weight^T is
-    the same sum of products, which a GEMM accumulates in another order (another rounding)."""
-    half = x.shape[-1] // 2
-    x_swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x_swapped, torch.cat((weight[:, half:], weight[:, :half]), dim=1)
-
-
-def _reordered_all_gather_matmul(x_shard, weight, *, group=None, bias=None, backend="auto", return_gathered=False):
-    """The nccl all_gather_matmul (the same gathered rows) with its GEMM summed in another order."""
-    x_gathered = gather_rows(x_shard, resolve_group(group))
-    y = F.linear(*_k_swapped(x_gathered, weight), bias)
-    return (y, x_gathered) if return_gathered else y
-
-
-def _reordered_matmul_reduce_scatter(x, weight, *, group=None, bias=None, backend="auto"):
-    """The nccl matmul_reduce_scatter with its GEMM summed in another order."""
-    info = resolve_group(group)
-    if info.world_size == 1:
-        return F.linear(*_k_swapped(x, weight), bias)
-    return reference.matmul_reduce_scatter(*_k_swapped(x, weight), bias, info)
-
-
-REORDER_REPLACES = {
-    "fluxtp.nn.linear": {
-        "all_gather_matmul": _reordered_all_gather_matmul,
-        "matmul_reduce_scatter": _reordered_matmul_reduce_scatter,
-    },
-}
-
-
-def reordered_gemms():
-    """Inside: fluxtp.nn's layers compute the two ops as nccl does, with each op's GEMM summed in
-    another order (REORDER_REPLACES). Process-wide, like no_communication; not re-entrant."""
-    return _replaced(REORDER_REPLACES)
-
-
 # ---------------------------------------------------------------- the model and one step
 
 
@@ -410,16 +290,6 @@ def build_layers(config: TrainConfig, info: GroupInfo, device: torch.device):
     model.train()
     parallelize(model, info.group, backend=BASELINE)
     return model, list(model.model.layers)
-
-
-def set_backend(layers, backend: str) -> None:
-    """Every parallel linear of `layers` computes with `backend` from its next call on."""
-    from fluxtp.nn import ColumnParallelLinear, RowParallelLinear
-
-    for layer in layers:
-        for module in layer.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.backend = backend
 
 
 def run_layers(layers, hidden, position_ids, position_embeddings) -> torch.Tensor:
@@ -460,22 +330,23 @@ class Trainer:
         with torch.no_grad():
             self.position_embeddings = self.model.model.rotary_emb(self.hidden, self.position_ids)
 
-    def _use(self, backend: str) -> None:
+    def use(self, backend: str) -> None:
+        """The whole model communicates through `backend` (a built-in or one of the bench's) from now on."""
         if backend != self.backend:
-            set_backend(self.layers, backend)
+            from fluxtp.nn import set_backend
+
+            set_backend(self.model, backend)
             self.backend = backend
 
-    def forward(self, variant: str) -> torch.Tensor:
-        self._use(BASELINE if variant == NO_COMM else variant)
-        with no_communication() if variant == NO_COMM else contextlib.nullcontext():
-            return run_layers(self.layers, self.hidden, self.position_ids, self.position_embeddings)
+    def forward(self, backend: str) -> torch.Tensor:
+        self.use(backend)
+        return run_layers(self.layers, self.hidden, self.position_ids, self.position_embeddings)
 
-    def step(self, variant: str) -> None:
-        self._use(BASELINE if variant == NO_COMM else variant)
-        with no_communication() if variant == NO_COMM else contextlib.nullcontext():
-            out = run_layers(self.layers, self.hidden, self.position_ids, self.position_embeddings)
-            loss = out.float().square().mean()
-            loss.backward()
+    def step(self, backend: str) -> None:
+        self.use(backend)
+        out = run_layers(self.layers, self.hidden, self.position_ids, self.position_embeddings)
+        loss = out.float().square().mean()
+        loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -568,18 +439,17 @@ def train_losses(trainer: Trainer, variant: str, initial_state: dict, data, lr: 
     model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=LOSS_WEIGHT_DECAY)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(loss_lr_factor, steps=len(data)))
-    trainer._use(BASELINE if variant == REORDERED else variant)
+    trainer.use(variant)
     losses = []
-    with reordered_gemms() if variant == REORDERED else contextlib.nullcontext():
-        for ids in data:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach().double())
-            if progress is not None:
-                progress()
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().double())
+        if progress is not None:
+            progress()
     return torch.stack(losses)
 
 

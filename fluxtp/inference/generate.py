@@ -37,7 +37,7 @@ class DecodeGraph:
     Write the input ids into `tokens` [batch], call `replay()`, read `logits` [batch, vocab] and
     `next_tokens` [batch] (their greedy argmax). With advance=True each replay also moves the
     cache length on by one; advance=False decodes at the same position every time (benchmarks).
-    The backend (and `communicate`) are the model's at capture time.
+    The backend is the model's at capture time.
     """
 
     def __init__(self, model, batch: int, *, advance: bool = True, warmup: int = WARMUP_STEPS):
@@ -71,9 +71,9 @@ class DecodeGraph:
 
 
 def decode_graph(model, batch: int, *, advance: bool = True) -> DecodeGraph:
-    """The model's captured decode step for (batch, backend, communicate, advance), captured now if it has none
+    """The model's captured decode step for (batch, backend, advance), captured now if it has none
     or its graph is stale. Collective: call on every rank alike."""
-    key = (batch, model.backend, model.communicate, advance)
+    key = (batch, model.backend, advance)
     graph = model.decode_graphs.get(key)
     if graph is None or graph.stale():
         model.decode_graphs.pop(key, None)  # free the old graph's memory before capturing anew

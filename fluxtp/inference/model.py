@@ -17,7 +17,8 @@ Every rank holds the whole activations [tokens, hidden] (replicated) and its sha
     lm_head           vocab-parallel: this rank's rows of the vocabulary, then an all-gather of
                       the logits, so that argmax sees the whole vocabulary, the same on every rank
 
-So a layer communicates twice (two all-reduces) and the model once more (the logits). The math
+So a layer communicates twice (two all-reduces) and the model once more (the logits), all of it
+through the model's backend (its ops, and fluxtp.backends.collective for the gather). The math
 is that of transformers' Llama/Mistral/Qwen2/Qwen3 (RMSNorm in float32, RoPE from the model's
 own rotary embedding, so rope_theta and llama3 scaling come with it): greedy tokens match the
 unsharded Hugging Face model.
@@ -35,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fluxtp
+from fluxtp import backends
 from fluxtp._dist import resolve_group
 from fluxtp.inference.kv_cache import StaticKVCache
 
@@ -151,22 +152,13 @@ class LayerShard:
     down_bias: torch.Tensor | None
 
 
-def _local_matmul(x, weight, *, group=None, bias=None, backend=None):
-    """matmul_all_reduce's GEMM and output shape without the sum over ranks (communicate=False)."""
-    return F.linear(x, weight, bias)
-
-
 class TPLlama:
     """A LLaMA-style causal LM sharded over a tensor-parallel group (see the module docstring).
 
-    Attributes a user may change, used from the next call on (a captured CUDA graph keeps what
-    it was captured with):
-    - `backend` ("auto", "fused", "nccl" or "torch"): the row-parallel layers' backend;
-    - `communicate` (default True). False is for benchmarks only: every collective is replaced
-      by a local stand-in of the same shapes (the row-parallel layers skip the sum over ranks,
-      the logits gather repeats this rank's block), so every GEMM, attention and copy keeps its
-      size and nothing crosses GPUs: the time a step would take with communication perfectly
-      hidden. The outputs are wrong.
+    `backend` ("auto", "fused", "nccl", "torch" or a registered one, fluxtp.backends), which
+    every communication of the model runs through (the row-parallel layers' sums, the logits
+    gather), may be changed; it is used from the next call on (a captured CUDA graph keeps the
+    one it was captured with).
     """
 
     def __init__(
@@ -185,7 +177,6 @@ class TPLlama:
         self.info = resolve_group(group)
         self.dims = dims = model_dims(config, self.info.world_size, num_layers)
         self.config, self.dtype, self.device, self.backend = config, dtype, torch.device(device), backend
-        self.communicate = True
         self.eps = config.rms_norm_eps
         self.scaling = dims.head_dim**-0.5
         from transformers.activations import ACT2FN
@@ -404,7 +395,6 @@ class TPLlama:
         """h [batch*seq, H] through every layer; attend(layer, q, k, v) -> [B, heads_local, S, head_dim]
         with q [B, heads_local, S, d] and k, v [B, kv_heads_local, S, d] (RoPE applied)."""
         d, group = self.dims, self.info.group
-        row_parallel = fluxtp.matmul_all_reduce if self.communicate else _local_matmul
         q_size, kv_size = d.heads_local * d.head_dim, d.kv_heads_local * d.head_dim
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
@@ -417,10 +407,10 @@ class TPLlama:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             out = out.transpose(1, 2).reshape(batch * seq, q_size)
-            h = h + row_parallel(out, layer.o_weight, group=group, bias=layer.o_bias, backend=self.backend)
+            h = h + fluxtp.matmul_all_reduce(out, layer.o_weight, group=group, bias=layer.o_bias, backend=self.backend)
             x = rms_norm(h, layer.post_norm, self.eps)
             gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + row_parallel(
+            h = h + fluxtp.matmul_all_reduce(
                 self.act(gate) * up, layer.down_weight, group=group, bias=layer.down_bias, backend=self.backend
             )
         return h
@@ -431,12 +421,7 @@ class TPLlama:
         local = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)  # [B, V_local]
         if d.world == 1:
             return local[:, : d.vocab]
-        if self.communicate:
-            gathered = local.new_empty(d.world * local.shape[0], d.vocab_local)
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.12
-            all_gather(gathered, local.contiguous(), group=self.info.group)
-        else:
-            gathered = local.repeat(d.world, 1)
+        gathered = backends.collective("gather_rows", self.backend)(local, self.info)  # [W * B, V_local]
         # [W, B, V_local] (rank-major) -> [B, W * V_local]: rank r's block is vocab ids r*V_local...
         logits = gathered.view(d.world, -1, d.vocab_local).transpose(0, 1).reshape(-1, d.world * d.vocab_local)
         return logits[:, : d.vocab]

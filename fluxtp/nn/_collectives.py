@@ -1,35 +1,25 @@
 """The plain collectives the layers need beside the fused ops (re-gathering saved inputs, summing
-gradients of replicated parameters). Rows are the flattened token dimension throughout."""
+gradients of replicated parameters), each through the layer's backend (fluxtp.backends.collective:
+the backend's own where it has one, else torch.distributed's), so that selecting a backend decides
+all of a layer's communication. Rows are the flattened token dimension throughout."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.distributed as dist
 
+from fluxtp import backends
 from fluxtp._dist import GroupInfo
 
-# torch >= 2.12 renames the *_tensor collectives (*_single); 2.11 has only these names.
-warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated")
+
+def gather_rows(x_shard: torch.Tensor, info: GroupInfo, backend: str) -> torch.Tensor:
+    """[m, *] on every rank -> [m*W, *], rank r's rows at r*m."""
+    return backends.collective("gather_rows", backend)(x_shard, info)
 
 
-def gather_rows(x_shard: torch.Tensor, info: GroupInfo, async_op: bool = False):
-    """[m, *] on every rank -> [m*W, *], rank r's rows at r*m. With async_op, (tensor, work)."""
-    x_shard = x_shard.contiguous()
-    x_gathered = x_shard.new_empty(x_shard.shape[0] * info.world_size, *x_shard.shape[1:])
-    if info.world_size == 1:
-        x_gathered.copy_(x_shard)
-        return (x_gathered, None) if async_op else x_gathered
-    work = dist.all_gather_into_tensor(x_gathered, x_shard, group=info.group, async_op=async_op)
-    return (x_gathered, work) if async_op else x_gathered
-
-
-def all_reduce_sum(t: torch.Tensor, info: GroupInfo, async_op: bool = False):
-    """Sum `t` over the group in place (a contiguous tensor). With async_op, the work handle."""
-    if info.world_size == 1:
-        return None
-    return dist.all_reduce(t, group=info.group, async_op=async_op)
+def all_reduce_sum(t: torch.Tensor, info: GroupInfo, backend: str, async_op: bool = False):
+    """Sum `t` over the group in place (a contiguous tensor). With async_op, the work handle
+    (None when there is nothing to wait for)."""
+    return backends.collective("all_reduce_sum", backend)(t, info, async_op)
 
 
 def rows_block(x: torch.Tensor, info: GroupInfo) -> torch.Tensor:

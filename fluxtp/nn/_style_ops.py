@@ -83,7 +83,7 @@ def colwise_gather_backward(
         grad_x = matmul_reduce_scatter(grad_y, weight.t(), group=info.group, backend=backend)
     if need_w:
         # Re-gathered after the fused op, never beside it (fluxtp.nn.linear's docstring).
-        x_gathered = gather_rows(saved_x, info) if save_memory else saved_x
+        x_gathered = gather_rows(saved_x, info, backend) if save_memory else saved_x
         grad_w = grad_y.t() @ x_gathered
     if need_b:
         grad_b = grad_y.sum(0)
@@ -203,14 +203,14 @@ def rowwise_scatter_backward(
             grad_out, weight.t(), group=info.group, backend=backend, return_gathered=True
         )
     elif need_w:
-        gathered = gather_rows(grad_out, info)
+        gathered = gather_rows(grad_out, info, backend)
     if need_w:
         grad_w = gathered.t() @ x
     if need_b:
         # The bias was added to this rank's rows only: the rows' sums of every rank. Issued
         # after the fused op (nothing beside a fused op).
         grad_b = grad_out.sum(0)
-        all_reduce_sum(grad_b, info)
+        all_reduce_sum(grad_b, info, backend)
     return grad_x, grad_w, grad_b
 
 

@@ -38,7 +38,8 @@ from torch import nn
 
 from fluxtp._dist import resolve_group
 from fluxtp.nn.linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
-from fluxtp.nn.sequence import gather_tokens, scatter_tokens, sum_grads_over_group
+from fluxtp.nn.sequence import gather_tokens, scatter_tokens, sum_grads_over_group, track_backend
+from fluxtp.ops._validate import check_backend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -217,14 +218,17 @@ def _sequence_parallel_mlp_forward(self, x_shard):
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def _scatter_before_first_layer(group):
-    def hook(module, args, kwargs):
-        if args:
-            return (scatter_tokens(args[0], group), *args[1:]), kwargs
-        kwargs = dict(kwargs, hidden_states=scatter_tokens(kwargs["hidden_states"], group))
-        return args, kwargs
+class _ScatterBeforeFirstLayer:
+    """Forward pre-hook of the first decoder layer: its hidden states -> this rank's rows."""
 
-    return hook
+    def __init__(self, group, backend: str):
+        self.group, self.backend = group, backend
+
+    def __call__(self, module, args, kwargs):
+        if args:
+            return (scatter_tokens(args[0], self.group, backend=self.backend), *args[1:]), kwargs
+        hidden = scatter_tokens(kwargs["hidden_states"], self.group, backend=self.backend)
+        return args, dict(kwargs, hidden_states=hidden)
 
 
 def _token_shape(args, kwargs) -> tuple[int, int]:
@@ -235,16 +239,20 @@ def _token_shape(args, kwargs) -> tuple[int, int]:
     return tuple(kwargs["inputs_embeds"].shape[:2])
 
 
-def _gather_model_output(group):
-    def hook(module, args, kwargs, output):
+class _GatherModelOutput:
+    """Forward hook of the base model: its output rows -> the full [batch, seq, hidden]."""
+
+    def __init__(self, group, backend: str):
+        self.group, self.backend = group, backend
+
+    def __call__(self, module, args, kwargs, output):
         batch, seq = _token_shape(args, kwargs)
         if isinstance(output, tuple):
-            rows = gather_tokens(output[0], group)
+            rows = gather_tokens(output[0], self.group, backend=self.backend)
             return (rows.view(batch, seq, -1), *output[1:])
-        output.last_hidden_state = gather_tokens(output.last_hidden_state, group).view(batch, seq, -1)
+        rows = gather_tokens(output.last_hidden_state, self.group, backend=self.backend)
+        output.last_hidden_state = rows.view(batch, seq, -1)
         return output
-
-    return hook
 
 
 def parallelize(
@@ -263,7 +271,9 @@ def parallelize(
             matching `plan`), the same weights on every rank of `group` (seed identically).
         group: the tensor-parallel process group (default: the world).
         plan: where the parts are; default `default_plan(model)`.
-        backend: for every parallel linear ("auto", "fused", "nccl", "torch").
+        backend: what every communication of the model runs through (the parallel linears, the
+            token scatter and gather, the gradient sums): "auto", "fused", "nccl", "torch" or a
+            registered one (fluxtp.backends); `set_backend` changes it later.
         save_memory: column-parallel linears keep only their input rows for the backward.
         fp8: every parallel linear's three GEMMs in FP8 with dynamic row-wise scales
             (fluxtp.nn._fp8; docs/fp8.md); master weights and gradients stay in their dtype.
@@ -302,11 +312,30 @@ def parallelize(
             mlp = layer.get_submodule(plan.mlp)
             mlp.forward = _sequence_parallel_mlp_forward.__get__(mlp)
         for path in plan.replicated:
-            sum_grads_over_group(layer.get_submodule(path), group)
+            sum_grads_over_group(layer.get_submodule(path), group, backend=backend)
     if plan.final_norm is not None:
-        sum_grads_over_group(model.get_submodule(plan.final_norm), group)
+        sum_grads_over_group(model.get_submodule(plan.final_norm), group, backend=backend)
     # With one rank these only flatten to rows and back: the attention takes rows either way.
-    layers[0].register_forward_pre_hook(_scatter_before_first_layer(group), with_kwargs=True)
-    model.get_submodule(plan.sequence_output).register_forward_hook(_gather_model_output(group), with_kwargs=True)
+    scatter = _ScatterBeforeFirstLayer(group, backend)
+    layers[0].register_forward_pre_hook(scatter, with_kwargs=True)
+    track_backend(layers[0], scatter)
+    output = model.get_submodule(plan.sequence_output)
+    gather = _GatherModelOutput(group, backend)
+    output.register_forward_hook(gather, with_kwargs=True)
+    track_backend(output, gather)
     model._fluxtp_tensor_parallel = (plan, group)
+    return model
+
+
+def set_backend(model: nn.Module, backend: str) -> nn.Module:
+    """Make every fluxtp.nn part of `model` communicate through `backend` from its next call on:
+    the parallel linears, and the hooks parallelize and sum_grads_over_group added (the token
+    scatter and gather, the gradient sums). The DTensor styles (fluxtp.nn.styles) keep the
+    backend they were applied with. Returns the model."""
+    check_backend(backend)
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.backend = backend
+        for hooks in getattr(module, "_fluxtp_hooks", ()):
+            hooks.backend = backend
     return model

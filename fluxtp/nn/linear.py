@@ -124,7 +124,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         grad_ws = [None] * n
         if any(need_w):
             # Re-gathered after the fused op, not beside it (module docstring).
-            x_gathered = gather_rows(saved[0], ctx.info) if ctx.save_memory else gemms.unpack(saved)
+            x_gathered = gather_rows(saved[0], ctx.info, ctx.backend) if ctx.save_memory else gemms.unpack(saved)
             grad_ws = [
                 gemms.weight_grad(g, x_gathered, w.dtype) if need else None for g, w, need in zip(grad_ys, weights, need_w)
             ]
@@ -151,14 +151,14 @@ class _RowParallelLinearFn(torch.autograd.Function):
         if need_x:
             grad_x, grad_out_gathered = gemms.gather_linear(grad_out_shard, w_shard_k.t(), None, info, ctx.backend, grad=True)
         elif need_w:
-            grad_out_gathered = gather_rows(grad_out_shard, info)
+            grad_out_gathered = gather_rows(grad_out_shard, info, ctx.backend)
         bias_work = grad_b = None
         if ctx.has_bias and need_b:
             # The bias was added to this rank's rows only: sum the row sums over the group,
             # in flight during the weight-gradient GEMM only (issued after the fused op; see
             # "nothing beside a fused op" in the module docstring).
             grad_b = grad_out_shard.sum(0)
-            bias_work = all_reduce_sum(grad_b, info, async_op=True)
+            bias_work = all_reduce_sum(grad_b, info, ctx.backend, async_op=True)
         grad_w = gemms.weight_grad(grad_out_gathered, x_k, w_shard_k.dtype) if need_w else None
         if bias_work is not None:
             bias_work.wait()
@@ -233,7 +233,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         in_features, out_features: of the whole (unsharded) layer; out_features % W == 0.
         group: the tensor-parallel process group (default: the world).
         bias: keep a bias (sharded like the output features).
-        backend: "auto", "fused", "nccl" or "torch" (see fluxtp.backends), forward and backward.
+        backend: "auto", "fused", "nccl", "torch" or a registered one (see fluxtp.backends): every
+            communication of the layer, forward and backward, runs through it.
         save_memory: keep only this rank's input rows for the backward and re-gather them there
             (W times less saved activation memory, one more all-gather per backward).
         fp8: the forward and both backward GEMMs in FP8 e4m3 with dynamic row-wise scales
@@ -346,7 +347,7 @@ class RowParallelLinear(_TensorParallelLinear):
         bias: keep a bias. It is whole ([out_features]) and replicated on every rank, added
             once to the reduced rows; its gradient is summed over the group in the backward,
             so every rank holds the full (identical) gradient.
-        backend: "auto", "fused", "nccl" or "torch", forward and backward.
+        backend: as for ColumnParallelLinear.
         fp8: the three GEMMs in FP8, as for ColumnParallelLinear.
 
     Shapes (W = group size, rank r):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fluxtp import fp8
+from fluxtp import backends, fp8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The built-in choices; fluxtp.backends.register adds others (check_backend takes those too).
 BACKENDS = ("auto", "fused", "nccl", "torch")
 
 
@@ -61,8 +62,10 @@ def check_linear_args(x, weight, bias, x_name: str, x_layout: str, w_layout: str
 
 
 def check_backend(backend) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    """A built-in backend, "auto", or one that fluxtp.backends.register added."""
+    if backend not in BACKENDS and backend not in backends.registered():
+        known = (*BACKENDS, *backends.registered())
+        raise ValueError(f"backend must be one of {', '.join(map(repr, known))}, got {backend!r}")
 
 
 # ---------------------------------------------------------------- the scaled (FP8) ops

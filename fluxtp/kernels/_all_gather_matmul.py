@@ -25,7 +25,7 @@ gathered before any chunk's signal), then the bias is added and C (out_dtype) ro
 import triton
 import triton.language as tl
 
-from fluxtp.kernels._sync import trap, wait_flag
+from fluxtp.kernels._sync import record_and_trap, wait_flag
 from fluxtp.kernels._tiles import grouped_tile
 
 
@@ -38,13 +38,14 @@ def _wait_for_tile(tile_id, ready, signal_ptr, report_ptr, tiles_m, tiles_n, til
     during a launch, so a chunk once seen stays ready). Returns the tile's chunk."""
     segment = (RANK + tile_id // tiles_per_segment) % WORLD
     pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-    chunk = segment * chunks_per_rank + pid_m * BLOCK_M // chunk_rows
+    chunk_in_segment = pid_m * BLOCK_M // chunk_rows
+    chunk = segment * chunks_per_rank + chunk_in_segment
     if chunk != ready:
-        # A chunk that never arrives traps the kernel, without a record: give_up's CTA barrier and
-        # fence in this branch of the flattened loop made the GEMM-only mode 2.4-5x slower (one
-        # H200), and device_print slows the whole kernel too (docs/perf-log.md).
+        # A chunk that never arrives records (rank, chunk, this rank) and traps, without give_up's
+        # CTA barrier: a barrier in this branch of the flattened loop made the GEMM-only mode
+        # 2.4-5x slower (one H200), and device_print slows the whole kernel (docs/perf-log.md).
         if not wait_flag(signal_ptr + chunk, 1, max_spins, "gpu"):
-            trap()
+            record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
     return chunk
 
 

@@ -74,3 +74,18 @@ def give_up(report_ptr, flag_ptr, src, tile, RANK: tl.constexpr):
     tl.atomic_add(flag_ptr, 0, sem="release", scope="sys")  # its fence makes the record visible first
     tl.debug_barrier()  # (one thread wrote it) no thread traps before that fence has completed
     trap()
+
+
+@triton.jit
+def record_and_trap(report_ptr, src, index, RANK: tl.constexpr):
+    """give_up for a loop the pipeliner must keep (a CTA barrier in a loop body stops it): every
+    thread stores the same record, fences it system-wide and traps, all in one asm block, so
+    whichever thread traps first has made the record visible."""
+    tl.inline_asm_elementwise(
+        "st.global.b32 [$1], $2; st.global.b32 [$1+4], $3; st.global.b32 [$1+8], $4; membar.sys; trap; mov.u32 $0, 0;",
+        "=r,l,r,r,r",
+        [report_ptr, src, index, tl.full((), RANK, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

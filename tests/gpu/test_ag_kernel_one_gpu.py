@@ -8,6 +8,8 @@ float64. NVLink, the symmetric barriers, graphs and two groups need the multi-GP
 
 import dataclasses
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +82,41 @@ def test_waits_hold_tiles_until_their_chunk_arrives(flatten, world, rank, m, n, 
         rows = slice(r * m, (r + 1) * m)
         assert torch.equal(x_gathered[rows], x[rows]), f"{what}: rank {r}'s rows were not copied exactly"
     assert signals.eq(0).all() and done.item() == 0, f"{what}: the kernel left signals {signals.tolist()}, done {done.item()}"
+
+
+# One process (a trap poisons its CUDA context): rank 1 of a world of 4 whose chunk 1 of rank 3's
+# rows never arrives; every other chunk is there. The wait must give up and name the chunk.
+_TIMEOUT_SCRIPT = """
+import sys
+import torch
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused import _all_gather_matmul
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, launch_gemm
+
+flatten = sys.argv[1] == "1"
+world, rank, m, n, k, chunk_rows = 4, 1, 256, 512, 1024, 128
+config = AllGatherMatmulConfig(block_n=128, num_stages=4, flatten=flatten, chunk_rows=chunk_rows)
+x = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+y = torch.empty(world * m, n, device="cuda", dtype=torch.bfloat16)
+signals = torch.ones(world * (m // chunk_rows), dtype=torch.int32, device="cuda")
+signals[3 * (m // chunk_rows) + 1] = 0
+done = torch.zeros(1, dtype=torch.int32, device="cuda")
+launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk_rows, GroupInfo(None, rank, world), config,
+            max_spins=100_000)
+try:
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as e:
+    print("error:", type(e).__name__)
+print("report:", _all_gather_matmul.timeout_report(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_a_chunk_that_never_arrives_traps_and_is_named(flatten):
+    proc = subprocess.run([sys.executable, "-c", _TIMEOUT_SCRIPT, "1" if flatten else "0"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    out = proc.stdout
+    assert "error:" in out, f"the kernel did not fail: {out[-2000:]} {proc.stderr[-2000:]}"
+    assert "rank 1 timed out waiting for chunk 1 of rank 3's rows" in out, out[-2000:] + proc.stderr[-2000:]

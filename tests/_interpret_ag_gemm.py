@@ -62,7 +62,8 @@ def missing_signal_stops_kernel():
         launch_gemm(x, x[:16], w, None, y, signals, torch.zeros(1, dtype=torch.int32), 16, 16, GroupInfo(None, 0, 2), cfg,
                     max_spins=100, report=report)  # fmt: skip
     except Exception as e:  # the interpreter cannot run the trap's PTX: any error proves it stopped
-        # No record: the kernel traps without one (see _wait_for_tile).
+        # The record is written by the trap's own PTX, which the interpreter cannot run (the
+        # one-GPU test reads it: tests/gpu/test_ag_kernel_one_gpu.py).
         assert report.tolist() == [-1, -1, -1], f"timeout record {report.tolist()}"
         return str(e)
     raise AssertionError("the kernel ran past a signal that never arrived")

@@ -149,7 +149,7 @@ def all_gather_matmul_kernel(
     chunks_per_rank,
     max_spins,
     signal_reset,  # what the last program writes into the signals: 0 (a call), 1 (GEMM-only mode)
-    report_ptr,  # int32 [3], host-readable; unused until a timeout record costs the loop nothing
+    report_ptr,  # int32 [3], host-readable: where a wait that gives up records (rank, chunk, this rank)
     scale_a_ptr,  # scaled calls: float32 scales of A_gathered's rows (row-wise) or of A (per tensor); else None
     scale_own_ptr,  # scaled calls: float32 scales of this rank's shard's rows (row-wise) or of A; else None
     scale_b_ptr,  # scaled calls: float32 scales of B's rows [n] (row-wise) or of B; else None

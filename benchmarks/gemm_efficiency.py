@@ -182,20 +182,22 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
     fused = runs["fused"]
     if pointer_epilogue and not case.fp8:
         runs["plain_ptr_epilogue"] = plain_matmul(full, weight, config, pointer_split=getattr(config, "epilogue_split", 2))
-    for name, run in runs.items():
-        want = expected_rows(case, ref) if name == "fused" else ref
-        err = relative_error(run(), want)
+
+    def check_close(name, out, want):
+        err = relative_error(out, want)
         if not err < 1e-2:
             raise AssertionError(f"{case.label()}: {name} differs from cuBLAS (relative error {err:.2e})")
+
+    for name, run in runs.items():
+        check_close(name, run(), expected_rows(case, ref) if name == "fused" else ref)
     variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
     for spec in vary:
         changes = varied_fields(config, spec)
         label = ",".join(f"{name}={value}" for name, value in changes.items())
         varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales, fast_accum)
-        err = relative_error(varied(), expected_rows(case, ref))
-        if not err < 1e-2:
-            raise AssertionError(f"{case.label()}: {label} differs from cuBLAS (relative error {err:.2e})")
-        if not any_bits and not torch.equal(varied(), fused()):
+        out = varied()
+        check_close(label, out, expected_rows(case, ref))
+        if not any_bits and not torch.equal(out, fused()):
             raise AssertionError(f"{case.label()}: {label} changes the fused kernel's output bits")
         variants.append(Variant(f"fused_{label}", (graphed(varied),)))
     return variants, config

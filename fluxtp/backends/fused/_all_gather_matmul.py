@@ -39,11 +39,12 @@ from fluxtp.backends.fused._launch import (
     MAX_SPINS_LOCAL,
     DescriptorLayout,
     Launch,
+    WeightOperand,
     _tma_compatible,
     num_sms,
     tma_ready,
 )
-from fluxtp.configs import AllGatherMatmulConfig, tuned_config, weight_layout_of
+from fluxtp.configs import AllGatherMatmulConfig, tuned_config
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 
 MAX_SPINS = MAX_SPINS_LOCAL  # the kernel spins on signals in this GPU's memory
@@ -104,10 +105,7 @@ class _Gemm:
         sms = num_sms(device)
         tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
         self.config = config
-        # weight_operand's choice, made once: a transposed view read in place, else row-major rows
-        # (FP8 always row-major: FP8 tensor cores read both operands K-major)
-        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t()) and scaled is None
-        self.copy_w = not self.b_kn and not _tma_compatible(weight)
+        self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         # TMA stores need whole tiles inside each segment and 16-byte output rows.
         y_size = weight.element_size() if scaled is None else scaled.out_dtype.itemsize
         self.tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y_stride * y_size) % 16 == 0
@@ -131,7 +129,7 @@ class _Gemm:
             FLATTEN=config.flatten and triton.cdiv(k, config.block_k) >= config.num_stages,
             TMA_STORE=self.tma_store,
             EPILOGUE_SUBTILE=config.epilogue_subtile,
-            B_KN=self.b_kn,
+            B_KN=self.weight.kn,
             **_scaled.constexprs(scaled),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
@@ -139,14 +137,14 @@ class _Gemm:
 
     def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
         """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat."""
-        b = weight.t() if self.b_kn else (tma_ready(weight) if self.copy_w else weight)
+        b = self.weight.of(weight)
         layouts = self.layouts
         if layouts is None:
             c = self.config
             layouts = self.layouts = (
                 DescriptorLayout(x_gathered, [c.block_m, c.block_k]),
                 DescriptorLayout(x_own, [c.block_m, c.block_k]),
-                DescriptorLayout(b, [c.block_k, c.block_n] if self.b_kn else [c.block_n, c.block_k]),
+                DescriptorLayout(b, self.weight.block(c)),
                 DescriptorLayout(y, [c.block_m, self.store_n]) if self.tma_store else None,
             )
         a, own, b_layout, c_layout = layouts

@@ -38,9 +38,27 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     a write of every weight on every backward step. If TMA cannot read that base (n not a
     multiple of 16 bytes), and for any other layout, the weight is read as a row-major [n, k].
     """
-    if weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t()):
-        return weight.t(), True
-    return tma_ready(weight), False
+    operand = WeightOperand(weight)
+    return operand.of(weight), operand.kn
+
+
+class WeightOperand:
+    """weight_operand's choice for one call signature, made once; `of` applies it to a call's
+    weight. row_major_only: FP8 weights, which FP8 tensor cores read K-major only."""
+
+    __slots__ = ("kn", "copy")
+
+    def __init__(self, weight: torch.Tensor, row_major_only: bool = False):
+        self.kn = not row_major_only and weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t())
+        self.copy = not self.kn and not _tma_compatible(weight)
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """What the B descriptor reads: the [k, n] base of a transposed view, else the [n, k] rows."""
+        return weight.t() if self.kn else (tma_ready(weight) if self.copy else weight)
+
+    def block(self, config) -> list[int]:
+        """The B descriptor's block for `config`'s tiles."""
+        return [config.block_k, config.block_n] if self.kn else [config.block_n, config.block_k]
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:

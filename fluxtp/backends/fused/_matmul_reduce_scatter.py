@@ -39,12 +39,12 @@ from fluxtp.backends.fused._launch import (
     MAX_SPINS_PEER,
     DescriptorLayout,
     Launch,
+    WeightOperand,
     _tma_compatible,
     num_sms,
     tma_ready,
 )
 from fluxtp.configs import MIN_COPY_ENGINE_TILES, TRANSPORTS, MatmulReduceScatterConfig, tuned_config  # noqa: F401
-from fluxtp.configs import weight_layout_of
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 
 MAX_SPINS = MAX_SPINS_PEER  # system-scope reads, of local memory (push) or a peer's (pull)
@@ -198,10 +198,7 @@ class _Kernel:
         tiles = (last_step - first_step + 1) * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
         self.empty = tiles <= 0
         self.config = config
-        # weight_operand's choice, made once: a transposed view read in place, else row-major rows
-        # (FP8 always row-major: FP8 tensor cores read both operands K-major)
-        self.b_kn = weight_layout_of(weight) == "transposed" and _tma_compatible(weight.t()) and scaled is None
-        self.copy_w = not self.b_kn and not _tma_compatible(weight)
+        self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         self.layouts = None
         report = _launch.timeout_record(_OP, x.device) if report is None else report
         self.scalars = (rows_per_rank, n, k, out_stride, buffer_flags_offset, first_step, last_step, max_spins, report)
@@ -219,7 +216,7 @@ class _Kernel:
             PUSH=config.transport != "pull",
             NUM_STAGES=config.num_stages,
             EPI_SPLIT=config.epilogue_split,
-            B_KN=self.b_kn,
+            B_KN=self.weight.kn,
             COPY_ENGINE=config.copy_engine,
             REDUCE_UNROLL=world >= REDUCE_UNROLL_MIN_WORLD,
             WORLD_POW2=triton.next_power_of_2(world),
@@ -232,13 +229,13 @@ class _Kernel:
         """scales: a scaled call's (x's, the weight's), _scaled.flat."""
         if self.empty:
             return
-        b = weight.t() if self.b_kn else (tma_ready(weight) if self.copy_w else weight)
+        b = self.weight.of(weight)
         layouts = self.layouts
         if layouts is None:
             c = self.config
             layouts = self.layouts = (
                 DescriptorLayout(x, [c.block_m, c.block_k]),
-                DescriptorLayout(b, [c.block_k, c.block_n] if self.b_kn else [c.block_n, c.block_k]),
+                DescriptorLayout(b, self.weight.block(c)),
             )
         self.launch(layouts[0].over(x), layouts[1].over(b), out, out if bias is None else bias, buffer_ptrs, *self.scalars,
                     *scales)  # fmt: skip

@@ -26,16 +26,14 @@ interleaved round by round. The JSON (fluxtp.bench.results envelope) records the
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import time
-import types
-from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import torch
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+from fluxtp.testing import SIMULATED_OPS as OPS
+from fluxtp.testing import simulated_world
 LAUNCH_QUEUE_LIMIT = 1000  # CUDA's launch queue blocks the host past about this many queued items
 
 
@@ -61,70 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             if m % w or n % w or k % w:
                 parser.error(f"--shapes {m}x{n}x{k}: M, N and K must divide by every world size ({w})")
     return args
-
-
-class SimulatedHandle:
-    """torch's symmetric-memory handle, for W ranks' buffers that are local tensors of one GPU."""
-
-    def __init__(self, buffers, rank):
-        self.buffers, self.rank = buffers, rank
-
-    def get_buffer(self, rank, shape, dtype, storage_offset):
-        numel = 1
-        for size in shape:
-            numel *= size
-        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
-
-    def barrier(self, channel=0, timeout_ms=0):
-        # One small kernel, as the real barrier is; it marks every word of this rank's buffer 1,
-        # so the reduce-scatter's flags read "delivered" and no kernel waits (its data is garbage,
-        # which host timing does not look at).
-        self.buffers[self.rank].view(torch.int32).fill_(1)
-
-
-class SimulatedGroup:
-    """What the ops need of a process group: a name (the plans key by the object itself)."""
-
-    def __init__(self, world):
-        self.group_name = f"simulated-{world}"
-
-
-@contextmanager
-def simulated_world(world: int):
-    """Calls of the public ops with group=<the yielded group> run as rank 0 of a world of `world`
-    on this one GPU: group resolution, the group check and torch's symmetric memory stood in for."""
-    from fluxtp import symm
-    from fluxtp._dist import GroupInfo
-
-    group = SimulatedGroup(world)
-    info = GroupInfo(group, 0, world)
-
-    def empty(size, dtype, device):
-        return torch.ones(size, dtype=dtype, device=device)
-
-    def rendezvous(tensor, name):
-        peers = [torch.ones_like(tensor) for _ in range(world - 1)]
-        handle = SimulatedHandle([tensor, *peers], 0)
-        handle.peers = peers  # kept alive with the handle
-        return handle
-
-    fake = types.SimpleNamespace(empty=empty, rendezvous=rendezvous, enable_symm_mem_for_group=lambda name: None)
-
-    def resolve(g):
-        return info if g is group else real_resolve(g)
-
-    from fluxtp._dist import resolve_group as real_resolve
-
-    with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(symm, "_symm_mem", lambda: fake))
-        for op in OPS:
-            module = importlib.import_module(f"fluxtp.ops.{op}")  # fluxtp.ops.<op> is the function
-            stack.enter_context(mock.patch.object(module, "resolve_group", resolve))
-        symm._reasons[group.group_name] = None  # the group's GPUs share memory: they are one
-        try:
-            yield group
-        finally:
-            symm.free_workspaces(group.group_name)
 
 
 def host_us(run, calls: int) -> float:

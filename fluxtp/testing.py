@@ -1,20 +1,28 @@
-"""Helpers for multi-process tests: run a function on N local ranks, with a deadline.
+"""Helpers for tests: run a function on N local ranks, with a deadline; or one rank of a world
+simulated on one GPU.
 
 `run_on_ranks(fn, world_size)` spawns one process per rank (gloo on CPU, NCCL on GPUs, one GPU
 a rank), initializes the default group on a free port, calls `fn(rank, world_size, *args)` and
 raises in the parent with the failing rank's traceback. If any rank fails, the others are
 terminated (torch.multiprocessing), and a hang is cut off at `timeout_s`: a test never hangs.
+
+`simulated_world(world, rank)` runs the public ops as one rank of a world whose peers' symmetric
+buffers are local tensors of this GPU (host-time benchmarks, one-GPU tests of a whole call).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 import tempfile
 import time
+import types
 import warnings
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -84,3 +92,68 @@ def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout
                 warnings.warn(f"{fn.__name__}: a rank died after the test passed on every rank ({e})", stacklevel=2)
                 return
             raise
+
+
+class SimulatedHandle:
+    """torch's symmetric-memory handle, for W ranks' buffers that are local tensors of one GPU."""
+
+    def __init__(self, buffers, rank):
+        self.buffers, self.rank = buffers, rank
+
+    def get_buffer(self, rank, shape, dtype, storage_offset):
+        numel = 1
+        for size in shape:
+            numel *= size
+        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        # One small kernel, as the real barrier is; it marks every word of this rank's buffer 1,
+        # so the reduce-scatter's flags read "delivered" and its kernel never waits (its sums are
+        # then garbage). The all-gather reads only the peers' buffers: its result stays exact.
+        self.buffers[self.rank].view(torch.int32).fill_(1)
+
+
+class SimulatedGroup:
+    """What the ops need of a process group: a name (the plans key by the object itself)."""
+
+    def __init__(self, world, rank):
+        self.group_name = f"simulated-{world}-rank{rank}"
+
+
+SIMULATED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+
+
+@contextmanager
+def simulated_world(world: int, rank: int = 0):
+    """Calls of the public ops (SIMULATED_OPS) with group=<the yielded group> run as `rank` of a
+    world of `world` on this one GPU: group resolution and torch's symmetric memory are stood in
+    for, each peer's buffer a local tensor (SimulatedHandle; all ones until written)."""
+    from fluxtp import symm
+    from fluxtp._dist import GroupInfo
+    from fluxtp._dist import resolve_group as real_resolve
+
+    group = SimulatedGroup(world, rank)
+    info = GroupInfo(group, rank, world)
+
+    def empty(size, dtype, device):
+        return torch.ones(size, dtype=dtype, device=device)
+
+    def rendezvous(tensor, name):
+        buffers = [tensor if r == rank else torch.ones_like(tensor) for r in range(world)]
+        return SimulatedHandle(buffers, rank)
+
+    fake = types.SimpleNamespace(empty=empty, rendezvous=rendezvous, enable_symm_mem_for_group=lambda name: None)
+
+    def resolve(g):
+        return info if g is group else real_resolve(g)
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(symm, "_symm_mem", lambda: fake))
+        for op in SIMULATED_OPS:
+            module = importlib.import_module(f"fluxtp.ops.{op}")  # fluxtp.ops.<op> is the function
+            stack.enter_context(mock.patch.object(module, "resolve_group", resolve))
+        symm._reasons[group.group_name] = None  # the group's GPUs share memory: they are one
+        try:
+            yield group
+        finally:
+            symm.free_workspaces(group.group_name)

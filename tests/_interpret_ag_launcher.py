@@ -3,7 +3,9 @@ launcher's host logic (own rows, ring-order pulls, chunking and signals, then th
 CPU, with the CUDA-only pieces (streams, the symmetric buffer and its barrier, stream writes)
 replaced by stand-ins. The peers' shards are already published, as the barrier guarantees.
 The gathered input must be an exact copy and the product within fp16 rounding, for every rank,
-on the call that builds the call plan and on a second call with other data that reuses it.
+on the call that builds the call plan and on a second call with other data that reuses it; and
+a call that keeps no gathered input (it gathers into the workspace's rows, its pulls issued as
+they are recorded: the CPU has no graphs) must compute the same product.
 """
 
 import os
@@ -34,9 +36,14 @@ def main():
         signals = torch.zeros(64, dtype=torch.int32)
         done = torch.zeros(1, dtype=torch.int32)
         shard = types.SimpleNamespace(handle=types.SimpleNamespace(barrier=lambda **kw: None))
+        gathered = torch.full((world * m, k), torch.nan, dtype=torch.float16)
+        last_compute = None
 
         def shard_views(self, dtype, shape, world):
             return shard_buffers  # every rank's symmetric buffer, the views a plan keeps
+
+        def gathered_rows(self, dtype, shape, scales_rows=0):
+            return self.gathered, None
 
     def write_value32(signals, index, value):
         signals_seen.append(index)
@@ -75,9 +82,10 @@ def main():
     ag.symm.copy_stream = lambda device: stream
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.set_stream = lambda s: None
+    torch.cuda.is_current_stream_capturing = lambda: True  # no CUDA graph: the pulls are issued eagerly
 
     chunks = 3  # cdiv(40, 16)
-    for call in range(2):  # the first call builds each rank's plan, the second reuses it with new data
+    for call in range(3):  # the first call builds each rank's plan, the second reuses it with new data
         if call:
             x = torch.randn(world * m, k, generator=g).half()
             published[:] = [x[r * m : (r + 1) * m].clone() for r in range(world)]
@@ -85,8 +93,13 @@ def main():
             for r in range(world):  # every peer has published its shard (the first barrier)
                 shard_buffers[r].copy_(published[r] if r != rank else torch.nan)
             signals_seen.clear()
-            y, xg = ag.all_gather_matmul(published[rank], w, None, GroupInfo(None, rank, world), True, config=small)
-            assert torch.equal(xg, x), f"call {call} rank {rank}: the gathered input is not an exact copy"
+            keep = call < 2  # the third call keeps no gathered input
+            Workspace.gathered.fill_(torch.nan)
+            y, xg = ag.all_gather_matmul(published[rank], w, None, GroupInfo(None, rank, world), keep, config=small)
+            if keep:
+                assert torch.equal(xg, x), f"call {call} rank {rank}: the gathered input is not an exact copy"
+            else:
+                assert xg is None, f"rank {rank}: a gathered input came back unasked"
             order = [(rank + s) % world for s in range(world)]  # own rows, then ring order rank+1, ...
             # The GEMM (it reads this rank's rows from its shard: no signal for them) goes in after
             # the publish and the barrier, before the peers' rows.
@@ -97,7 +110,7 @@ def main():
             ref = x.double() @ w.double().T
             err = ((y.double() - ref).norm() / ref.norm()).item()
             assert err < TOL, f"call {call} rank {rank}: rel err {err:.2e}"
-    assert built == list(range(world)), f"plans built for ranks {built}: one per rank, reused by the second call"
+    assert built == [*range(world)] * 2, f"plans built for ranks {built}: two per rank, reused by the second call"
     print("ok")
 
 

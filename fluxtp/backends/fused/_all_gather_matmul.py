@@ -39,6 +39,7 @@ from fluxtp.backends.fused._launch import (
     MAX_SPINS_LOCAL,
     DescriptorLayout,
     Launch,
+    StreamReplay,
     WeightOperand,
     _tma_compatible,
     num_sms,
@@ -57,6 +58,22 @@ class _Workspace:
     signals: torch.Tensor  # int32 chunk flags (local memory, written by the copy stream, reset by the GEMM)
     done: torch.Tensor  # int32 [1]: the GEMM's count of finished programs (0 between calls)
     views: dict = dataclasses.field(default_factory=dict)  # (dtype, shape) -> [view of rank r's shard]
+    gathered: torch.Tensor | None = None  # bytes the calls that keep no gathered input gather into
+    last_compute: torch.cuda.Stream | None = None  # the stream of the last GEMM that read `gathered`
+
+    def gathered_rows(self, dtype, shape, scales_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The workspace's gathered rows [W*m, k] (and, with scales_rows, float32 row scales after
+        them): one buffer for every call that does not return its gathered input, so its pulls
+        have fixed addresses (StreamReplay). Growing it rebuilds every plan (they recorded it)."""
+        rows_bytes = shape[0] * shape[1] * dtype.itemsize
+        scales_at = triton.cdiv(rows_bytes, 16) * 16
+        nbytes = scales_at + 4 * scales_rows
+        if self.gathered is None or self.gathered.numel() < nbytes:
+            self.gathered = torch.empty(nbytes, dtype=torch.uint8, device=self.signals.device)
+            _generation.bump()
+        rows = self.gathered[:rows_bytes].view(dtype).view(shape)
+        scales = self.gathered[scales_at:nbytes].view(torch.float32) if scales_rows else None
+        return rows, scales
 
     def shard_views(self, dtype, shape, world: int, offset: int = 0) -> list[torch.Tensor]:
         """Every rank's published shard (or, at `offset`, its row scales) as a tensor (made once per
@@ -222,7 +239,8 @@ class Plan:
         scales_at = triton.cdiv(shard_bytes, 16) * 16
         self.ws = ws = _workspace(info, device, scales_at + 4 * rows_per_rank if row_scales else shard_bytes,
                                   world * chunks_per_rank)  # fmt: skip
-        self.return_gathered, self.rank, self.device, self.dtype = return_gathered, rank, device, x_shard.dtype
+        self.return_gathered, self.device, self.dtype = return_gathered, device, x_shard.dtype
+        self.own_rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
         self.scaled, self.out_dtype = scaled, x_shard.dtype if scaled is None else scaled.out_dtype
         self.gathered_shape, self.y_shape = (rows_per_rank * world, k), (rows_per_rank * world, n)
         shards = ws.shard_views(x_shard.dtype, x_shard.shape, world)
@@ -232,8 +250,7 @@ class Plan:
         # rows in the peer's shard, its signal).
         sizes, pulls = [], []
         for segment in range(world):
-            if segment == rank:
-                self.own_piece = len(sizes)
+            if segment == rank:  # not pulled
                 sizes.append(rows_per_rank)
                 continue
             for c in range(chunks_per_rank):
@@ -252,27 +269,63 @@ class Plan:
         self.copy_stream = symm.copy_stream(device)
         self.barrier = ws.shard.handle.barrier
         self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None, scaled)
+        # A call that does not return its gathered input gathers into the workspace's buffer, so
+        # its pulls, signals and final barrier replay as one recorded graph.
+        self.pull_peers_replay = None
+        if not return_gathered:
+            self.gathered, self.gathered_scales = ws.gathered_rows(x_shard.dtype, self.gathered_shape,
+                                                                   self.gathered_shape[0] if row_scales else 0)  # fmt: skip
+            self.pull_peers_replay = StreamReplay(lambda: self._pull_peers(self.gathered, self.gathered_scales),
+                                                 self.copy_stream)  # fmt: skip
+
+    def _pull_peers(self, x_gathered, gathered_scales) -> None:
+        """On the current (copy) stream: every peer's row scales (a row-wise scaled call), then
+        its rows chunk by chunk, each chunk's signal after it; then the barrier (every rank has
+        finished reading the others' shards, so the next call may overwrite them)."""
+        if self.scaled is not None and self.scaled.row_wise:  # before every chunk (and its signal)
+            for rows, source in self.scale_pulls:
+                gathered_scales[rows].copy_(source)
+        pieces = x_gathered.split(self.split_sizes)
+        for piece, source, signal in self.pulls:
+            pieces[piece].copy_(source)
+            _write_value32(self.signals_u32, signal, 1)
+        self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
 
     def __call__(self, x_shard, weight, bias, scale_x=None, scale_w=None):
         """(y, x_gathered or None); a scaled call passes the scales (_scaled.flat) and gets
         (y, (x_gathered, its scales) or None)."""
         if self.copy_x:
             x_shard = tma_ready(x_shard)
-        x_gathered = torch.empty(self.gathered_shape, dtype=self.dtype, device=self.device)
+        row_scales = self.scaled is not None and self.scaled.row_wise
+        replay = self.pull_peers_replay
+        if replay is not None:
+            x_gathered, gathered_scales = self.gathered, self.gathered_scales
+        else:
+            x_gathered = torch.empty(self.gathered_shape, dtype=self.dtype, device=self.device)
+            gathered_scales = torch.empty(self.gathered_shape[0], device=self.device) if row_scales else None
         y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
         scales = (None, None, None)
         if self.scaled is not None:
-            gathered_scales = torch.empty(self.gathered_shape[0], device=self.device) if self.scaled.row_wise else scale_x
-            scales = (gathered_scales, scale_x, scale_w)
+            scales = (gathered_scales if row_scales else scale_x, scale_x, scale_w)
+        capturing = replay is not None and torch.cuda.is_current_stream_capturing()
+        if replay is not None:
+            replay.ready(capturing)
         compute = torch.cuda.current_stream(self.device)
         copy = self.copy_stream
         copy.wait_stream(compute)
+        if replay is not None and not capturing:
+            # The workspace's gathered rows are overwritten only after the last GEMM that read
+            # them, on whichever stream it ran (a graph's replays are ordered by their caller).
+            last = self.ws.last_compute
+            if last is not None and last != compute:
+                copy.wait_stream(last)
+            self.ws.last_compute = compute
         # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
         # (docs/perf-log.md); compute is the current device's stream.
         torch.cuda.set_stream(copy)
         try:
             self.own_shard.copy_(x_shard)
-            if self.scaled is not None and self.scaled.row_wise:
+            if row_scales:
                 self.own_scales.copy_(scale_x)
             # Before the GEMM: see the module docstring.
             self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
@@ -281,24 +334,20 @@ class Plan:
         self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         torch.cuda.set_stream(copy)
         try:
-            if self.scaled is not None and self.scaled.row_wise:  # before every chunk (and its signal)
-                for rows, source in self.scale_pulls:
-                    gathered_scales[rows].copy_(source)
-                if self.return_gathered:
-                    gathered_scales[self.rank * scale_x.shape[0] : (self.rank + 1) * scale_x.shape[0]].copy_(scale_x)
-            pieces = x_gathered.split(self.split_sizes)
-            signals = self.signals_u32
-            for piece, source, signal in self.pulls:
-                pieces[piece].copy_(source)
-                _write_value32(signals, signal, 1)
-            if self.return_gathered:  # the GEMM reads this rank's rows from x_shard itself
-                pieces[self.own_piece].copy_(x_shard)
-            self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+            if replay is not None:
+                replay(capturing)
+            else:
+                self._pull_peers(x_gathered, gathered_scales)
+                # Returned whole: this rank's rows too (the GEMM read them from x_shard itself).
+                own = self.own_rows
+                x_gathered[own].copy_(x_shard)
+                if row_scales:
+                    gathered_scales[own].copy_(scale_x)
         finally:
             torch.cuda.set_stream(compute)
         compute.wait_stream(copy)
         if self.scaled is not None:
-            gathered = (x_gathered, gathered_scales.view(-1, 1) if self.scaled.row_wise else scale_x.clone())
+            gathered = (x_gathered, gathered_scales.view(-1, 1) if row_scales else scale_x.clone())
             return y, gathered if self.return_gathered else None
         return y, x_gathered if self.return_gathered else None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import sys
+import warnings
 
 import torch
 from triton import knobs
@@ -155,26 +156,152 @@ def _run(compiled, constexpr_values: tuple, device: int, grid: int, args: tuple)
     )
 
 
+class _Direct:
+    """A compiled kernel's launch through its C launcher alone, each host TMA descriptor filled once
+    per address. Triton fills every descriptor of a launch afresh (cuTensorMapEncodeTiled, ~1.6 us
+    each on H200 hosts) and wraps the launcher in Python; a descriptor is a pure function of its
+    base address and its position's layout (fixed for one Launch), so a filled one is reused
+    whenever the caching allocator hands back the same address.
+
+    `of` returns None where this Triton's launcher is not laid out as expected (then Triton's own
+    `run` launches), and `__call__` is used only while no launch hook is set."""
+
+    __slots__ = ("launcher", "head", "segments", "descs", "fill", "tail")
+
+    MAX_ADDRESSES = 16  # filled descriptors kept per position (an eager model reuses a few)
+
+    @classmethod
+    def of(cls, compiled, constexpr_values: tuple, num_args: int):
+        try:
+            run = compiled.run
+            wrapped = run.launch
+            free = dict(zip(wrapped.__code__.co_freevars, (c.cell_contents for c in wrapped.__closure__ or ())))
+            names = {**wrapped.__globals__, **free}
+            if "launcher" in free:  # wrap_handle_tensordesc's inner: the C launcher and the descriptors
+                launcher, positions = free["launcher"], sorted(free["tensordesc_indices"])
+                metas = free["tensordesc_meta"] or [None] * len(positions)
+                fill = names["make_tensordesc_arg"]
+            else:
+                launcher, positions, metas, fill = wrapped, [], [], None
+            layout_ok = (
+                names.get("_BASE_ARGS_FORMAT_LEN") == 13
+                and run.global_scratch_size == 0
+                and run.profile_scratch_size == 0
+                and all(p < num_args for p in positions)
+            )
+            if not layout_ok:
+                return None
+            head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+        return cls(launcher, head, positions, metas, fill, constexpr_values)
+
+    def __init__(self, launcher, head, positions, metas, fill, constexpr_values):
+        self.launcher, self.head, self.fill = launcher, head, fill
+        # (start, end, descriptor position, its metadata): args[start:end] as they are, then the
+        # descriptor at `position` expanded; the constexprs close the argument list.
+        bounds = [-1, *positions]
+        self.segments = [(bounds[i] + 1, positions[i], positions[i], metas[i]) for i in range(len(positions))]
+        self.segments.append((bounds[-1] + 1, None, None, None))
+        self.descs = [{} for _ in positions]
+        self.tail = constexpr_values
+
+    def __call__(self, grid: int, stream: int, function, args: tuple) -> None:
+        flat = [grid, 1, 1, stream, function, *self.head]
+        for i, (start, end, position, meta) in enumerate(self.segments):
+            flat += args[start:end]
+            if position is not None:
+                desc = args[position]
+                filled = self.descs[i]
+                address = desc.base.data_ptr()
+                expanded = filled.get(address)
+                if expanded is None:
+                    if len(filled) >= self.MAX_ADDRESSES:
+                        filled.clear()
+                    expanded = filled[address] = self.fill(desc, meta)
+                flat += expanded
+        self.launcher(*flat, *self.tail)
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is set (Triton's hooks are a HookChain of `calls`, or a plain callable)."""
+    runtime = knobs.runtime
+    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
 class Launch:
     """One kernel's launch for one call signature: the grid and constexprs fixed, the compiled
-    kernel found at the first launch (launch_compiled) and launched directly from then on.
+    kernel found at the first launch (launch_compiled) and launched directly from then on
+    (_Direct while no launch hook is set, else as Triton launches it).
 
     The caller guarantees that every later call's arguments specialize as the first call's did
     (same dtypes, 16-byte alignments, descriptor layouts and scalars): a plan's key does.
     """
 
-    __slots__ = ("kernel", "grid", "constexprs", "_entry")
+    __slots__ = ("kernel", "grid", "constexprs", "_entry", "_direct")
 
     def __init__(self, kernel, grid: int, **constexprs):
         self.kernel, self.grid, self.constexprs = kernel, grid, constexprs
-        self._entry = None
+        self._entry = self._direct = None
 
     def __call__(self, *args) -> None:
         entry = self._entry
         if entry is not None and driver.active.get_current_device() == entry[2]:
-            _run(entry[0], entry[1], entry[2], self.grid, args)
+            direct = self._direct
+            if direct is not None and not _hooks_set():
+                direct(self.grid, driver.active.get_current_stream(entry[2]), entry[0].function, args)
+            else:
+                _run(entry[0], entry[1], entry[2], self.grid, args)
         else:
-            self._entry = _launch(self.kernel, self.grid, args, self.constexprs)
+            self._entry = entry = _launch(self.kernel, self.grid, args, self.constexprs)
+            self._direct = None if entry is None else _Direct.of(entry[0], entry[1], len(args))
+
+
+class StreamReplay:
+    """A fixed run of stream operations (copies, flag writes and waits, barriers: every address
+    the same on every call) recorded once as a CUDA graph, then issued with one graph launch.
+    Each eager operation costs 4-13 us of host time (docs/perf-log.md); a graph of eight copies
+    and signals launches in about two.
+
+    `record()` issues the operations on the current stream. A call first makes the graph ready
+    (`ready`, before it issues any work of its own: recording may wait for the device, and the
+    call's kernel may wait for the recorded operations), then issues them (`__call__`) on the
+    current stream, replayed, or eagerly while the caller captures its own graph (`capturing`:
+    that graph then holds them). If CUDA cannot record one of the operations, a warning says so
+    and every call issues them eagerly."""
+
+    __slots__ = ("record", "stream", "graph")
+
+    def __init__(self, record, stream: torch.cuda.Stream):
+        self.record, self.stream, self.graph = record, stream, None
+
+    def ready(self, capturing: bool) -> None:
+        if self.graph is not None or capturing:
+            return
+        graph = torch.cuda.CUDAGraph()
+        previous = torch.cuda.current_stream(self.stream.device)
+        torch.cuda.set_stream(self.stream)
+        try:
+            # thread_local: other threads' CUDA work (a data loader's copies) may go on meanwhile.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.record()
+            finally:
+                graph.capture_end()
+        except RuntimeError as error:
+            warnings.warn(f"fluxtp: a copy sequence could not be recorded as a CUDA graph, issued eagerly: {error}",
+                          stacklevel=3)  # fmt: skip
+            graph = False
+        finally:
+            torch.cuda.set_stream(previous)
+        self.graph = graph
+
+    def __call__(self, capturing: bool) -> None:
+        graph = self.graph
+        if capturing or not graph:
+            self.record()
+        else:
+            graph.replay()
 
 
 @functools.cache

@@ -39,6 +39,7 @@ from fluxtp.backends.fused._launch import (
     MAX_SPINS_PEER,
     DescriptorLayout,
     Launch,
+    StreamReplay,
     WeightOperand,
     _tma_compatible,
     num_sms,
@@ -320,6 +321,7 @@ class Plan:
         if config.copy_engine:
             self.copy_stream = symm.copy_stream(x.device)
             self.counters, self.steps = ws.copy_engine_steps(layout, part, rank, world)
+            self.band_pushes = StreamReplay(self._issue_band_pushes, self.copy_stream)
 
     def ready(self, x, weight, bias):
         """The tensors the kernel reads: x TMA-ready, the bias contiguous (the weight as it is)."""
@@ -340,36 +342,43 @@ class Plan:
         scales, _scaled.flat); returns this rank's rows of the sum, [M/W, n]."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if self.config.copy_engine:
+            capturing = torch.cuda.is_current_stream_capturing()
+            self.band_pushes.ready(capturing)
             # Fork before the kernel: forked after it, the copy stream would wait for the kernel's
             # end, and the kernel waits for the copies (the first try trapped on 2x H200).
             compute, copy = torch.cuda.current_stream(self.device), self.copy_stream
             copy.wait_stream(compute)
         self.kernel(x, weight, bias, out, self.ws.buffer_ptrs, scales)
         if self.config.copy_engine:
-            self._push_bands(compute, copy)
+            self._push_bands(compute, copy, capturing)
         if self.config.transport == "pull":
             self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         return out
 
-    def _push_bands(self, compute: torch.cuda.Stream, copy: torch.cuda.Stream) -> None:
+    def _push_bands(self, compute: torch.cuda.Stream, copy: torch.cuda.Stream, capturing: bool) -> None:
         """Copy-engine mode, after the kernel is queued: on the copy stream (forked from `compute`
-        before the kernel), each finished band of peer tiles goes into its owner's buffer, then
-        the owner's flag for it is set.
-
-        The kernel goes first (symm.stream_wait_at_least: work queued behind a wait waits too).
-        The waits need no bound of their own: the counters are this rank's, filled by its own
-        kernel. The caller's stream joins the copy stream, so the next call's reset of the
-        counters comes after these waits have read them."""
-        counters = self.counters
+        before the kernel), the band pushes (_issue_band_pushes), replayed as one recorded graph
+        (every address is the workspace's); the caller's stream then joins the copy stream, so
+        the next call's reset of the counters comes after the waits have read them."""
         torch.cuda.set_stream(copy)  # see _all_gather_matmul: cheaper than a stream context on the host
         try:
-            for step in self.steps:
-                symm.stream_wait_at_least(counters, step.counter, step.tiles)
-                step.target.copy_(step.source)
-                _write_value32(step.owner_flags, step.flag, 1)
+            self.band_pushes(capturing)
         finally:
             torch.cuda.set_stream(compute)
         compute.wait_stream(copy)
+
+    def _issue_band_pushes(self) -> None:
+        """On the current stream: each finished band of peer tiles goes into its owner's buffer,
+        then the owner's flag for it is set.
+
+        The kernel goes first (symm.stream_wait_at_least: work queued behind a wait waits too).
+        The waits need no bound of their own: the counters are this rank's, filled by its own
+        kernel."""
+        counters = self.counters
+        for step in self.steps:
+            symm.stream_wait_at_least(counters, step.counter, step.tiles)
+            step.target.copy_(step.source)
+            _write_value32(step.owner_flags, step.flag, 1)
 
     def __call__(self, x, weight, bias, scales=(None, None)) -> torch.Tensor:
         x, weight, bias = self.ready(x, weight, bias)

@@ -1,0 +1,152 @@
+"""Whole fused calls on ONE GPU: the public op as one rank of a world simulated on this
+GPU (fluxtp.testing.simulated_world: the peers' symmetric buffers are local tensors holding
+their shards), so every host step of a real call runs: the plan, the copy stream's publish,
+pulls and signals (recorded once and replayed as a CUDA graph when the call keeps no gathered
+input), the kernel's direct launch with its reused descriptors. The copy stream is held back
+before every call, so the kernel's waits really wait; the gathered rows it reads are NaN until
+pulled. The reduce-scatter's copy-engine pushes are checked where they land. NVLink and the
+real barriers need the multi-GPU files.
+"""
+
+import dataclasses
+import random
+import warnings
+
+import pytest
+import torch
+
+import fluxtp
+from fluxtp import symm
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
+from fluxtp.backends.fused._matmul_reduce_scatter import copy_plan
+from fluxtp.configs import MatmulReduceScatterConfig
+from fluxtp.testing import simulated_world
+from tests._cases import TOLERANCE, draw, rel_error
+
+pytestmark = pytest.mark.gpus(1)
+
+HOLD_CYCLES = 20_000_000  # ~10 ms of the copy stream's time before each call's copies
+
+
+def _publish_peers(plan, x, rank, world, m):
+    """What the peers' calls would have published: each peer's rows in its (simulated) buffer."""
+    shards = plan.ws.shard_views(x.dtype, (m, x.shape[1]), world)
+    for r in range(world):
+        if r != rank:
+            shards[r].copy_(x[r * m : (r + 1) * m])
+
+
+def _hold_copy_stream(device):
+    with torch.cuda.stream(symm.copy_stream(device)):
+        torch.cuda._sleep(HOLD_CYCLES)
+
+
+@pytest.mark.parametrize(
+    "world, rank, m, n, k, dtype",
+    [
+        (2, 1, 300, 1000, 512, torch.bfloat16),  # ragged rows
+        (4, 2, 256, 768, 1024, torch.float16),
+        (8, 5, 128, 512, 256, torch.bfloat16),  # the ring order wraps
+    ],
+)
+def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dtype):
+    seed = random.randrange(1 << 30)
+    what = f"world={world} rank={rank} m={m} seed={seed}"
+    w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
+    side = torch.cuda.Stream()
+    with simulated_world(world, rank) as group, warnings.catch_warnings():
+        warnings.simplefilter("error")  # a copy sequence that could not be recorded warns
+        info = GroupInfo(group, rank, world)
+        for call in range(8):
+            return_gathered = call % 3 == 2  # both paths, interleaved over one workspace
+            x = draw(seed + 1 + call, (world * m, k), dtype, "cuda")
+            x_shard = x[rank * m : (rank + 1) * m].clone()
+            plan = _all_gather_matmul.plan(x_shard, w, None, info, return_gathered)
+            _publish_peers(plan, x, rank, world, m)
+            if not return_gathered:
+                plan.gathered.fill_(float("nan"))  # the rows the kernel may read only once pulled
+            torch.cuda.synchronize()
+            _hold_copy_stream(x.device)
+            stream = side if call == 4 else torch.cuda.current_stream()  # another caller stream once
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = fluxtp.all_gather_matmul(x_shard, w, group=group, backend="fused", return_gathered=return_gathered)
+            torch.cuda.synchronize()
+            y = out[0] if return_gathered else out
+            err = rel_error(y, x.double() @ w.double().T)
+            assert err <= TOLERANCE[dtype], f"{what} call {call}: rel err {err:.2e}"
+            if return_gathered:
+                assert torch.equal(out[1], x), f"{what} call {call}: gathered rows differ"
+        replay = plan.pull_peers_replay if not return_gathered else _all_gather_matmul.plan(
+            x_shard, w, None, info, False).pull_peers_replay  # fmt: skip
+        assert isinstance(replay.graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
+        assert plan.gemm.launch._direct is not None, f"{what}: this Triton's launcher was not launched directly"
+
+
+def test_a_captured_call_gathers_afresh_on_every_replay():
+    """The op inside the caller's own CUDA graph: its copies are captured as they are (no graph
+    in a graph), and each replay computes on the inputs and peers' rows of that moment."""
+    world, rank, m, n, k, dtype = 4, 1, 256, 512, 512, torch.bfloat16
+    seed = random.randrange(1 << 30)
+    w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
+    with simulated_world(world, rank) as group:
+        info = GroupInfo(group, rank, world)
+        x = draw(seed + 1, (world * m, k), dtype, "cuda")
+        x_static = x[rank * m : (rank + 1) * m].clone()
+        plan = _all_gather_matmul.plan(x_static, w, None, info, False)
+        _publish_peers(plan, x, rank, world, m)
+        fluxtp.all_gather_matmul(x_static, w, group=group, backend="fused")  # warm up outside the capture
+        torch.cuda.synchronize()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            y_static = fluxtp.all_gather_matmul(x_static, w, group=group, backend="fused")
+        for replay in range(3):
+            x = draw(seed + 2 + replay, (world * m, k), dtype, "cuda")
+            x_static.copy_(x[rank * m : (rank + 1) * m])
+            _publish_peers(plan, x, rank, world, m)
+            plan.gathered.fill_(float("nan"))
+            torch.cuda.synchronize()
+            graph.replay()
+            torch.cuda.synchronize()
+            err = rel_error(y_static, x.double() @ w.double().T)
+            assert err <= TOLERANCE[dtype], f"replay {replay} seed={seed}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("world, rank", [(2, 0), (4, 3)])
+def test_reduce_scatter_band_pushes_replay_after_their_tiles(world, rank):
+    """The copy engine's band pushes (wait for a band's tiles, copy it to its owner, set the
+    owner's flag), replayed from a graph: each owner's incoming slot must hold exactly this
+    rank's partial of the owner's rows, and every owner flag be set, call after call. The
+    stand-in barrier marks only the incoming flags delivered (the tile counters stay the
+    kernel's), so the kernel's own rows never wait."""
+    m_total, n, k, dtype = 1024 * world // 2, 1024, 512, torch.bfloat16
+    seed = random.randrange(1 << 30)
+    w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
+    rows = m_total // world
+    with simulated_world(world, rank) as group, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        info = GroupInfo(group, rank, world)
+        x = draw(seed + 1, (m_total, k), dtype, "cuda")
+        config = dataclasses.replace(MatmulReduceScatterConfig.heuristic(m_total, n, k, world), transport="copy_engine")
+        plan = _matmul_reduce_scatter.plan(x, w, None, info, config)
+        incoming = plan.flags[: plan.layout.num_flags // 2]
+        plan.barrier = lambda channel=0, timeout_ms=0: incoming.fill_(1)
+        order = copy_plan(plan.layout, rank, world)
+        for call in range(4):
+            x = draw(seed + 1 + call, (m_total, k), dtype, "cuda")
+            for step in plan.steps:
+                step.target.fill_(float("nan"))
+                step.owner_flags.zero_()
+            plan(x, w, None)
+            torch.cuda.synchronize()
+            for owner in {o for o, *_ in order}:
+                steps = [s for (o, *_), s in zip(order, plan.steps) if o == owner]
+                assert all(s.owner_flags[s.flag].item() == 1 for s in steps), f"call {call}: owner {owner} flag unset"
+                assert all(torch.equal(s.target, s.source) for s in steps), f"call {call}: owner {owner}'s band differs"
+                partial = torch.cat([s.target for s in steps])
+                ref = x[owner * rows : (owner + 1) * rows].double() @ w.double().T
+                err = rel_error(partial, ref)
+                assert err <= TOLERANCE[dtype], f"call {call} owner {owner} seed={seed}: rel err {err:.2e}"
+        assert isinstance(plan.band_pushes.graph, torch.cuda.CUDAGraph), "the band pushes were not replayed from a graph"

@@ -132,6 +132,33 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+_current: dict[int, torch.cuda.Stream] = {}  # device index -> the Stream object last returned
+_wait_events: dict[tuple[int, int, int], torch.cuda.Event] = {}  # (device, waiter, producer) -> event
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """torch.cuda.current_stream(index), its Stream object reused while the current stream stays
+    the same: building one costs 5-7 us of host time on every call (H100 and H200 hosts)."""
+    stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(index)
+    stream = _current.get(index)
+    if stream is None or stream.stream_id != stream_id:
+        stream = _current[index] = torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                                                     device_type=device_type)  # fmt: skip
+    return stream
+
+
+def stream_wait(waiter: torch.cuda.Stream, producer: torch.cuda.Stream) -> None:
+    """waiter.wait_stream(producer) with an event kept per pair of streams: wait_stream makes a
+    new event on every call (7 us against 3.3 us of host time on one H100 host). Reusing it is
+    safe: a wait takes the event's state when it is queued."""
+    key = (waiter.device_index, waiter.stream_id, producer.stream_id)
+    event = _wait_events.get(key)
+    if event is None:
+        event = _wait_events[key] = torch.cuda.Event()
+    event.record(producer)
+    waiter.wait_event(event)
+
+
 @functools.cache
 def _driver_wait_value32():
     """The CUDA driver's cuStreamWaitValue32 (torch wraps only the write side)."""
@@ -153,7 +180,7 @@ def stream_wait_at_least(flags: torch.Tensor, index: int, value: int) -> None:
     """
     if flags.dtype != torch.int32 or not flags.is_cuda:
         raise TypeError(f"flags must be an int32 CUDA tensor, got {flags.dtype} on {flags.device}")
-    stream = torch.cuda.current_stream(flags.device)
+    stream = current_stream(flags.device.index or 0)
     address = flags.data_ptr() + index * flags.element_size()
     status = _driver_wait_value32()(stream.cuda_stream, address, value & 0xFFFFFFFF, 0)  # 0: GEQ
     if status != 0:

@@ -80,7 +80,8 @@ def main():
     ag._write_value32 = write_value32
     ag.tuned_config = lambda *args: None
     ag.symm.copy_stream = lambda device: stream
-    torch.cuda.current_stream = lambda device=None: stream
+    ag.symm.current_stream = lambda index: stream
+    ag.symm.stream_wait = lambda waiter, producer: join(producer)
     torch.cuda.set_stream = lambda s: None
     torch.cuda.is_current_stream_capturing = lambda: True  # no CUDA graph: the pulls are issued eagerly
 

@@ -109,7 +109,8 @@ def launcher_case(seed, world=3, m=40, n=32, k=32):
     ag._workspace = lambda *args: Workspace()
     ag._write_value32 = lambda signals, index, value: signals.__setitem__(index, value)
     ag.symm.copy_stream = lambda device: stream
-    torch.cuda.current_stream = lambda device=None: stream
+    ag.symm.current_stream = lambda index: stream
+    ag.symm.stream_wait = lambda waiter, producer: join(producer)
     torch.cuda.set_stream = lambda s: None
     cfg = ag.AllGatherMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
     w, sw = quantized(g, n, k, True, spread=0)

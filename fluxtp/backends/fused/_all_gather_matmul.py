@@ -240,6 +240,7 @@ class Plan:
         self.ws = ws = _workspace(info, device, scales_at + 4 * rows_per_rank if row_scales else shard_bytes,
                                   world * chunks_per_rank)  # fmt: skip
         self.return_gathered, self.device, self.dtype = return_gathered, device, x_shard.dtype
+        self.device_index = device.index or 0
         self.own_rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
         self.scaled, self.out_dtype = scaled, x_shard.dtype if scaled is None else scaled.out_dtype
         self.gathered_shape, self.y_shape = (rows_per_rank * world, k), (rows_per_rank * world, n)
@@ -310,9 +311,9 @@ class Plan:
         capturing = replay is not None and torch.cuda.is_current_stream_capturing()
         if replay is not None:
             replay.ready(capturing)
-        compute = torch.cuda.current_stream(self.device)
+        compute = symm.current_stream(self.device_index)
         copy = self.copy_stream
-        copy.wait_stream(compute)
+        symm.stream_wait(copy, compute)
         if replay is not None and not capturing:
             # The workspace's gathered rows are overwritten only after the last GEMM that read
             # them, on whichever stream it ran (a graph's replays are ordered by their caller).
@@ -345,7 +346,7 @@ class Plan:
                     gathered_scales[own].copy_(scale_x)
         finally:
             torch.cuda.set_stream(compute)
-        compute.wait_stream(copy)
+        symm.stream_wait(compute, copy)
         if self.scaled is not None:
             gathered = (x_gathered, gathered_scales.view(-1, 1) if row_scales else scale_x.clone())
             return y, gathered if self.return_gathered else None

@@ -346,8 +346,8 @@ class Plan:
             self.band_pushes.ready(capturing)
             # Fork before the kernel: forked after it, the copy stream would wait for the kernel's
             # end, and the kernel waits for the copies (the first try trapped on 2x H200).
-            compute, copy = torch.cuda.current_stream(self.device), self.copy_stream
-            copy.wait_stream(compute)
+            compute, copy = symm.current_stream(self.device.index or 0), self.copy_stream
+            symm.stream_wait(copy, compute)
         self.kernel(x, weight, bias, out, self.ws.buffer_ptrs, scales)
         if self.config.copy_engine:
             self._push_bands(compute, copy, capturing)
@@ -365,7 +365,7 @@ class Plan:
             self.band_pushes(capturing)
         finally:
             torch.cuda.set_stream(compute)
-        compute.wait_stream(copy)
+        symm.stream_wait(compute, copy)
 
     def _issue_band_pushes(self) -> None:
         """On the current stream: each finished band of peer tiles goes into its owner's buffer,

@@ -95,10 +95,11 @@ def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout
 
 
 class SimulatedHandle:
-    """torch's symmetric-memory handle, for W ranks' buffers that are local tensors of one GPU."""
+    """torch's symmetric-memory handle, for W ranks' buffers that are local tensors of one device.
+    mark_delivered=False: the barrier does nothing (ranks simulated one after another)."""
 
-    def __init__(self, buffers, rank):
-        self.buffers, self.rank = buffers, rank
+    def __init__(self, buffers, rank, mark_delivered: bool = True):
+        self.buffers, self.rank, self.mark_delivered = buffers, rank, mark_delivered
 
     def get_buffer(self, rank, shape, dtype, storage_offset):
         numel = 1
@@ -110,7 +111,8 @@ class SimulatedHandle:
         # One small kernel, as the real barrier is; it marks every word of this rank's buffer 1,
         # so the reduce-scatter's flags read "delivered" and its kernel never waits (its sums are
         # then garbage). The all-gather reads only the peers' buffers: its result stays exact.
-        self.buffers[self.rank].view(torch.int32).fill_(1)
+        if self.mark_delivered:
+            self.buffers[self.rank].view(torch.int32).fill_(1)
 
 
 class SimulatedGroup:

@@ -11,22 +11,7 @@ import torch
 
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, _Workspace, launch_kernel, partial_dtype
 from fluxtp.symm import SymmBuffer
-
-
-class Handle:
-    """Stands in for torch's symmetric-memory handle over the simulated ranks' buffers."""
-
-    def __init__(self, buffers, rank):
-        self.buffers, self.rank = buffers, rank
-
-    def get_buffer(self, rank, shape, dtype, storage_offset):
-        numel = 1
-        for size in shape:
-            numel *= size
-        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
-
-    def barrier(self, channel=0, timeout_ms=0):
-        """The simulated ranks run one after another: nothing to wait for."""
+from fluxtp.testing import SimulatedHandle
 
 
 def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
@@ -41,7 +26,8 @@ def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
 
 def workspace(buffers, ptrs, rank) -> _Workspace:
     """Rank `rank`'s workspace over the simulated buffers, as the launcher builds it."""
-    return _Workspace(SymmBuffer(buffers[rank], Handle(buffers, rank), buffers[rank].numel()), ptrs)
+    handle = SimulatedHandle(buffers, rank, mark_delivered=False)  # ranks run one after another
+    return _Workspace(SymmBuffer(buffers[rank], handle, buffers[rank].numel()), ptrs)
 
 
 def flag_views(buffers, layout):

@@ -7,15 +7,18 @@ Per call, with S the caller's (compute) stream and C the side copy stream:
      the peers' rows from x_gathered, waiting for each chunk's signal before its tiles' K loops;
      its last program resets the signals for the next call (no reset launch on the host).
   C: pull each peer's shard into x_gathered in ring order rank+1, rank+2, ... chunk by chunk
-     (signal each); copy this rank's shard into x_gathered when the caller wants it back;
-     barrier (every rank has finished reading the others' buffers, so the next call may
-     overwrite them).
+     (signal each); barrier (every rank has finished reading the others' buffers, so the next
+     call may overwrite them). A call that keeps no gathered input gathers into the workspace's
+     rows and replays these steps as one recorded CUDA graph (recorded at the plan's first call,
+     before it issues any work); one that returns x_gathered issues them eagerly into fresh
+     memory, then copies this rank's shard into it too.
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
 The GEMM goes in before the host spends its time on the peers' copies: it computes this rank's
 rows meanwhile. Not before the first barrier, a kernel the peers' rows wait for: launched ahead
 of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the barrier never ran
 beside the GEMM that filled every SM).
-No host synchronization anywhere: back-to-back calls and CUDA graph capture work; the barriers
+No host synchronization past a plan's first call: back-to-back calls and CUDA graph capture (the
+steps then captured as they are) work; the barriers
 and the in-kernel waits are bounded and fail with an error instead of hanging.
 Scaled (FP8) calls (all_gather_scaled_matmul, Plan's `scaled`): the same steps on FP8 rows; a
 row-wise call publishes its row scales after its shard in the same buffer and C pulls every

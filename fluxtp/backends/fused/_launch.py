@@ -183,6 +183,8 @@ class _Direct:
                 fill = names["make_tensordesc_arg"]
             else:
                 launcher, positions, metas, fill = wrapped, [], [], None
+            # The launcher's 13 leading arguments, as __call__ passes them: grid (3), stream, function,
+            # cooperative, PDL, global and profile scratch, kernel metadata, launch metadata, 2 hooks.
             layout_ok = (
                 names.get("_BASE_ARGS_FORMAT_LEN") == 13
                 and run.global_scratch_size == 0
@@ -260,8 +262,8 @@ class Launch:
 class StreamReplay:
     """A fixed run of stream operations (copies, flag writes and waits, barriers: every address
     the same on every call) recorded once as a CUDA graph, then issued with one graph launch.
-    Each eager operation costs 4-13 us of host time (docs/perf-log.md); a graph of eight copies
-    and signals launches in about two.
+    Each eager operation costs several microseconds of host time; one replay costs about what two
+    or three of them do (docs/perf-log.md).
 
     `record()` issues the operations on the current stream. A call first makes the graph ready
     (`ready`, before it issues any work of its own: recording may wait for the device, and the

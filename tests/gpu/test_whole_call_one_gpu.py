@@ -78,10 +78,11 @@ def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dty
             assert err <= TOLERANCE[dtype], f"{what} call {call}: rel err {err:.2e}"
             if return_gathered:
                 assert torch.equal(out[1], x), f"{what} call {call}: gathered rows differ"
-        replay = plan.pull_peers_replay if not return_gathered else _all_gather_matmul.plan(
-            x_shard, w, None, info, False).pull_peers_replay  # fmt: skip
-        assert isinstance(replay.graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
-        assert plan.gemm.launch._direct is not None, f"{what}: this Triton's launcher was not launched directly"
+            else:
+                replayed = plan  # a plan whose pulls replay
+        graph = replayed.pull_peers_replay.graph
+        assert isinstance(graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
+        assert replayed.gemm.launch._direct is not None, f"{what}: this Triton's launcher was not launched directly"
 
 
 def test_a_captured_call_gathers_afresh_on_every_replay():

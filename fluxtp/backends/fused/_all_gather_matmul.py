@@ -322,7 +322,7 @@ class Plan:
             # them, on whichever stream it ran (a graph's replays are ordered by their caller).
             last = self.ws.last_compute
             if last is not None and last != compute:
-                copy.wait_stream(last)
+                symm.stream_wait(copy, last)
             self.ws.last_compute = compute
         # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
         # (docs/perf-log.md); compute is the current device's stream.

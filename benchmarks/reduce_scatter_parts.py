@@ -1,0 +1,136 @@
+"""What each part of the reduce-scatter's fusion costs, on one GPU (GEMM-only mode).
+
+    python benchmarks/reduce_scatter_parts.py [--models llama3-8b,llama3-70b] [--worlds 4,8]
+        [--tokens 2048,16384] [--rounds 8] [--out FILE.json]
+
+Per reduce-scatter case of the named models' grid (fluxtp/bench/gemm_grid.py), the shipped
+kernel's GEMM-only mode beside copies of its source with one part switched off, plain (the same
+tiling with none of the fusion, benchmarks/gemm_efficiency.py) and cuBLAS, as CUDA graph
+replays interleaved by the benchmark harness. A part is switched off by predicating it
+(`mask & (N < 0)`) or removing one statement, so the rest of the kernel compiles as shipped:
+- `no_partial_loads`: the owner's loads of the W-1 peers' partials (its own tiles' reduction);
+- `no_peer_stores`: the producer's stores of partial tiles for their owners;
+- `no_flags`: the producer's flag releases (push) or band counts (copy engine);
+- `none`: all three; `none_no_wait`: and the owner's flag wait;
+- `peers_only`: every tile takes the producer's path (no own tiles, nothing reduced); with
+  `none_peers_only` the kernel is plain's loop with the fused kernel's bookkeeping.
+Only the shipped kernel and `no_flags` compute the op's result (checked against F.linear); the
+other variants compute something else by construction. Time over cuBLAS's, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused import _matmul_reduce_scatter
+from fluxtp.bench.gemm_grid import case_inputs, expected_rows, launched_config, model_cases, relative_error
+from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
+from fluxtp.bench.results import command_line, envelope, write_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_efficiency import plain_matmul  # noqa: E402
+
+KERNEL_SOURCE = Path(_matmul_reduce_scatter.__file__).parents[2] / "kernels" / "_matmul_reduce_scatter.py"
+NO_PARTIAL_LOADS = [('mask=mask, other=0.0, cache_modifier=".cg"', 'mask=mask & (N < 0), other=0.0, cache_modifier=".cg"')]
+NO_PEER_STORES = [("tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask)",
+                   "tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask & (N < 0))")]
+NO_FLAGS = [('            set_flag(pending_flag, 1, "sys")\n        pending = 0', "            pass\n        pending = 0"),
+            ('tl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")', "pass")]
+NO_WAIT = [('arrived = wait_flags(flag_ptrs, peer, 1, max_spins, "sys")', "arrived = peer | ~peer")]
+PEERS_ONLY = [("own = owner == RANK", "own = owner == WORLD")]
+NONE = NO_PARTIAL_LOADS + NO_PEER_STORES + NO_FLAGS
+VARIANTS = {
+    "no_partial_loads": NO_PARTIAL_LOADS,
+    "no_peer_stores": NO_PEER_STORES,
+    "no_flags": NO_FLAGS,
+    "none": NONE,
+    "none_no_wait": NONE + NO_WAIT,
+    "peers_only": PEERS_ONLY,
+    "none_peers_only": NONE + PEERS_ONLY,
+}
+COMPUTES_THE_OP = ("fused", "no_flags")
+
+
+def variant_kernel(name: str, directory: Path):
+    """The kernel compiled from its source with VARIANTS[name]'s replacements (each must apply)."""
+    source = KERNEL_SOURCE.read_text()
+    for old, new in VARIANTS[name]:
+        if old not in source:
+            raise SystemExit(f"{name}: the kernel no longer contains {old!r}; update this benchmark")
+        source = source.replace(old, new)
+    path = directory / f"_rs_{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"_rs_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # triton.jit reads the function's source through its module
+    spec.loader.exec_module(module)
+    return module.matmul_reduce_scatter_kernel
+
+
+def gemm_only(case, x, w, kernel):
+    """The GEMM-only mode of rank 0 of the case, launching `kernel` in place of the shipped one."""
+    shipped = _matmul_reduce_scatter.matmul_reduce_scatter_kernel
+    _matmul_reduce_scatter.matmul_reduce_scatter_kernel = kernel
+    try:
+        return _matmul_reduce_scatter.gemm_only(x, w, None, GroupInfo(None, 0, case.world))
+    finally:
+        _matmul_reduce_scatter.matmul_reduce_scatter_kernel = shipped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama3-8b,llama3-70b")
+    parser.add_argument("--worlds", default="4,8")
+    parser.add_argument("--tokens", default="2048,16384")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    worlds = tuple(int(v) for v in args.worlds.split(","))
+    tokens = tuple(int(v) for v in args.tokens.split(","))
+    cases = [c for model in args.models.split(",") for c in model_cases(model, tokens=tokens, worlds=worlds)
+             if c.op == "matmul_reduce_scatter"]  # fmt: skip
+    directory = Path(tempfile.mkdtemp(prefix="fluxtp-rs-parts-"))
+    kernels = {"fused": _matmul_reduce_scatter.matmul_reduce_scatter_kernel}
+    kernels.update({name: variant_kernel(name, directory) for name in VARIANTS})
+    rows = []
+    for case in cases:
+        x, w = case_inputs(case, "cuda")
+        ref = expected_rows(case, F.linear(x, w))
+        runs = {}
+        for name, kernel in kernels.items():
+            run = gemm_only(case, x, w, kernel)
+            out = run()
+            if name in COMPUTES_THE_OP and not relative_error(out, ref) < 1e-2:
+                raise AssertionError(f"{case.label()}: {name} computes a wrong result")
+            runs[name] = graphed(run)
+        config = launched_config(case, x, w)
+        runs["plain"] = graphed(plain_matmul(x, w, config))
+        runs["cublas"] = graphed(lambda x=x, w=w: F.linear(x, w))
+        ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(args.rounds, 2, 5),
+                            GroupInfo(None, 0, 1), "cuda").ms  # fmt: skip
+        rows.append({"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world,
+                     "transport": config.transport, "ms": {k: round(v, 5) for k, v in ms.items()},
+                     "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}})  # fmt: skip
+        print(rows[-1]["case"], rows[-1]["vs_cublas"], flush=True)
+        del runs
+        torch.cuda.empty_cache()
+    names = [*kernels, "plain"]
+    print(tabulate([[r["case"], r["transport"], *(r["vs_cublas"][n] for n in names)] for r in rows],
+                   headers=["case (time / cuBLAS)", "transport", *names]))  # fmt: skip
+    if args.out:
+        data = envelope("reduce_scatter_parts", rows, device=torch.cuda.get_device_name(), gpus=1, world=0,
+                        command=command_line())  # fmt: skip
+        print("wrote", write_json(data, args.out))
+
+
+if __name__ == "__main__":
+    main()

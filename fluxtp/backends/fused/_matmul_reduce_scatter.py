@@ -4,7 +4,8 @@ Per call, everything on the caller's stream S (no side stream, no host synchroni
   1. zero this rank's tile flags (in its symmetric buffer);
   2. barrier over the group's buffers: every rank has zeroed its flags, and every rank's
      previous kernel on this buffer has finished (it precedes the barrier on its stream), so
-     no peer still reads or writes what this call's kernels write;
+     no peer still reads or writes what this call's kernels write (steps 1-2 replay as one
+     recorded CUDA graph: both address only the workspace);
   3. the persistent kernel (fluxtp/kernels/_matmul_reduce_scatter.py): partial tiles of peers'
      rows go to their owners with a release flag per (source rank, tile), own rows come last
      and are reduced as the peers' flags arrive, in rank order, into a fresh output;
@@ -318,6 +319,9 @@ class Plan:
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
                               MAX_SPINS, None, scaled)  # fmt: skip
+        # Steps 1-2 address only the workspace: one recorded graph (CUDA tensors; the CPU
+        # interpreter's plans issue them as they are).
+        self.reset_replay = StreamReplay(self._reset_and_barrier, symm.copy_stream(x.device)) if x.is_cuda else None
         if config.copy_engine:
             self.copy_stream = symm.copy_stream(x.device)
             self.counters, self.steps = ws.copy_engine_steps(layout, part, rank, world)
@@ -333,9 +337,18 @@ class Plan:
 
     def prepare(self) -> Plan:
         """Steps 1-2 on the current stream: zero this rank's flags, then barrier."""
+        replay = self.reset_replay
+        if replay is None:
+            self._reset_and_barrier()
+        else:
+            capturing = torch.cuda.is_current_stream_capturing()
+            replay.ready(capturing)
+            replay(capturing)
+        return self
+
+    def _reset_and_barrier(self) -> None:
         self.flags.zero_()
         self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        return self
 
     def launch(self, x, weight, bias, scales=(None, None)) -> torch.Tensor:
         """Steps 3-4 on the current stream (x, weight, bias as ready() gives them; a scaled call's

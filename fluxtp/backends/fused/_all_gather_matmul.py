@@ -238,7 +238,8 @@ class Plan:
         chunks_per_rank = triton.cdiv(rows_per_rank, chunk_rows)
         device = x_shard.device
         shard_bytes = x_shard.numel() * x_shard.element_size()
-        row_scales = scaled is not None and scaled.row_wise  # published after the shard, 16-byte aligned
+        # Row-wise scaled calls publish their row scales after the shard, 16-byte aligned.
+        self.row_scales = row_scales = scaled is not None and scaled.row_wise
         scales_at = triton.cdiv(shard_bytes, 16) * 16
         self.ws = ws = _workspace(info, device, scales_at + 4 * rows_per_rank if row_scales else shard_bytes,
                                   world * chunks_per_rank)  # fmt: skip
@@ -286,7 +287,7 @@ class Plan:
         """On the current (copy) stream: every peer's row scales (a row-wise scaled call), then
         its rows chunk by chunk, each chunk's signal after it; then the barrier (every rank has
         finished reading the others' shards, so the next call may overwrite them)."""
-        if self.scaled is not None and self.scaled.row_wise:  # before every chunk (and its signal)
+        if self.row_scales:  # before every chunk (and its signal)
             for rows, source in self.scale_pulls:
                 gathered_scales[rows].copy_(source)
         pieces = x_gathered.split(self.split_sizes)
@@ -300,7 +301,7 @@ class Plan:
         (y, (x_gathered, its scales) or None)."""
         if self.copy_x:
             x_shard = tma_ready(x_shard)
-        row_scales = self.scaled is not None and self.scaled.row_wise
+        row_scales = self.row_scales
         replay = self.pull_peers_replay
         if replay is not None:
             x_gathered, gathered_scales = self.gathered, self.gathered_scales

@@ -319,11 +319,11 @@ class Plan:
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
                               MAX_SPINS, None, scaled)  # fmt: skip
-        # Steps 1-2 address only the workspace: one recorded graph (CUDA tensors; the CPU
-        # interpreter's plans issue them as they are).
-        self.reset_replay = StreamReplay(self._reset_and_barrier, symm.copy_stream(x.device)) if x.is_cuda else None
+        # The copy stream records steps 1-2 (they address only the workspace) as one graph, and
+        # carries the copy engine's band pushes; the CPU interpreter's plans issue steps 1-2 as they are.
+        self.copy_stream = symm.copy_stream(x.device) if x.is_cuda else None
+        self.reset_replay = StreamReplay(self._reset_and_barrier, self.copy_stream) if x.is_cuda else None
         if config.copy_engine:
-            self.copy_stream = symm.copy_stream(x.device)
             self.counters, self.steps = ws.copy_engine_steps(layout, part, rank, world)
             self.band_pushes = StreamReplay(self._issue_band_pushes, self.copy_stream)
 

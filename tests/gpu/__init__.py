@@ -2,6 +2,8 @@
 GPU by default, so a 4-GPU host tests the ops at TP=4; FLUXTP_TEST_WORLD picks fewer."""
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -18,3 +20,25 @@ def _world() -> int:
 
 
 WORLD = _world()
+
+
+_REPORT_TAIL = """
+try:
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as e:
+    print("error:", type(e).__name__)
+from fluxtp.backends.fused import {module} as _op
+print("report:", _op.timeout_report(), flush=True)
+"""
+
+
+def run_until_trap(script: str, module: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `script` (it imports torch and launches a kernel whose wait must give up) in a fresh
+    process with `args`, then synchronize and print fluxtp.backends.fused.<module>'s
+    timeout_report(); asserts that the launch failed. A trap leaves the CUDA context unusable,
+    hence the process of its own."""
+    proc = subprocess.run([sys.executable, "-c", script + _REPORT_TAIL.format(module=module), *args], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert "error:" in proc.stdout, f"the kernel did not fail: {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
+    return proc

@@ -21,7 +21,6 @@ other variants compute something else by construction. Time over cuBLAS's, media
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -37,9 +36,9 @@ from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _kernel_variants import launching, variant_kernel  # noqa: E402
 from gemm_efficiency import plain_matmul  # noqa: E402
 
-KERNEL_SOURCE = Path(_matmul_reduce_scatter.__file__).parents[2] / "kernels" / "_matmul_reduce_scatter.py"
 NO_PARTIAL_LOADS = [('mask=mask, other=0.0, cache_modifier=".cg"', 'mask=mask & (N < 0), other=0.0, cache_modifier=".cg"')]
 NO_PEER_STORES = [("tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask)",
                    "tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask & (N < 0))")]
@@ -60,30 +59,10 @@ VARIANTS = {
 COMPUTES_THE_OP = ("fused", "no_flags")
 
 
-def variant_kernel(name: str, directory: Path):
-    """The kernel compiled from its source with VARIANTS[name]'s replacements (each must apply)."""
-    source = KERNEL_SOURCE.read_text()
-    for old, new in VARIANTS[name]:
-        if old not in source:
-            raise SystemExit(f"{name}: the kernel no longer contains {old!r}; update this benchmark")
-        source = source.replace(old, new)
-    path = directory / f"_rs_{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"_rs_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # triton.jit reads the function's source through its module
-    spec.loader.exec_module(module)
-    return module.matmul_reduce_scatter_kernel
-
-
 def gemm_only(case, x, w, kernel):
     """The GEMM-only mode of rank 0 of the case, launching `kernel` in place of the shipped one."""
-    shipped = _matmul_reduce_scatter.matmul_reduce_scatter_kernel
-    _matmul_reduce_scatter.matmul_reduce_scatter_kernel = kernel
-    try:
+    with launching(_matmul_reduce_scatter, "matmul_reduce_scatter_kernel", kernel):
         return _matmul_reduce_scatter.gemm_only(x, w, None, GroupInfo(None, 0, case.world))
-    finally:
-        _matmul_reduce_scatter.matmul_reduce_scatter_kernel = shipped
 
 
 def main() -> None:
@@ -100,7 +79,8 @@ def main() -> None:
              if c.op == "matmul_reduce_scatter"]  # fmt: skip
     directory = Path(tempfile.mkdtemp(prefix="fluxtp-rs-parts-"))
     kernels = {"fused": _matmul_reduce_scatter.matmul_reduce_scatter_kernel}
-    kernels.update({name: variant_kernel(name, directory) for name in VARIANTS})
+    kernels.update({name: variant_kernel("_matmul_reduce_scatter.py", "matmul_reduce_scatter_kernel", name, replacements,
+                                         directory) for name, replacements in VARIANTS.items()})  # fmt: skip
     rows = []
     for case in cases:
         x, w = case_inputs(case, "cuda")

@@ -1,0 +1,159 @@
+"""What the all-gather's fusion costs at each shape, on one GPU (GEMM-only mode), part by part.
+
+    python benchmarks/all_gather_parts.py [--models llama3-8b,llama3-70b,gpt3-175b] [--worlds 2,4,8]
+        [--tokens 1024,2048,4096] [--variants no_tail,...] [--rounds 8] [--out FILE.json]
+
+Per all-gather case of the named models' grid (fluxtp/bench/gemm_grid.py), the shipped kernel's
+GEMM-only mode (every chunk's signal preset) beside copies of its source with one part switched
+off or one order changed (benchmarks/_kernel_variants.py), the plain TMA twin of the same tiling
+(benchmarks/gemm_efficiency.py) and cuBLAS, as CUDA graph replays interleaved by the benchmark
+harness. Every variant computes the op's output here and is checked against F.linear:
+- `no_tail`: no finished-programs count and no signal reset at the kernel's end (a real call
+  needs them: the next call's signals must start from zero);
+- `no_wait`: no chunk waits (a real call reads rows before they arrive);
+- `one_loop`: this rank's rows read from the gathered input in the peers' loop (one pipelined
+  loop; a real call has its own rows only in its shard);
+- `segments_grouped`: one_loop, and group_m bands of row tiles counted across segments in
+  arrival order instead of within each segment (concurrent tiles share the weight's tiles when a
+  segment has few rows; a real call then needs more peers' rows before its first wave);
+- `peers_grouped`: the shipped two loops, the peers' bands counted across their segments;
+- `lean`: segments_grouped without the tail and the waits: what is left is the kernel's own cost.
+Time over cuBLAS's, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused import _all_gather_matmul
+from fluxtp.bench.gemm_grid import case_inputs, gathered, launched_config, model_cases, relative_error
+from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
+from fluxtp.bench.results import command_line, envelope, write_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _kernel_variants import launching, variant_kernel  # noqa: E402
+from gemm_efficiency import plain_matmul  # noqa: E402
+
+NO_TAIL = [('if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:', "if rows_per_rank < 0:")]
+NO_WAIT = [("    if chunk != ready:\n", "    if chunk < -1:\n")]
+ONE_LOOP = [
+    ("    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, tiles_per_segment,",
+     "    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, num_tiles,"),
+    ("chunks_per_rank, max_spins, True, RANK, WORLD,", "chunks_per_rank, max_spins, False, RANK, WORLD,"),
+    ("    first_peer_tile = pid + tl.maximum(tl.cdiv(tiles_per_segment - pid, NUM_SMS), 0) * NUM_SMS\n",
+     "    first_peer_tile = num_tiles\n"),
+]
+
+
+def _bands_across(first: str, rows: str, segment0: str) -> list[tuple[str, str]]:
+    """The peers' (or every segment's) row tiles as one axis of `rows` tiles in arrival order,
+    tile `first` its first, grouped group_m rows at a time: in the wait, the K loop and the epilogue."""
+    return [
+        ("    segment = (RANK + tile_id // tiles_per_segment) % WORLD\n"
+         "    pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)",
+         f"    v_m, _ = grouped_tile(tile_id - {first}, {rows}, tiles_n, GROUP_M)\n"
+         f"    segment = (RANK + {segment0} + v_m // tiles_m) % WORLD\n"
+         "    pid_m = v_m % tiles_m"),
+        ("        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)\n"
+         "        if OWN:\n"
+         "            row0 = pid_m * BLOCK_M\n"
+         "        else:\n"
+         "            row0 = ((RANK + tile_id // tiles_per_segment) % WORLD) * rows_per_rank + pid_m * BLOCK_M",
+         "        if OWN:\n"
+         "            pid_m, pid_n = grouped_tile(tile_id, tiles_m, tiles_n, GROUP_M)\n"
+         "            row0 = pid_m * BLOCK_M\n"
+         "        else:\n"
+         f"            v_m, pid_n = grouped_tile(tile_id - {first}, {rows}, tiles_n, GROUP_M)\n"
+         f"            row0 = ((RANK + {segment0} + v_m // tiles_m) % WORLD) * rows_per_rank + (v_m % tiles_m) * BLOCK_M"),
+        ("        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD\n"
+         "        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)",
+         "        if OWN:\n"
+         "            segment_c = RANK\n"
+         "            pid_m_c, pid_n_c = grouped_tile(tile_id_c, tiles_m, tiles_n, GROUP_M)\n"
+         "        else:\n"
+         f"            v_m_c, pid_n_c = grouped_tile(tile_id_c - {first}, {rows}, tiles_n, GROUP_M)\n"
+         f"            segment_c = (RANK + {segment0} + v_m_c // tiles_m) % WORLD\n"
+         "            pid_m_c = v_m_c % tiles_m"),
+    ]
+
+
+SEGMENTS_GROUPED = ONE_LOOP + _bands_across("0", "WORLD * tiles_m", "0")
+VARIANTS = {
+    "no_tail": NO_TAIL,
+    "no_wait": NO_WAIT,
+    "one_loop": ONE_LOOP,
+    "segments_grouped": SEGMENTS_GROUPED,
+    "peers_grouped": _bands_across("tiles_per_segment", "(WORLD - 1) * tiles_m", "1"),
+    "lean": SEGMENTS_GROUPED + NO_TAIL + NO_WAIT,
+}
+
+
+def gemm_only(case, x, w, kernel):
+    """The GEMM-only mode of rank 0 of the case, launching `kernel` in place of the shipped one."""
+    with launching(_all_gather_matmul, "all_gather_matmul_kernel", kernel):
+        return _all_gather_matmul.gemm_only(x, w, None, GroupInfo(None, 0, case.world))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama3-8b,llama3-70b,gpt3-175b")
+    parser.add_argument("--worlds", default="2,4,8")
+    parser.add_argument("--tokens", default="1024,2048,4096")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    worlds = tuple(int(v) for v in args.worlds.split(","))
+    tokens = tuple(int(v) for v in args.tokens.split(","))
+    cases = [c for model in args.models.split(",") for c in model_cases(model, tokens=tokens, worlds=worlds)
+             if c.op == "all_gather_matmul"]  # fmt: skip
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    directory = Path(tempfile.mkdtemp(prefix="fluxtp-ag-parts-"))
+    kernels = {"fused": _all_gather_matmul.all_gather_matmul_kernel}
+    kernels.update({name: variant_kernel("_all_gather_matmul.py", "all_gather_matmul_kernel", name, VARIANTS[name],
+                                         directory) for name in names})  # fmt: skip
+    rows = []
+    for case in cases:
+        x, w = case_inputs(case, "cuda")
+        full = gathered(case, x)
+        ref = F.linear(full, w)
+        runs = {}
+        for name, kernel in kernels.items():
+            run = gemm_only(case, x, w, kernel)
+            if not relative_error(run(), ref) < 1e-2:
+                raise AssertionError(f"{case.label()}: {name} computes a wrong result")
+            runs[name] = graphed(run)
+        config = launched_config(case, x, w)
+        runs["plain"] = graphed(plain_matmul(full, w, config))
+        runs["cublas"] = graphed(lambda full=full, w=w: F.linear(full, w))
+        ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(args.rounds, 2, 5),
+                            GroupInfo(None, 0, 1), "cuda").ms  # fmt: skip
+        tiling = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} g{config.group_m}"
+        rows.append({"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world, "tiling": tiling,
+                     "ms": {k: round(v, 5) for k, v in ms.items()},
+                     "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}})  # fmt: skip
+        print(rows[-1]["case"], rows[-1]["vs_cublas"], flush=True)
+        del runs
+        torch.cuda.empty_cache()
+    columns = [*kernels, "plain"]
+    print(tabulate([[r["case"], r["tiling"], *(r["vs_cublas"][n] for n in columns)] for r in rows],
+                   headers=["case (time / cuBLAS)", "tiling", *columns]))  # fmt: skip
+    if args.out:
+        data = envelope("all_gather_parts", rows, device=torch.cuda.get_device_name(), gpus=1, world=0,
+                        command=command_line())  # fmt: skip
+        print("wrote", write_json(data, args.out))
+
+
+if __name__ == "__main__":
+    main()

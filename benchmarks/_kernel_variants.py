@@ -1,4 +1,6 @@
-"""Copies of a fused kernel's source with parts switched off or changed, for one-GPU A/B runs.
+"""Copies of a fused kernel's source with parts switched off or changed, for one-GPU A/B runs,
+and what the part-by-part benchmarks share: their cases, the variants' GEMM-only launches, the
+interleaved timing beside plain and cuBLAS, the table and the JSON.
 
 A variant is a list of (old, new) text replacements, each of which must apply exactly: a
 benchmark whose replacement no longer matches the kernel stops and says so, instead of timing
@@ -7,10 +9,22 @@ the shipped kernel under another name (tests/test_kernel_variants.py checks them
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from fluxtp._dist import GroupInfo
+from fluxtp.bench.gemm_grid import model_cases
+from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
+from fluxtp.bench.results import command_line, envelope, write_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_efficiency import plain_matmul  # noqa: E402
 
 KERNELS = Path(__file__).parents[1] / "fluxtp" / "kernels"
 
@@ -37,12 +51,50 @@ def variant_kernel(kernel_file: str, kernel_name: str, name: str, replacements: 
     return getattr(module, kernel_name)
 
 
-@contextlib.contextmanager
-def launching(launcher_module, kernel_name: str, kernel):
-    """Within the block, `launcher_module` launches `kernel` in place of its shipped `kernel_name`."""
+def gemm_only(launcher_module, kernel_name: str, kernel, case, x, weight):
+    """The launcher's GEMM-only mode for rank 0 of the case, launching `kernel` in place of its
+    shipped `kernel_name` (bound now: the returned callable keeps launching `kernel`)."""
     shipped = getattr(launcher_module, kernel_name)
     setattr(launcher_module, kernel_name, kernel)
     try:
-        yield
+        return launcher_module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world))
     finally:
         setattr(launcher_module, kernel_name, shipped)
+
+
+def case_parser(doc: str, models: str, worlds: str, tokens: str) -> argparse.ArgumentParser:
+    """The part-by-part benchmarks' arguments: which cases (cases_of), rounds, the JSON's path."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--models", default=models)
+    parser.add_argument("--worlds", default=worlds)
+    parser.add_argument("--tokens", default=tokens)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out")
+    return parser
+
+
+def cases_of(args, op: str) -> list:
+    """The `op` cases of the grid of case_parser's --models, --worlds and --tokens."""
+    worlds = tuple(int(v) for v in args.worlds.split(","))
+    tokens = tuple(int(v) for v in args.tokens.split(","))
+    return [c for model in args.models.split(",") for c in model_cases(model, tokens=tokens, worlds=worlds) if c.op == op]
+
+
+def time_case(case, runs: dict, a: torch.Tensor, weight: torch.Tensor, config, rounds: int, **fields) -> dict:
+    """`runs` (name -> graphed callable) interleaved with the plain twin of `config` and cuBLAS on
+    a @ weight^T (the case's whole per-rank GEMM); the case's row, times over cuBLAS's (medians)."""
+    runs = {**runs, "plain": graphed(plain_matmul(a, weight, config)), "cublas": graphed(lambda: F.linear(a, weight))}
+    ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(rounds, 2, 5), GroupInfo(None, 0, 1), "cuda").ms
+    row = {"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world, **fields,
+           "ms": {k: round(v, 5) for k, v in ms.items()}, "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}}
+    print(row["case"], row["vs_cublas"], flush=True)
+    return row
+
+
+def report(scenario: str, rows: list[dict], columns: list[str], detail: str, out: str | None) -> None:
+    """The table of every row's times over cuBLAS's (with the row's `detail` field), and the JSON."""
+    print(tabulate([[r["case"], r[detail], *(r["vs_cublas"][n] for n in columns)] for r in rows],
+                   headers=["case (time / cuBLAS)", detail, *columns]))  # fmt: skip
+    if out:
+        data = envelope(scenario, rows, device=torch.cuda.get_device_name(), gpus=1, world=0, command=command_line())
+        print("wrote", write_json(data, out))

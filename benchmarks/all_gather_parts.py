@@ -23,24 +23,19 @@ Time over cuBLAS's, medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tabulate import tabulate
 
-from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _all_gather_matmul
-from fluxtp.bench.gemm_grid import case_inputs, gathered, launched_config, model_cases, relative_error
-from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
-from fluxtp.bench.results import command_line, envelope, write_json
+from fluxtp.bench.gemm_grid import case_inputs, gathered, launched_config, relative_error
+from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import launching, variant_kernel  # noqa: E402
-from gemm_efficiency import plain_matmul  # noqa: E402
+from _kernel_variants import case_parser, cases_of, gemm_only, report, time_case, variant_kernel  # noqa: E402
 
 NO_TAIL = [('if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:', "if rows_per_rank < 0:")]
 NO_WAIT = [("    if chunk != ready:\n", "    if chunk < -1:\n")]
@@ -96,25 +91,11 @@ VARIANTS = {
 }
 
 
-def gemm_only(case, x, w, kernel):
-    """The GEMM-only mode of rank 0 of the case, launching `kernel` in place of the shipped one."""
-    with launching(_all_gather_matmul, "all_gather_matmul_kernel", kernel):
-        return _all_gather_matmul.gemm_only(x, w, None, GroupInfo(None, 0, case.world))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="llama3-8b,llama3-70b,gpt3-175b")
-    parser.add_argument("--worlds", default="2,4,8")
-    parser.add_argument("--tokens", default="1024,2048,4096")
+    parser = case_parser(__doc__, "llama3-8b,llama3-70b,gpt3-175b", "2,4,8", "1024,2048,4096")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--out")
     args = parser.parse_args()
-    worlds = tuple(int(v) for v in args.worlds.split(","))
-    tokens = tuple(int(v) for v in args.tokens.split(","))
-    cases = [c for model in args.models.split(",") for c in model_cases(model, tokens=tokens, worlds=worlds)
-             if c.op == "all_gather_matmul"]  # fmt: skip
+    cases = cases_of(args, "all_gather_matmul")
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
@@ -130,29 +111,16 @@ def main() -> None:
         ref = F.linear(full, w)
         runs = {}
         for name, kernel in kernels.items():
-            run = gemm_only(case, x, w, kernel)
+            run = gemm_only(_all_gather_matmul, "all_gather_matmul_kernel", kernel, case, x, w)
             if not relative_error(run(), ref) < 1e-2:
                 raise AssertionError(f"{case.label()}: {name} computes a wrong result")
             runs[name] = graphed(run)
         config = launched_config(case, x, w)
-        runs["plain"] = graphed(plain_matmul(full, w, config))
-        runs["cublas"] = graphed(lambda full=full, w=w: F.linear(full, w))
-        ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(args.rounds, 2, 5),
-                            GroupInfo(None, 0, 1), "cuda").ms  # fmt: skip
         tiling = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} g{config.group_m}"
-        rows.append({"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world, "tiling": tiling,
-                     "ms": {k: round(v, 5) for k, v in ms.items()},
-                     "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}})  # fmt: skip
-        print(rows[-1]["case"], rows[-1]["vs_cublas"], flush=True)
+        rows.append(time_case(case, runs, full, w, config, args.rounds, tiling=tiling))
         del runs
         torch.cuda.empty_cache()
-    columns = [*kernels, "plain"]
-    print(tabulate([[r["case"], r["tiling"], *(r["vs_cublas"][n] for n in columns)] for r in rows],
-                   headers=["case (time / cuBLAS)", "tiling", *columns]))  # fmt: skip
-    if args.out:
-        data = envelope("all_gather_parts", rows, device=torch.cuda.get_device_name(), gpus=1, world=0,
-                        command=command_line())  # fmt: skip
-        print("wrote", write_json(data, args.out))
+    report("all_gather_parts", rows, [*kernels, "plain"], "tiling", args.out)
 
 
 if __name__ == "__main__":

@@ -20,24 +20,19 @@ other variants compute something else by construction. Time over cuBLAS's, media
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tabulate import tabulate
 
-from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _matmul_reduce_scatter
-from fluxtp.bench.gemm_grid import case_inputs, expected_rows, launched_config, model_cases, relative_error
-from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
-from fluxtp.bench.results import command_line, envelope, write_json
+from fluxtp.bench.gemm_grid import case_inputs, expected_rows, launched_config, relative_error
+from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import launching, variant_kernel  # noqa: E402
-from gemm_efficiency import plain_matmul  # noqa: E402
+from _kernel_variants import case_parser, cases_of, gemm_only, report, time_case, variant_kernel  # noqa: E402
 
 NO_PARTIAL_LOADS = [('mask=mask, other=0.0, cache_modifier=".cg"', 'mask=mask & (N < 0), other=0.0, cache_modifier=".cg"')]
 NO_PEER_STORES = [("tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask)",
@@ -59,24 +54,9 @@ VARIANTS = {
 COMPUTES_THE_OP = ("fused", "no_flags")
 
 
-def gemm_only(case, x, w, kernel):
-    """The GEMM-only mode of rank 0 of the case, launching `kernel` in place of the shipped one."""
-    with launching(_matmul_reduce_scatter, "matmul_reduce_scatter_kernel", kernel):
-        return _matmul_reduce_scatter.gemm_only(x, w, None, GroupInfo(None, 0, case.world))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="llama3-8b,llama3-70b")
-    parser.add_argument("--worlds", default="4,8")
-    parser.add_argument("--tokens", default="2048,16384")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    worlds = tuple(int(v) for v in args.worlds.split(","))
-    tokens = tuple(int(v) for v in args.tokens.split(","))
-    cases = [c for model in args.models.split(",") for c in model_cases(model, tokens=tokens, worlds=worlds)
-             if c.op == "matmul_reduce_scatter"]  # fmt: skip
+    args = case_parser(__doc__, "llama3-8b,llama3-70b", "4,8", "2048,16384").parse_args()
+    cases = cases_of(args, "matmul_reduce_scatter")
     directory = Path(tempfile.mkdtemp(prefix="fluxtp-rs-parts-"))
     kernels = {"fused": _matmul_reduce_scatter.matmul_reduce_scatter_kernel}
     kernels.update({name: variant_kernel("_matmul_reduce_scatter.py", "matmul_reduce_scatter_kernel", name, replacements,
@@ -87,29 +67,16 @@ def main() -> None:
         ref = expected_rows(case, F.linear(x, w))
         runs = {}
         for name, kernel in kernels.items():
-            run = gemm_only(case, x, w, kernel)
+            run = gemm_only(_matmul_reduce_scatter, "matmul_reduce_scatter_kernel", kernel, case, x, w)
             out = run()
             if name in COMPUTES_THE_OP and not relative_error(out, ref) < 1e-2:
                 raise AssertionError(f"{case.label()}: {name} computes a wrong result")
             runs[name] = graphed(run)
         config = launched_config(case, x, w)
-        runs["plain"] = graphed(plain_matmul(x, w, config))
-        runs["cublas"] = graphed(lambda x=x, w=w: F.linear(x, w))
-        ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(args.rounds, 2, 5),
-                            GroupInfo(None, 0, 1), "cuda").ms  # fmt: skip
-        rows.append({"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world,
-                     "transport": config.transport, "ms": {k: round(v, 5) for k, v in ms.items()},
-                     "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}})  # fmt: skip
-        print(rows[-1]["case"], rows[-1]["vs_cublas"], flush=True)
+        rows.append(time_case(case, runs, x, w, config, args.rounds, transport=config.transport))
         del runs
         torch.cuda.empty_cache()
-    names = [*kernels, "plain"]
-    print(tabulate([[r["case"], r["transport"], *(r["vs_cublas"][n] for n in names)] for r in rows],
-                   headers=["case (time / cuBLAS)", "transport", *names]))  # fmt: skip
-    if args.out:
-        data = envelope("reduce_scatter_parts", rows, device=torch.cuda.get_device_name(), gpus=1, world=0,
-                        command=command_line())  # fmt: skip
-        print("wrote", write_json(data, args.out))
+    report("reduce_scatter_parts", rows, [*kernels, "plain"], "transport", args.out)
 
 
 if __name__ == "__main__":

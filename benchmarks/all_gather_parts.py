@@ -8,6 +8,7 @@ GEMM-only mode (every chunk's signal preset) beside copies of its source with on
 off or one order changed (benchmarks/_kernel_variants.py), the plain TMA twin of the same tiling
 (benchmarks/gemm_efficiency.py) and cuBLAS, as CUDA graph replays interleaved by the benchmark
 harness. Every variant computes the op's output here and is checked against F.linear:
+- `skip_empty_loops`: a program enters the own rows' or the peers' loop only with a tile in it;
 - `no_tail`: no finished-programs count and no signal reset at the kernel's end (a real call
   needs them: the next call's signals must start from zero);
 - `no_wait`: no chunk waits (a real call reads rows before they arrive);
@@ -37,6 +38,10 @@ from fluxtp.bench.harness import graphed
 sys.path.insert(0, str(Path(__file__).parent))
 from _kernel_variants import case_parser, cases_of, gemm_only, report, time_case, variant_kernel  # noqa: E402
 
+SKIP_EMPTY_LOOPS = [  # a program with no tile of a phase does not enter its pipelined loop at all
+    ("    _tiles(own_desc,", "    if pid < tiles_per_segment:\n        _tiles(own_desc,"),
+    ("    _tiles(a_desc,", "    if first_peer_tile < num_tiles:\n        _tiles(a_desc,"),
+]
 NO_TAIL = [('if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:', "if rows_per_rank < 0:")]
 NO_WAIT = [("    if chunk != ready:\n", "    if chunk < -1:\n")]
 ONE_LOOP = [
@@ -82,6 +87,7 @@ def _bands_across(first: str, rows: str, segment0: str) -> list[tuple[str, str]]
 
 SEGMENTS_GROUPED = ONE_LOOP + _bands_across("0", "WORLD * tiles_m", "0")
 VARIANTS = {
+    "skip_empty_loops": SKIP_EMPTY_LOOPS,
     "no_tail": NO_TAIL,
     "no_wait": NO_WAIT,
     "one_loop": ONE_LOOP,

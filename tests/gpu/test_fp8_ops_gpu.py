@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-import fluxtp
 from fluxtp.testing import run_on_ranks
 from tests._fp8_cases import check_all_gather_scaled, check_scaled_reduce_scatter
 

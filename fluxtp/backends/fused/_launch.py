@@ -200,18 +200,18 @@ class _Direct:
 
     def __init__(self, launcher, head, positions, metas, fill, constexpr_values):
         self.launcher, self.head, self.fill = launcher, head, fill
-        # (start, end, descriptor position, its metadata): args[start:end] as they are, then the
-        # descriptor at `position` expanded; the constexprs close the argument list.
-        bounds = [-1, *positions]
-        self.segments = [(bounds[i] + 1, positions[i], positions[i], metas[i]) for i in range(len(positions))]
-        self.segments.append((bounds[-1] + 1, None, None, None))
+        # (start, descriptor position, its metadata): args[start:position] as they are, then the
+        # descriptor at `position` expanded; the last segment (position None) runs to the end, and
+        # the constexprs close the argument list.
+        starts = [0, *(p + 1 for p in positions)]
+        self.segments = [*zip(starts, positions, metas), (starts[-1], None, None)]
         self.descs = [{} for _ in positions]
         self.tail = constexpr_values
 
     def __call__(self, grid: int, stream: int, function, args: tuple) -> None:
         flat = [grid, 1, 1, stream, function, *self.head]
-        for i, (start, end, position, meta) in enumerate(self.segments):
-            flat += args[start:end]
+        for i, (start, position, meta) in enumerate(self.segments):
+            flat += args[start:position]
             if position is not None:
                 desc = args[position]
                 filled = self.descs[i]

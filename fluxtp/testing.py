@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import math
 import os
 import socket
 import tempfile
@@ -102,9 +103,7 @@ class SimulatedHandle:
         self.buffers, self.rank, self.mark_delivered = buffers, rank, mark_delivered
 
     def get_buffer(self, rank, shape, dtype, storage_offset):
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(shape)
 
     def barrier(self, channel=0, timeout_ms=0):

@@ -125,6 +125,21 @@ def all_reduce(x, info: GroupInfo):
     return _matmul_all_reduce.all_reduce(x, info)
 
 
+def all_gather_scaled_matmul(x_shard, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum,
+                             return_gathered: bool):  # fmt: skip
+    from fluxtp.backends.fused import _all_gather_matmul
+
+    run = _all_gather_matmul.scaled_plan(x_shard, weight, bias, info, out_dtype, use_fast_accum, return_gathered)
+    return run(x_shard, weight, scale_x, scale_w, bias)
+
+
+def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum):
+    from fluxtp.backends.fused import _matmul_reduce_scatter
+
+    run = _matmul_reduce_scatter.scaled_plan(x, weight, bias, info, out_dtype, use_fast_accum)
+    return run(x, weight, scale_x, scale_w, bias)
+
+
 _GEMM_ONLY_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 

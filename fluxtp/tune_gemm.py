@@ -12,7 +12,7 @@ dtype, op, N, K, M bucket, weight layout; the cache's key):
    kernels alone are timed, not the host's launch (fluxtp.bench.harness.graphed).
 3. the fastest there is written to the cache (the same file and lookup as `fluxtp tune`), with
    "measured" {M, ms, heuristic_ms, cublas_ms, mode "gemm_only", date, versions, commit}.
-Keys whose shipped entry was measured with communication (it records nccl_ms) are left alone:
+Keys whose shipped entry was measured with communication (any mode but "gemm_only") are left alone:
 a multi-GPU `fluxtp tune` measured their tiling and their communication knobs together.
 Before any timing, the distinct kernels of the whole job are compiled by a pool of processes
 into Triton's on-disk cache (compiling dominated a job's time when done one by one).
@@ -225,9 +225,10 @@ def precompile(cases: list[GemmCase], workers: int = COMPILE_WORKERS) -> int:
 
 
 def multi_gpu_keys() -> set[Key]:
-    """Keys of the shipped table measured with communication (a multi-GPU `fluxtp tune`)."""
+    """Keys of the shipped table measured with communication: every entry not written by this
+    one-GPU tune (a multi-GPU `fluxtp tune`'s; its early entries record no nccl_ms)."""
     entries, _ = load(shipped=True)
-    return {k for k, e in entries.items() if "nccl_ms" in e.measured}
+    return {k for k, e in entries.items() if e.measured.get("mode") != "gemm_only"}
 
 
 def case_key(case: GemmCase, gpu: str) -> Key:

@@ -504,6 +504,17 @@ def test_merge_defaults_puts_tuned_entries_into_the_shipped_table(tmp_path, ship
     assert tune.choose(AG, H200, 2, "bfloat16", 1024, 28672, 8192).origin == tune.SHIPPED
 
 
+def test_the_one_gpu_tune_leaves_every_entry_measured_with_communication(shipped):
+    from fluxtp import tune_gemm
+
+    with_nccl = measured_entry(m=1024)
+    early = dataclasses.replace(measured_entry(m=4096), measured={k: v for k, v in measured(4096).items() if k != "nccl_ms"})
+    gemm_only = dataclasses.replace(measured_entry(m=8192), measured={**measured(8192), "mode": "gemm_only"})
+    tune.write_entries([with_nccl, early, gemm_only], shipped)
+    # A multi-GPU tune's early entries record no nccl_ms: they are kept all the same.
+    assert tune_gemm.multi_gpu_keys() == {with_nccl.key, early.key}
+
+
 def test_merge_defaults_refuses_unmeasured_entries_and_a_corrupt_table(tmp_path, shipped):
     tuned = tmp_path / "tuned" / tune.CACHE_FILE
     tune.write_entries([entry(m=1024)], tuned)  # "measured" holds only M and ms

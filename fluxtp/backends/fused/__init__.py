@@ -24,7 +24,7 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # up before capture instead. A tuned entry measured at the call's exact key decides over them
 # where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
 # auto thresholds come from".
-AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 8192), "matmul_reduce_scatter": (2048, 8192)}  # (TP=2, TP>=4)
+AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 8192), "matmul_reduce_scatter": (1024, 8192)}  # (TP=2, TP>=4)
 AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}

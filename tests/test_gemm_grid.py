@@ -136,3 +136,11 @@ def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
     if not torch.cuda.is_available():
         proc = fluxtp("tune", "--one-gpu", "--grid", "smoke")
         assert proc.returncode == 2 and "need NVIDIA GPUs" in proc.stderr
+
+
+def test_a_tiling_replaces_the_heuristics_only_on_a_clear_lead():
+    names = ("heuristic", "f1", "f2")
+    lead = 1 / tune_gemm.MIN_GAIN
+    assert tune_gemm.winner_of({"heuristic": 1.0, "f1": 0.995, "f2": 1.2}, names) == "heuristic"
+    assert tune_gemm.winner_of({"heuristic": 1.0, "f1": 1.1, "f2": lead * 0.999}, names) == "f2"
+    assert tune_gemm.winner_of({"heuristic": 1.0, "f1": 1.0, "f2": 1.1}, names) == "heuristic"  # a tie keeps it

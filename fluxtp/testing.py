@@ -121,7 +121,7 @@ class SimulatedGroup:
         self.group_name = f"simulated-{world}-rank{rank}"
 
 
-SIMULATED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+SIMULATED_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter")
 
 
 @contextmanager

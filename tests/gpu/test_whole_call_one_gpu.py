@@ -18,10 +18,11 @@ import torch
 import fluxtp
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
+from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter, _scaled
 from fluxtp.backends.fused._matmul_reduce_scatter import copy_plan
 from fluxtp.configs import MatmulReduceScatterConfig
 from fluxtp.testing import simulated_world
+from tests import _fp8_cases as fp8_cases
 from tests._cases import TOLERANCE, draw, rel_error
 
 pytestmark = pytest.mark.gpus(1)
@@ -151,3 +152,63 @@ def test_reduce_scatter_band_pushes_replay_after_their_tiles(world, rank):
                 err = rel_error(partial, ref)
                 assert err <= TOLERANCE[dtype], f"call {call} owner {owner} seed={seed}: rel err {err:.2e}"
         assert isinstance(plan.band_pushes.graph, torch.cuda.CUDAGraph), "the band pushes were not replayed from a graph"
+
+
+@pytest.mark.parametrize(
+    "world, rank, m, n, k, row_wise",
+    [
+        (2, 1, 300, 1000, 512, True),  # ragged rows, row scales published after the shard
+        (8, 5, 128, 512, 256, False),  # per tensor; the ring order wraps
+    ],
+)
+def test_fp8_whole_calls_through_the_public_ops(world, rank, m, n, k, row_wise):
+    """backend="fused" FP8 calls of the public ops, both paths of the all-gather: the gathered
+    FP8 rows (and row scales) NaN until pulled, the copy stream held back, the product against
+    float64 on the dequantized inputs and the gathered bytes exact. The reduce-scatter's sums are
+    not checkable here (the stand-in barrier marks its flags delivered): it must run and keep its
+    shape and dtype."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    seed = random.randrange(1 << 30)
+    what = f"world={world} rank={rank} m={m} row_wise={row_wise} seed={seed}"
+    x = fp8_cases.draw(seed, (world * m, k))
+    xq, sx = fp8_cases.quantize(x, row_wise)
+    wq, sw = fp8_cases.quantize(fp8_cases.draw(seed + 1, (n, k), k**-0.5), row_wise)
+    sw = fp8_cases.weight_scale(sw, row_wise)
+    ref = fp8_cases.dequantized(xq, sx) @ fp8_cases.dequantized(wq, sw.reshape(-1, 1)).T
+    rows = slice(rank * m, (rank + 1) * m)
+    x_shard, w = xq[rows].cuda(), wq.cuda()
+    scale_x, scale_w = (sx[rows] if row_wise else sx).cuda(), sw.cuda()
+    scales_at = -(-m * k // 16) * 16  # the plan's offset of the row scales in a published shard
+    with simulated_world(world, rank) as group:
+        info = GroupInfo(group, rank, world)
+        scaled = _scaled.Scaled.of(scale_x, scale_w, torch.bfloat16, False)
+        for call, return_gathered in enumerate((False, True, False)):
+            plan = _all_gather_matmul.plan(x_shard, w, None, info, return_gathered, None, scaled)
+            shards = plan.ws.shard_views(xq.dtype, (m, k), world)
+            scales = plan.ws.shard_views(torch.float32, (m,), world, scales_at) if row_wise else None
+            for r in range(world):
+                if r != rank:
+                    shards[r].copy_(xq[r * m : (r + 1) * m])
+                    if row_wise:
+                        scales[r].copy_(sx[r * m : (r + 1) * m].reshape(-1))
+            if not return_gathered:
+                plan.gathered.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+                if row_wise:
+                    plan.gathered_scales.fill_(float("nan"))
+            torch.cuda.synchronize()
+            _hold_copy_stream(x_shard.device)
+            out = fluxtp.all_gather_scaled_matmul(x_shard, w, scale_x, scale_w, group=group, backend="fused",
+                                                  return_gathered=return_gathered)  # fmt: skip
+            torch.cuda.synchronize()
+            y = out[0] if return_gathered else out
+            err = fp8_cases.rel_error(y, ref)
+            allowed = fp8_cases.tolerance(torch.bfloat16, k, False, hopper=True)
+            assert err <= allowed, f"{what} call {call}: all-gather rel err {err:.2e}"
+            if return_gathered:
+                assert torch.equal(out[1].cpu().view(torch.uint8), xq.view(torch.uint8)), f"{what}: gathered rows differ"
+                assert torch.equal(out[2].cpu().reshape(-1), sx.reshape(-1)), f"{what}: gathered scales differ"
+        # [world * m, k] x [n, k]: this rank's whole x and its K slice of the weight, its own scales.
+        out = fluxtp.scaled_matmul_reduce_scatter(xq.cuda(), w, sx.cuda(), scale_w, group=group, backend="fused")
+        torch.cuda.synchronize()
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16, f"{what}: reduce-scatter gave {tuple(out.shape)} {out.dtype}"

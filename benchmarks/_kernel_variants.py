@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -49,6 +50,27 @@ def variant_kernel(kernel_file: str, kernel_name: str, name: str, replacements: 
     sys.modules[spec.name] = module  # triton.jit reads the function's source through its module
     spec.loader.exec_module(module)
     return getattr(module, kernel_name)
+
+
+def variant_kernels(launcher_module, kernel_name: str, kernel_file: str, variants: dict) -> dict:
+    """name -> kernel: the launcher's shipped `kernel_name` as "fused", then every variant of
+    `variants` (name -> replacements) compiled from fluxtp/kernels/`kernel_file`."""
+    directory = Path(tempfile.mkdtemp(prefix=f"fluxtp-{Path(kernel_file).stem}-parts-"))
+    kernels = {"fused": getattr(launcher_module, kernel_name)}
+    for name, replacements in variants.items():
+        kernels[name] = variant_kernel(kernel_file, kernel_name, name, replacements, directory)
+    return kernels
+
+
+def graphed_runs(launcher_module, kernel_name: str, kernels: dict, case, x, weight, check) -> dict:
+    """name -> the GEMM-only launch of each of `kernels` for the case, as a CUDA graph replay;
+    `check(name, output)` sees each one's first output (and raises if it is wrong)."""
+    runs = {}
+    for name, kernel in kernels.items():
+        run = gemm_only(launcher_module, kernel_name, kernel, case, x, weight)
+        check(name, run())
+        runs[name] = graphed(run)
+    return runs
 
 
 def gemm_only(launcher_module, kernel_name: str, kernel, case, x, weight):

@@ -25,7 +25,6 @@ Time over cuBLAS's, medians.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -33,10 +32,9 @@ import torch.nn.functional as F
 
 from fluxtp.backends.fused import _all_gather_matmul
 from fluxtp.bench.gemm_grid import case_inputs, gathered, launched_config, relative_error
-from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import case_parser, cases_of, gemm_only, report, time_case, variant_kernel  # noqa: E402
+from _kernel_variants import case_parser, cases_of, graphed_runs, report, time_case, variant_kernels  # noqa: E402
 
 SKIP_EMPTY_LOOPS = [  # a program with no tile of a phase does not enter its pipelined loop at all
     ("    _tiles(own_desc,", "    if pid < tiles_per_segment:\n        _tiles(own_desc,"),
@@ -106,21 +104,19 @@ def main() -> None:
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    directory = Path(tempfile.mkdtemp(prefix="fluxtp-ag-parts-"))
-    kernels = {"fused": _all_gather_matmul.all_gather_matmul_kernel}
-    kernels.update({name: variant_kernel("_all_gather_matmul.py", "all_gather_matmul_kernel", name, VARIANTS[name],
-                                         directory) for name in names})  # fmt: skip
+    kernel = "all_gather_matmul_kernel"
+    kernels = variant_kernels(_all_gather_matmul, kernel, "_all_gather_matmul.py", {n: VARIANTS[n] for n in names})
     rows = []
     for case in cases:
         x, w = case_inputs(case, "cuda")
         full = gathered(case, x)
         ref = F.linear(full, w)
-        runs = {}
-        for name, kernel in kernels.items():
-            run = gemm_only(_all_gather_matmul, "all_gather_matmul_kernel", kernel, case, x, w)
-            if not relative_error(run(), ref) < 1e-2:
+
+        def check(name, out, case=case, ref=ref):
+            if not relative_error(out, ref) < 1e-2:
                 raise AssertionError(f"{case.label()}: {name} computes a wrong result")
-            runs[name] = graphed(run)
+
+        runs = graphed_runs(_all_gather_matmul, kernel, kernels, case, x, w, check)
         config = launched_config(case, x, w)
         tiling = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} g{config.group_m}"
         rows.append(time_case(case, runs, full, w, config, args.rounds, tiling=tiling))

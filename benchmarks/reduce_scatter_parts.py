@@ -21,7 +21,6 @@ other variants compute something else by construction. Time over cuBLAS's, media
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,10 +28,9 @@ import torch.nn.functional as F
 
 from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.bench.gemm_grid import case_inputs, expected_rows, launched_config, relative_error
-from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import case_parser, cases_of, gemm_only, report, time_case, variant_kernel  # noqa: E402
+from _kernel_variants import case_parser, cases_of, graphed_runs, report, time_case, variant_kernels  # noqa: E402
 
 NO_PARTIAL_LOADS = [('mask=mask, other=0.0, cache_modifier=".cg"', 'mask=mask & (N < 0), other=0.0, cache_modifier=".cg"')]
 NO_PEER_STORES = [("tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc.to(dtype), mask=mask)",
@@ -57,21 +55,18 @@ COMPUTES_THE_OP = ("fused", "no_flags")
 def main() -> None:
     args = case_parser(__doc__, "llama3-8b,llama3-70b", "4,8", "2048,16384").parse_args()
     cases = cases_of(args, "matmul_reduce_scatter")
-    directory = Path(tempfile.mkdtemp(prefix="fluxtp-rs-parts-"))
-    kernels = {"fused": _matmul_reduce_scatter.matmul_reduce_scatter_kernel}
-    kernels.update({name: variant_kernel("_matmul_reduce_scatter.py", "matmul_reduce_scatter_kernel", name, replacements,
-                                         directory) for name, replacements in VARIANTS.items()})  # fmt: skip
+    kernel = "matmul_reduce_scatter_kernel"
+    kernels = variant_kernels(_matmul_reduce_scatter, kernel, "_matmul_reduce_scatter.py", VARIANTS)
     rows = []
     for case in cases:
         x, w = case_inputs(case, "cuda")
         ref = expected_rows(case, F.linear(x, w))
-        runs = {}
-        for name, kernel in kernels.items():
-            run = gemm_only(_matmul_reduce_scatter, "matmul_reduce_scatter_kernel", kernel, case, x, w)
-            out = run()
+
+        def check(name, out, case=case, ref=ref):
             if name in COMPUTES_THE_OP and not relative_error(out, ref) < 1e-2:
                 raise AssertionError(f"{case.label()}: {name} computes a wrong result")
-            runs[name] = graphed(run)
+
+        runs = graphed_runs(_matmul_reduce_scatter, kernel, kernels, case, x, w, check)
         config = launched_config(case, x, w)
         rows.append(time_case(case, runs, x, w, config, args.rounds, transport=config.transport))
         del runs

@@ -179,19 +179,14 @@ def test_fp8_whole_calls_through_the_public_ops(world, rank, m, n, k, row_wise):
     rows = slice(rank * m, (rank + 1) * m)
     x_shard, w = xq[rows].cuda(), wq.cuda()
     scale_x, scale_w = (sx[rows] if row_wise else sx).cuda(), sw.cuda()
-    scales_at = -(-m * k // 16) * 16  # the plan's offset of the row scales in a published shard
     with simulated_world(world, rank) as group:
         info = GroupInfo(group, rank, world)
         scaled = _scaled.Scaled.of(scale_x, scale_w, torch.bfloat16, False)
         for call, return_gathered in enumerate((False, True, False)):
             plan = _all_gather_matmul.plan(x_shard, w, None, info, return_gathered, None, scaled)
-            shards = plan.ws.shard_views(xq.dtype, (m, k), world)
-            scales = plan.ws.shard_views(torch.float32, (m,), world, scales_at) if row_wise else None
-            for r in range(world):
-                if r != rank:
-                    shards[r].copy_(xq[r * m : (r + 1) * m])
-                    if row_wise:
-                        scales[r].copy_(sx[r * m : (r + 1) * m].reshape(-1))
+            _publish_peers(plan, xq, rank, world, m)
+            for rows_of_peer, published in plan.scale_pulls if row_wise else ():  # the peers' row scales
+                published.copy_(sx[rows_of_peer].reshape(-1))
             if not return_gathered:
                 plan.gathered.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
                 if row_wise:

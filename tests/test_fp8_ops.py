@@ -43,3 +43,31 @@ def _gpu_backends_refuse_cpu(rank, world):
 
 def test_gpu_backends_refuse_cpu_tensors_and_uneven_rows():
     run_on_ranks(_gpu_backends_refuse_cpu, 2, backend="gloo")
+
+
+def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
+    """The FP8 heuristic gives precise calls the warp-specialized kernel's tiling when the launcher
+    says the call can take it (precise accumulation, a Hopper GPU, compiled), never a fast call;
+    a config that asks for it where it cannot run is refused with the reason, before any launch."""
+    from fluxtp._dist import GroupInfo
+    from fluxtp.backends.fused._all_gather_matmul import _config_for, launch_gemm, pingpong_unsupported
+    from fluxtp.backends.fused._scaled import Scaled
+    from fluxtp.configs import AllGatherMatmulConfig
+    from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_TILING
+
+    ws = AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True, warp_specialized=True)
+    assert ws.warp_specialized and {k: getattr(ws, k) for k in WARP_SPECIALIZED_FP8_TILING} == WARP_SPECIALIZED_FP8_TILING
+    assert ws.chunk_rows % ws.block_m == 0
+    assert not AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, False, warp_specialized=True).warp_specialized
+    assert not AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True).warp_specialized
+
+    precise, fast = Scaled(torch.bfloat16, True, True), Scaled(torch.bfloat16, True, False)
+    assert "precise accumulation" in pingpong_unsupported("cuda", fast)
+    assert "CUDA GPU" in pingpong_unsupported("cpu", precise)
+    x = torch.zeros(256, 64).to(torch.float8_e4m3fn)
+    w = torch.zeros(128, 64).to(torch.float8_e4m3fn)
+    assert not _config_for(x, w, 2, None, precise).warp_specialized  # a CPU tensor: the Triton kernel
+    with pytest.raises(ValueError, match="asks for the warp-specialized kernel, but it runs on a CUDA GPU only"):
+        launch_gemm(x.repeat(2, 1), x, w, None, torch.empty(512, 128, dtype=torch.bfloat16), torch.ones(2, dtype=torch.int32),
+                    torch.zeros(1, dtype=torch.int32), 256, 256, GroupInfo(None, 0, 2), ws, scaled=precise,
+                    scales=(torch.ones(512), torch.ones(256), torch.ones(128)))  # fmt: skip

@@ -181,6 +181,23 @@ def test_cache_round_trip(cache):
     assert tune.parse(tune.dumps(loaded.values())) == loaded
 
 
+def test_a_field_optional_in_tables_may_be_left_out_and_means_its_default():
+    """warp_specialized came after tables were written: their entries read as False; a required
+    field left out is still an error (test_corrupt_or_stale_file_is_ignored_with_one_warning)."""
+    data = _valid_file()
+    config = data["entries"][0]["config"]
+    assert config["warp_specialized"] is False  # written like every other field
+    del config["warp_specialized"]
+    (parsed,) = tune.parse(json.dumps(data)).values()
+    assert parsed.config.warp_specialized is False
+    config["warp_specialized"] = True
+    (parsed,) = tune.parse(json.dumps(data)).values()
+    assert parsed.config.warp_specialized is True
+    config["warp_specialized"] = 1
+    with pytest.raises(tune.CacheFileError, match="warp_specialized=1"):
+        tune.parse(json.dumps(data))
+
+
 def test_writes_merge_and_replace_equal_keys(cache):
     tune.write_entries([entry(m=1024, block_n=128), entry(m=4096)])
     tune.write_entries([entry(m=4096, group_m=16), entry(m=16384)])

@@ -18,6 +18,10 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+# Field metadata: a config field that a tuning table's entry may leave out (its default then).
+TABLE_OPTIONAL = "table_optional"
+
+
 @dataclass(frozen=True)
 class GemmTiling:
     """Tile shape and pipelining of a persistent TMA GEMM; every rank must launch the same one."""
@@ -46,6 +50,11 @@ def fp8_tiling(precise: bool, narrow: bool) -> dict:
     return {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}
 
 
+# The warp-specialized FP8 kernel's tiling: 128x128 tiles (two 64-row consumers), K blocks of 128
+# promoted in pairs (every 256 products, as fp8_tiling's precise one), 4 stages of 32 KiB. It read
+# 1.01-1.16x torch._scaled_mm where fp8_tiling's Triton kernel read 1.32-1.58x (docs/perf-log.md).
+WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4}
+
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
 HOPPER_SMS = 132
 # What a 128x128 tile costs relative to a 128x256 one (half the work, a little less efficient):
@@ -71,6 +80,10 @@ class AllGatherMatmulConfig(GemmTiling):
     flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
     tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
     epilogue_subtile: bool = True  # TMA-store the tile in two halves
+    # FP8 calls with precise accumulation on Hopper: the warp-specialized Gluon kernel
+    # (fluxtp/kernels/_all_gather_matmul_pingpong.py; 4 warps a consumer, num_warps ignored).
+    # Optional in tuning tables: entries written before it existed mean False.
+    warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod
     @functools.cache
@@ -87,8 +100,14 @@ class AllGatherMatmulConfig(GemmTiling):
     @staticmethod
     @functools.cache
     def heuristic_fp8(rows_per_rank: int, n: int, k: int, world: int, precise_acc: bool,
-                      sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
-        """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic()."""
+                      sms: int = HOPPER_SMS, warp_specialized: bool = False) -> AllGatherMatmulConfig:  # fmt: skip
+        """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic().
+        warp_specialized: the call may take the warp-specialized kernel (precise accumulation on
+        Hopper; the launcher decides), which it then does."""
+        if precise_acc and warp_specialized:
+            return AllGatherMatmulConfig(**WARP_SPECIALIZED_FP8_TILING, warp_specialized=True).with_communication_heuristic(
+                rows_per_rank
+            )
         narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 

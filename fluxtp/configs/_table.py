@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from fluxtp import _generation
-from fluxtp.configs._classes import FUSED_OPS, config_class, heuristic
+from fluxtp.configs._classes import FUSED_OPS, TABLE_OPTIONAL, config_class, heuristic
 
 SCHEMA = "fluxtp.tune/1"
 CACHE_FILE = "configs.json"
@@ -120,7 +120,8 @@ def config_from_dict(op: str, data) -> object:
     if not isinstance(data, dict):
         raise CacheFileError(f"a config of {op} is not an object: {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown, missing = sorted(set(data) - set(fields)), sorted(set(fields) - set(data))
+    optional = {name for name, f in fields.items() if f.metadata.get(TABLE_OPTIONAL)}
+    unknown, missing = sorted(set(data) - set(fields)), sorted(set(fields) - set(data) - optional)
     if unknown:
         raise CacheFileError(f"unknown config field(s) {', '.join(unknown)} for {op} (written by another fluxtp?)")
     if missing:

@@ -25,6 +25,7 @@ from fluxtp.backends.fused._scaled import Scaled, flat
 from tests._fp8_cases import quantize, rel_error, tolerance
 from tests._gates import HostGates
 from tests._rs_simulation import simulate
+from tests.gpu import run_until_trap
 
 pytestmark = pytest.mark.gpus(1)
 
@@ -45,22 +46,36 @@ def _reference(xq, sx, wq, sw, bias):
     return ref + bias.double() if bias is not None else ref
 
 
-@pytest.mark.parametrize(
-    "world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows",
-    [
-        (2, 1, 1000, 1000, 2048, True, torch.bfloat16, True, 256),  # ragged rows, N not a tile multiple, 4 chunks
-        (2, 0, 512, 2048, 4096, False, torch.float32, False, 512),  # per tensor, fast accumulation, one chunk
-        (4, 2, 384, 1536, 1024, True, torch.float16, False, 128),  # a chunk per tile row, the ring wraps
-    ],
-)
-def test_all_gather_fp8_waits_for_rows_and_scales(world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows):
+ALL_GATHER_CASES = [
+    (2, 1, 1000, 1000, 2048, True, torch.bfloat16, True, 256),  # ragged rows, N not a tile multiple, 4 chunks
+    (2, 0, 512, 2048, 4096, False, torch.float32, False, 512),  # per tensor, fast accumulation, one chunk
+    (4, 2, 384, 1536, 1024, True, torch.float16, False, 128),  # a chunk per tile row, the ring wraps
+    (8, 5, 256, 640, 1152, False, torch.float32, True, 128),  # TMA stores, an odd number of 128-wide K blocks
+    (4, 3, 200, 256, 384, True, torch.float16, True, 128),  # under one tile of rows a rank, three K blocks
+]
+# The warp-specialized kernel serves precise accumulation only.
+WARP_SPECIALIZED_CASES = [c for c in ALL_GATHER_CASES if c[7]]
+
+
+def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized):
+    cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise, warp_specialized=warp_specialized)
+    assert cfg.warp_specialized == warp_specialized
+    return AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
+
+
+@pytest.mark.parametrize("warp_specialized", [False, True])
+@pytest.mark.parametrize("world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows", ALL_GATHER_CASES)
+def test_all_gather_fp8_waits_for_rows_and_scales(warp_specialized, world, rank, m, n, k, row_wise, out_dtype, precise,
+                                                  chunk_rows):  # fmt: skip
+    if warp_specialized and not precise:
+        pytest.skip("the warp-specialized kernel serves precise accumulation only")
     seed = random.randrange(1 << 30)
-    what = f"world={world} rank={rank} m={m} row_wise={row_wise} {out_dtype} precise={precise} seed={seed}"
+    what = (f"world={world} rank={rank} m={m} k={k} row_wise={row_wise} {out_dtype} precise={precise} "
+            f"warp_specialized={warp_specialized} seed={seed}")  # fmt: skip
     xq, sx, wq, sw = _operands(seed, world * m, n, k, row_wise)
     bias = torch.randn(n, device="cuda", dtype=out_dtype)
     scaled = Scaled(out_dtype, row_wise, precise)
-    cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise)
-    cfg = AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
+    cfg = _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized)
     own = slice(rank * m, (rank + 1) * m)
     x_own = xq[own].clone()
     x_gathered = torch.full_like(xq.view(torch.uint8), 0x7F).view(xq.dtype)  # e4m3 NaN until copied
@@ -93,8 +108,68 @@ def test_all_gather_fp8_waits_for_rows_and_scales(world, rank, m, n, k, row_wise
     gates.open_slowly(finished, GATE_DELAY_S, what)
     torch.cuda.synchronize()
     err = rel_error(y, _reference(xq, sx, wq, sw, bias))
-    assert err <= tolerance(out_dtype, k, not precise), f"{what}: rel err {err:.2e}"
+    # hopper=True: precise accumulation sums a K interval in the tensor cores' precision before promoting it
+    allowed = tolerance(out_dtype, k, not precise, hopper=True)
+    assert err <= allowed, f"{what}: rel err {err:.2e}"
     assert signals.eq(0).all() and done.item() == 0, f"{what}: signals left {signals.tolist()}"
+    for _ in range(3):  # later calls over the same buffers, every chunk there: each leaves signals and count at zero
+        y.fill_(float("nan"))
+        signals.fill_(1)
+        launch_gemm(xq.clone(), x_own, wq, bias, y, signals, done, m, chunk_rows, GroupInfo(None, rank, world), cfg,
+                    max_spins=MAX_SPINS, scaled=scaled, scales=(flat(sx), scales_own, flat(sw)))  # fmt: skip
+        torch.cuda.synchronize()
+        again = rel_error(y, _reference(xq, sx, wq, sw, bias))
+        assert again <= allowed, f"{what}: rel err {again:.2e} on a later call"
+        assert signals.eq(0).all() and done.item() == 0, f"{what}: signals left {signals.tolist()} on a later call"
+
+
+def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_here():
+    """On this Hopper GPU, precise scaled calls go to the warp-specialized kernel, fast ones do not."""
+    from fluxtp.backends.fused._all_gather_matmul import _config_for
+
+    x = torch.zeros(512, 1024, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.zeros(768, 1024, device="cuda").to(torch.float8_e4m3fn)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel is for Hopper")
+    assert _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
+    assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
+    with pytest.raises(ValueError, match="precise accumulation"):
+        cfg = AllGatherMatmulConfig.heuristic_fp8(512, 768, 1024, 2, True, warp_specialized=True)
+        launch_gemm(x.repeat(2, 1), x, w, None, torch.empty(1024, 768, device="cuda", dtype=torch.bfloat16),
+                    torch.ones(2, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"),
+                    512, 512, GroupInfo(None, 0, 2), cfg, scaled=Scaled(torch.bfloat16, True, False),
+                    scales=(torch.ones(1024, device="cuda"), torch.ones(512, device="cuda"), torch.ones(768, device="cuda")))  # fmt: skip
+
+
+# One process (a trap poisons its CUDA context): the warp-specialized kernel as rank 1 of 4, chunk 1
+# of rank 3's rows never arriving. Its loader's wait must give up and name the chunk.
+_PINGPONG_TIMEOUT_SCRIPT = """
+import torch
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, launch_gemm
+from fluxtp.backends.fused._scaled import Scaled
+
+world, rank, m, n, k, chunk_rows = 4, 1, 256, 512, 1024, 128
+config = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, True, warp_specialized=True)
+config = AllGatherMatmulConfig(**{**config.__dict__, "chunk_rows": chunk_rows})
+x = torch.randn(world * m, k, device="cuda").to(torch.float8_e4m3fn)
+w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+y = torch.empty(world * m, n, device="cuda", dtype=torch.bfloat16)
+signals = torch.ones(world * (m // chunk_rows), dtype=torch.int32, device="cuda")
+signals[3 * (m // chunk_rows) + 1] = 0
+done = torch.zeros(1, dtype=torch.int32, device="cuda")
+one = torch.ones(1, device="cuda")
+launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk_rows, GroupInfo(None, rank, world), config,
+            max_spins=100_000, scaled=Scaled(torch.bfloat16, False, True), scales=(one, one, one))
+"""
+
+
+def test_the_warp_specialized_kernel_names_a_chunk_that_never_arrives():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel is for Hopper")
+    proc = run_until_trap(_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul")
+    out = proc.stdout
+    assert "rank 1 timed out waiting for chunk 1 of rank 3's rows" in out, out[-2000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

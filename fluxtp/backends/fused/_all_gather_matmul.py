@@ -28,6 +28,9 @@ peer's scales before the first chunk of rows, so a chunk's signal also says its 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +128,11 @@ class _Gemm:
         sms = num_sms(device)
         tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
         self.config = config
+        self.pingpong = None
+        if config.warp_specialized:
+            why = pingpong_unsupported(device, scaled)
+            if why:
+                raise ValueError(f"all_gather_scaled_matmul: config {config} asks for the warp-specialized kernel, but {why}")
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         # TMA stores need whole tiles inside each segment and 16-byte output rows.
         y_size = weight.element_size() if scaled is None else scaled.out_dtype.itemsize
@@ -154,9 +162,15 @@ class _Gemm:
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
+        if config.warp_specialized:
+            self.pingpong = _PingPong(config, min(sms, tiles), info, bias is not None, self.tma_store, scaled)
 
     def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
         """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat."""
+        if self.pingpong is not None:
+            self.pingpong(x_gathered, x_own, weight, y, y if bias is None else bias, signals, done, self.scalars,
+                          self.report, scales)  # fmt: skip
+            return
         b = self.weight.of(weight)
         layouts = self.layouts
         if layouts is None:
@@ -181,6 +195,79 @@ class _Gemm:
             self.report,
             *scales,
         )
+
+
+@functools.cache
+def _pingpong_kernel_available() -> bool:
+    """Whether this Triton has the Gluon the warp-specialized kernel is written in (its API moves)."""
+    try:
+        from triton.experimental.gluon import language as gl
+
+        from fluxtp.kernels import _all_gather_matmul_pingpong  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+
+
+def pingpong_unsupported(device, scaled) -> str | None:
+    """Why a call cannot take the warp-specialized FP8 kernel (_all_gather_matmul_pingpong), or None.
+    It serves scaled calls with precise accumulation on Hopper (sm_90), compiled (not interpreted)."""
+    if scaled is None or not scaled.precise_acc:
+        return "it serves FP8 calls with precise accumulation (use_fast_accum=False) only"
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "it runs on a CUDA GPU only, not under the Triton interpreter"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return f"it needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name(device)}"
+    if not _pingpong_kernel_available():
+        return "this Triton's Gluon lacks what it is written in (Triton 3.6's warp_specialize and Hopper TMA)"
+    return None
+
+
+class _PingPong:
+    """The warp-specialized FP8 kernel's launch for one call signature: Gluon descriptors (each with
+    its shared-memory layout) bound per call, launched through Triton (Launch keys on Triton's own
+    descriptors). x_gathered and x_own are float8 [*, k], the weight float8 [n, k] row-major."""
+
+    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled):
+        from triton.experimental.gluon import language as gl
+
+        from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
+
+        self.kernel, self.grid = all_gather_matmul_pingpong_kernel, grid
+        gl_dtypes = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                     torch.float32: gl.float32}  # fmt: skip
+        self.a_block, self.b_block = [config.block_m, config.block_k], [config.block_n, config.block_k]
+        self.c_block = [config.block_m // 2, config.block_n]
+        self.a_layout = gl.NVMMASharedLayout.get_default_for(self.a_block, gl.float8e4nv)
+        self.b_layout = gl.NVMMASharedLayout.get_default_for(self.b_block, gl.float8e4nv)
+        self.c_layout = gl.NVMMASharedLayout.get_default_for(self.c_block, gl_dtypes[scaled.out_dtype])
+        self.c_dummy = None  # without TMA stores the C descriptor only types the kernel's staging buffers
+        self.constexprs = dict(
+            RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m, NUM_PROGRAMS=grid,
+            NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store, SCALING=scaled.scaling,
+            num_warps=4, maxnreg=168,  # 12 warps: the consumers take 232 registers each, the loader 40
+        )  # fmt: skip
+
+    def _desc(self, t: torch.Tensor, block, layout):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
+        if self.constexprs["TMA_STORE"]:
+            c = self._desc(y, self.c_block, self.c_layout)
+        else:
+            if self.c_dummy is None:
+                self.c_dummy = self._desc(torch.empty(self.c_block, dtype=y.dtype, device=y.device), self.c_block,
+                                          self.c_layout)  # fmt: skip
+            c = self.c_dummy
+        self.kernel[(self.grid,)](
+            self._desc(x_gathered, self.a_block, self.a_layout),
+            self._desc(x_own, self.a_block, self.a_layout),
+            self._desc(weight, self.b_block, self.b_layout),
+            c, y, bias, signals, done, *scalars, report, *scales, **self.constexprs,
+        )  # fmt: skip
 
 
 def launch_gemm(
@@ -215,8 +302,9 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     own, nothing tuned yet)."""
     rows_per_rank, k = x_shard.shape
     if scaled is not None:
+        device = x_shard.device
         return config or AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
-                                                             num_sms(x_shard.device))  # fmt: skip
+                                                             num_sms(device), pingpong_unsupported(device, scaled) is None)  # fmt: skip
     return config or tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
         rows_per_rank, weight.shape[0], k, world, num_sms(x_shard.device)
     )

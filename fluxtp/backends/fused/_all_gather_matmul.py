@@ -168,8 +168,8 @@ class _Gemm:
     def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
         """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat."""
         if self.pingpong is not None:
-            self.pingpong(x_gathered, x_own, weight, y, y if bias is None else bias, signals, done, self.scalars,
-                          self.report, scales)  # fmt: skip
+            self.pingpong(x_gathered, x_own, self.weight.of(weight), y, y if bias is None else bias, signals, done,
+                          self.scalars, self.report, scales)  # fmt: skip
             return
         b = self.weight.of(weight)
         layouts = self.layouts
@@ -225,49 +225,40 @@ def pingpong_unsupported(device, scaled) -> str | None:
 
 
 class _PingPong:
-    """The warp-specialized FP8 kernel's launch for one call signature: Gluon descriptors (each with
-    its shared-memory layout) bound per call, launched through Triton (Launch keys on Triton's own
-    descriptors). x_gathered and x_own are float8 [*, k], the weight float8 [n, k] row-major."""
+    """The warp-specialized FP8 kernel's launch for one call signature: Gluon descriptor layouts
+    (each with its shared-memory layout) made at the first call, rebound per call, and the launch
+    through Launch. x_gathered and x_own are float8 [*, k], the weight float8 [n, k] row-major."""
 
     def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled):
-        from triton.experimental.gluon import language as gl
-
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
-        self.kernel, self.grid = all_gather_matmul_pingpong_kernel, grid
-        gl_dtypes = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                     torch.float32: gl.float32}  # fmt: skip
-        self.a_block, self.b_block = [config.block_m, config.block_k], [config.block_n, config.block_k]
-        self.c_block = [config.block_m // 2, config.block_n]
-        self.a_layout = gl.NVMMASharedLayout.get_default_for(self.a_block, gl.float8e4nv)
-        self.b_layout = gl.NVMMASharedLayout.get_default_for(self.b_block, gl.float8e4nv)
-        self.c_layout = gl.NVMMASharedLayout.get_default_for(self.c_block, gl_dtypes[scaled.out_dtype])
-        self.c_dummy = None  # without TMA stores the C descriptor only types the kernel's staging buffers
-        self.constexprs = dict(
-            RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m, NUM_PROGRAMS=grid,
-            NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store, SCALING=scaled.scaling,
-            num_warps=4, maxnreg=168,  # 12 warps: the consumers take 232 registers each, the loader 40
+        self.config, self.tma_store, self.layouts, self.c_dummy = config, tma_store, None, None
+        self.launch = Launch(
+            all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
+            NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
+            SCALING=scaled.scaling, num_warps=4, maxnreg=168,  # 12 warps: consumers 232 registers each, loader 40
         )  # fmt: skip
-
-    def _desc(self, t: torch.Tensor, block, layout):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
     def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
-        if self.constexprs["TMA_STORE"]:
-            c = self._desc(y, self.c_block, self.c_layout)
-        else:
-            if self.c_dummy is None:
-                self.c_dummy = self._desc(torch.empty(self.c_block, dtype=y.dtype, device=y.device), self.c_block,
-                                          self.c_layout)  # fmt: skip
-            c = self.c_dummy
-        self.kernel[(self.grid,)](
-            self._desc(x_gathered, self.a_block, self.a_layout),
-            self._desc(x_own, self.a_block, self.a_layout),
-            self._desc(weight, self.b_block, self.b_layout),
-            c, y, bias, signals, done, *scalars, report, *scales, **self.constexprs,
-        )  # fmt: skip
+        from triton.experimental.gluon import language as gl
+
+        layouts = self.layouts
+        if layouts is None:
+            c = self.config
+            a_block, b_block, c_block = [c.block_m, c.block_k], [c.block_n, c.block_k], [c.block_m // 2, c.block_n]
+            gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                        torch.float32: gl.float32}  # fmt: skip
+
+            def layout(t, block):
+                return DescriptorLayout(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype[t.dtype]))
+
+            if not self.tma_store:  # the C descriptor then only types the kernel's staging buffers
+                self.c_dummy = torch.empty(c_block, dtype=y.dtype, device=y.device)
+            layouts = self.layouts = (layout(x_gathered, a_block), layout(x_own, a_block), layout(weight, b_block),
+                                      layout(y if self.tma_store else self.c_dummy, c_block))  # fmt: skip
+        a, own, b, c = layouts
+        self.launch(a.over(x_gathered), own.over(x_own), b.over(weight), c.over(y if self.tma_store else self.c_dummy), y,
+                    bias, signals, done, *scalars, report, *scales)  # fmt: skip
 
 
 def launch_gemm(

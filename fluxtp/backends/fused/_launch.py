@@ -15,6 +15,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fluxtp.configs import weight_layout_of
 
+try:  # Gluon kernels take descriptors that carry their shared-memory layout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # a Triton without Gluon: no Gluon kernel is launched
+    GluonTensorDescriptor = None
+
 
 def _tma_compatible(t: torch.Tensor) -> bool:
     """TMA needs a unit last stride and a 16-byte aligned base and row stride."""
@@ -74,16 +79,21 @@ class DescriptorLayout:
     rebinds it to its own tensor (`over`) without keeping that tensor (the trap `descriptor`
     names). `over` skips TensorDescriptor's checks: the caller guarantees a tensor of the
     layout's dtype, shape and strides, 16-byte aligned (a plan's key holds all of them, and
-    fresh allocations are aligned)."""
+    fresh allocations are aligned). With `shared` (a Gluon NVMMASharedLayout), Gluon's
+    descriptor, which carries the layout its kernel's shared memory has."""
 
-    __slots__ = ("fields",)
+    __slots__ = ("cls", "fields")
 
-    def __init__(self, example: torch.Tensor, block: list[int]):
-        desc = TensorDescriptor.from_tensor(example, block)  # checked once, here
+    def __init__(self, example: torch.Tensor, block: list[int], shared=None):
+        if shared is None:
+            self.cls, desc = TensorDescriptor, TensorDescriptor.from_tensor(example, block)  # checked once, here
+        else:
+            self.cls = GluonTensorDescriptor
+            desc = GluonTensorDescriptor(example, list(example.shape), list(example.stride()), block, shared)
         self.fields = {name: value for name, value in vars(desc).items() if name != "base"}
 
-    def over(self, base: torch.Tensor) -> TensorDescriptor:
-        desc = object.__new__(TensorDescriptor)
+    def over(self, base: torch.Tensor):
+        desc = object.__new__(self.cls)
         vars(desc).update(self.fields)
         desc.base = base
         return desc
@@ -95,9 +105,9 @@ def _spec_key(arg):
     (Triton: dtype, aligned or not), a descriptor's dtype, alignment, shape, strides and block."""
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, TensorDescriptor):
+    if isinstance(arg, TensorDescriptor) or (GluonTensorDescriptor is not None and isinstance(arg, GluonTensorDescriptor)):
         base, layout = arg.base, (tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape))
-        return (base.dtype, base.data_ptr() % 16 == 0, layout, getattr(arg, "padding", None))
+        return (base.dtype, base.data_ptr() % 16 == 0, layout, getattr(arg, "padding", None), getattr(arg, "layout", None))
     return (type(arg), arg)
 
 

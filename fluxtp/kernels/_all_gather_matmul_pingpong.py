@@ -24,6 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from fluxtp.kernels._sync import RECORD_AND_TRAP_PTX
+
 # Triton 3.6's names; later releases call them async_load / async_store.
 _tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
 _tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
@@ -45,7 +47,7 @@ def _record_and_trap(report_ptr, segment, chunk, rank):
     """Every thread stores (segment, chunk, rank), fences it system-wide and traps: whichever thread
     traps first has made the record visible (fluxtp.kernels._sync.record_and_trap)."""
     gl.inline_asm_elementwise(
-        "st.global.b32 [$1], $2; st.global.b32 [$1+4], $3; st.global.b32 [$1+8], $4; membar.sys; trap; mov.u32 $0, 0;",
+        RECORD_AND_TRAP_PTX,
         "=r,l,r,r,r",
         [report_ptr, segment, chunk, rank],
         dtype=gl.int32,

@@ -76,13 +76,20 @@ def give_up(report_ptr, flag_ptr, src, tile, RANK: tl.constexpr):
     trap()
 
 
+# Store (a, b, c) at $1, fence system-wide, trap: one asm block, so whichever thread traps first
+# has made the record visible (every thread runs it). Shared with the Gluon kernels' copy.
+RECORD_AND_TRAP_PTX = tl.constexpr(
+    "st.global.b32 [$1], $2; st.global.b32 [$1+4], $3; st.global.b32 [$1+8], $4; membar.sys; trap; mov.u32 $0, 0;"
+)
+
+
 @triton.jit
 def record_and_trap(report_ptr, src, index, RANK: tl.constexpr):
     """give_up for a loop the pipeliner must keep (a CTA barrier in a loop body stops it): every
     thread stores the same record, fences it system-wide and traps, all in one asm block, so
     whichever thread traps first has made the record visible."""
     tl.inline_asm_elementwise(
-        "st.global.b32 [$1], $2; st.global.b32 [$1+4], $3; st.global.b32 [$1+8], $4; membar.sys; trap; mov.u32 $0, 0;",
+        RECORD_AND_TRAP_PTX,
         "=r,l,r,r,r",
         [report_ptr, src, index, tl.full((), RANK, tl.int32)],
         dtype=tl.int32,

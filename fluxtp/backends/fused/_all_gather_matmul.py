@@ -240,10 +240,10 @@ class _PingPong:
         )  # fmt: skip
 
     def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
-        from triton.experimental.gluon import language as gl
-
         layouts = self.layouts
         if layouts is None:
+            from triton.experimental.gluon import language as gl
+
             c = self.config
             a_block, b_block, c_block = [c.block_m, c.block_k], [c.block_n, c.block_k], [c.block_m // 2, c.block_n]
             gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,

@@ -40,9 +40,7 @@ from fluxtp.bench.gemm_grid import GemmCase, fp8_case_inputs, gathered, gemm_onl
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 
-# Triton 3.6 names; later releases call them tma.async_load / tma.async_store.
-_tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
-_tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
+from fluxtp.kernels._all_gather_matmul_pingpong import _tma_load, _tma_store  # Triton 3.6's TMA copy names
 
 
 @gluon.jit

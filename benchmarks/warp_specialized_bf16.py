@@ -31,6 +31,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import AllGatherMatmulConfig
+from fluxtp.kernels._all_gather_matmul_pingpong import allocate_pingpong
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_promotion import _descriptors, _pingpong_loader, _scaled_store, _tile_origin  # noqa: E402
@@ -97,17 +98,7 @@ def _consumer1(a_desc, b_desc, c_desc, scale_a_ptr, scale_b_ptr, M, N, K, a_bufs
 @gluon.jit
 def warp_specialized_kernel(a_desc, b_desc, c_desc, scale_a_ptr, scale_b_ptr, M, N, K, NUM_PROGRAMS: gl.constexpr,
                             NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
     args = (a_desc, b_desc, c_desc, scale_a_ptr, scale_b_ptr, M, N, K, a_bufs, b_bufs, c_bufs, ready, empty,
             NUM_PROGRAMS)  # fmt: skip
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_pingpong_loader, args)], [4, 1], [232, 40])

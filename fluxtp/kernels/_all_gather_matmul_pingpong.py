@@ -183,6 +183,25 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
 
 
 @gluon.jit
+def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
+    """Shared memory of a loader warp and two consumer warpgroups: NUM_STAGES stages of A and B
+    tiles, each consumer's half of a C tile, and per stage a `ready` barrier (the loader's TMA
+    bytes) and an `empty` one (both consumers released it)."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    return a_bufs, b_bufs, c_bufs, ready, empty
+
+
+@gluon.jit
 def all_gather_matmul_pingpong_kernel(
     a_desc,  # Gluon TensorDescriptor over A_gathered [W*m, K] (float8), block [BLOCK_M, BLOCK_K]
     own_desc,  # over this rank's shard [m, K], block [BLOCK_M, BLOCK_K]
@@ -214,17 +233,7 @@ def all_gather_matmul_pingpong_kernel(
     SCALING: gl.constexpr,  # 1 per tensor, 2 row-wise
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [

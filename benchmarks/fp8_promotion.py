@@ -7,7 +7,8 @@ reduced-precision one and adds ("promotes") a K interval's products into it. Per
 (llama3-8b / llama3-70b MLP up, TP 2 and 8, 2048 and 8192 tokens: the per-rank GEMM on the gathered
 rows, row-wise scales, bf16 out), times over torch._scaled_mm's (precise), CUDA graph replays
 interleaved (fluxtp.bench.harness), relative error against float64 on the dequantized inputs:
-- `triton`: the shipped fused kernel's GEMM-only mode (max_num_imprecise_acc=BLOCK_K: every 256);
+- `triton`: the fused all-gather's GEMM-only mode with the Triton kernel (max_num_imprecise_acc=BLOCK_K:
+  every 256), the one precise calls took before the warp-specialized kernel;
 - `one_late_128` / `one_256`: one Gluon partition, 8 warps, promoting every 128 (one K block late:
   the next block's wgmma is issued before the previous one is waited for) / every 256;
 - `pingpong_128` / `pingpong_256`: warp-specialized Gluon, a loader warp and two consumer
@@ -39,6 +40,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.bench.gemm_grid import GemmCase, fp8_case_inputs, gathered, gemm_only_case
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
+from fluxtp.configs import AllGatherMatmulConfig
 
 from fluxtp.kernels._all_gather_matmul_pingpong import _tma_load, _tma_store, allocate_pingpong
 
@@ -298,10 +300,12 @@ def main() -> None:
         scale_a = scale_x.repeat(case.world, 1)
         sa, sb = scale_a.reshape(-1).contiguous(), scale_w.reshape(-1).contiguous()
         want = (a.double() * scale_a.double()) @ (w.double() * scale_w.double().view(-1, 1)).T
+        # The Triton kernel's precise tiling, not the warp-specialized kernel the op now takes here.
+        triton_config = AllGatherMatmulConfig.heuristic_fp8(case.M // case.world, w.shape[0], w.shape[1], case.world, True)
         runs = {
             "cublas": lambda: torch._scaled_mm(a, w.T, scale_a, scale_w, out_dtype=torch.bfloat16),
             "cublas_fast": lambda: torch._scaled_mm(a, w.T, scale_a, scale_w, out_dtype=torch.bfloat16, use_fast_accum=True),
-            "triton": gemm_only_case(case, x, w, None, (scale_x, scale_w)),
+            "triton": gemm_only_case(case, x, w, triton_config, (scale_x, scale_w)),
             "one_late_128": one_partition(a, w, sa, sb, 128, 128, 128, 4, True),
             "one_256": one_partition(a, w, sa, sb, 128, 128, 256, 3, True),
             "pingpong_128": pingpong(a, w, sa, sb, 64, 6),

@@ -50,9 +50,9 @@ def fp8_tiling(precise: bool, narrow: bool) -> dict:
     return {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}
 
 
-# The warp-specialized FP8 kernel's tiling: 128x128 tiles (two 64-row consumers), K blocks of 128
-# promoted in pairs (every 256 products, as fp8_tiling's precise one), 4 stages of 32 KiB. It read
-# 1.01-1.16x torch._scaled_mm where fp8_tiling's Triton kernel read 1.32-1.58x (docs/perf-log.md).
+# The warp-specialized FP8 kernel's tiling: 128x128 tiles (two 64-row consumers, an accumulator and
+# a promotion buffer each), K blocks of 128 promoted in pairs (every 256 products, as fp8_tiling's
+# precise one), 4 stages of 32 KiB. Measurements: docs/perf-log.md.
 WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4}
 
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.

@@ -142,6 +142,9 @@ class _Gemm:
         self.report = _launch.timeout_record(_OP, device) if report is None else report
         self.scalars = (rows_per_rank, n, k, y_stride, chunk_rows, triton.cdiv(rows_per_rank, chunk_rows), max_spins,
                         signal_reset)  # fmt: skip
+        if config.warp_specialized:
+            self.pingpong = _PingPong(config, min(sms, tiles), info, bias is not None, self.tma_store, scaled, device)
+            return
         self.launch = Launch(
             all_gather_matmul_kernel,
             min(sms, tiles),
@@ -162,8 +165,6 @@ class _Gemm:
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-        if config.warp_specialized:
-            self.pingpong = _PingPong(config, min(sms, tiles), info, bias is not None, self.tma_store, scaled)
 
     def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
         """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat."""
@@ -229,10 +230,13 @@ class _PingPong:
     (each with its shared-memory layout) made at the first call, rebound per call, and the launch
     through Launch. x_gathered and x_own are float8 [*, k], the weight float8 [n, k] row-major."""
 
-    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled):
+    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled, device):
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
-        self.config, self.tma_store, self.layouts, self.c_dummy = config, tma_store, None, None
+        self.config, self.layouts = config, None
+        self.c_block = [config.block_m // 2, config.block_n]
+        # Without TMA stores the C descriptor only types the kernel's staging buffers.
+        self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=scaled.out_dtype, device=device)
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
@@ -240,25 +244,18 @@ class _PingPong:
         )  # fmt: skip
 
     def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
+        c_base = y if self.c_dummy is None else self.c_dummy
         layouts = self.layouts
         if layouts is None:
-            from triton.experimental.gluon import language as gl
-
             c = self.config
-            a_block, b_block, c_block = [c.block_m, c.block_k], [c.block_n, c.block_k], [c.block_m // 2, c.block_n]
-            gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                        torch.float32: gl.float32}  # fmt: skip
-
-            def layout(t, block):
-                return DescriptorLayout(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype[t.dtype]))
-
-            if not self.tma_store:  # the C descriptor then only types the kernel's staging buffers
-                self.c_dummy = torch.empty(c_block, dtype=y.dtype, device=y.device)
-            layouts = self.layouts = (layout(x_gathered, a_block), layout(x_own, a_block), layout(weight, b_block),
-                                      layout(y if self.tma_store else self.c_dummy, c_block))  # fmt: skip
+            a_block, b_block = [c.block_m, c.block_k], [c.block_n, c.block_k]
+            layouts = self.layouts = tuple(
+                DescriptorLayout(t, block, gluon=True)
+                for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, b_block), (c_base, self.c_block))
+            )
         a, own, b, c = layouts
-        self.launch(a.over(x_gathered), own.over(x_own), b.over(weight), c.over(y if self.tma_store else self.c_dummy), y,
-                    bias, signals, done, *scalars, report, *scales)  # fmt: skip
+        self.launch(a.over(x_gathered), own.over(x_own), b.over(weight), c.over(c_base), y, bias, signals, done, *scalars,
+                    report, *scales)  # fmt: skip
 
 
 def launch_gemm(

@@ -16,7 +16,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fluxtp.configs import weight_layout_of
 
 try:  # Gluon kernels take descriptors that carry their shared-memory layout
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    _GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                     torch.float32: gl.float32}  # fmt: skip
 except ImportError:  # a Triton without Gluon: no Gluon kernel is launched
     GluonTensorDescriptor = None
 
@@ -79,17 +83,18 @@ class DescriptorLayout:
     rebinds it to its own tensor (`over`) without keeping that tensor (the trap `descriptor`
     names). `over` skips TensorDescriptor's checks: the caller guarantees a tensor of the
     layout's dtype, shape and strides, 16-byte aligned (a plan's key holds all of them, and
-    fresh allocations are aligned). With `shared` (a Gluon NVMMASharedLayout), Gluon's
-    descriptor, which carries the layout its kernel's shared memory has."""
+    fresh allocations are aligned). With `gluon`, Gluon's descriptor, which carries the layout
+    its kernel's shared memory has (the default NVMMA layout of the block and dtype)."""
 
     __slots__ = ("cls", "fields")
 
-    def __init__(self, example: torch.Tensor, block: list[int], shared=None):
-        if shared is None:
-            self.cls, desc = TensorDescriptor, TensorDescriptor.from_tensor(example, block)  # checked once, here
-        else:
+    def __init__(self, example: torch.Tensor, block: list[int], gluon: bool = False):
+        if gluon:
             self.cls = GluonTensorDescriptor
+            shared = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPES[example.dtype])
             desc = GluonTensorDescriptor(example, list(example.shape), list(example.stride()), block, shared)
+        else:
+            self.cls, desc = TensorDescriptor, TensorDescriptor.from_tensor(example, block)  # checked once, here
         self.fields = {name: value for name, value in vars(desc).items() if name != "base"}
 
     def over(self, base: torch.Tensor):

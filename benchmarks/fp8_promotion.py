@@ -34,9 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused._launch import DescriptorLayout
 from fluxtp.bench.gemm_grid import GemmCase, fp8_case_inputs, gathered, gemm_only_case
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
@@ -237,15 +237,34 @@ def pingpong_kernel(a_desc, b_desc, c_desc, scale_a_ptr, scale_b_ptr, M, N, K, N
                        [4, 1], [232, 40])
 
 
-SMS = None
+def _sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def timed_row(case: str, runs: dict, rounds: int, device, **fields) -> dict:
+    """`runs` (name -> callable, "cublas" among them) as CUDA graph replays interleaved; the case's
+    row (with `fields`), times over cuBLAS's (medians)."""
+    variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
+    ms = measure_rounds(variants, Protocol(rounds=rounds, warmup_rounds=1, calls_per_sample=5), GroupInfo(None, 0, 1),
+                        device).ms  # fmt: skip
+    row = {"case": case, **fields, "ms": {v: round(t, 5) for v, t in ms.items()},
+           "vs_cublas": {v: round(ms[v] / ms["cublas"], 3) for v in runs}}  # fmt: skip
+    print(row["case"], row["vs_cublas"], flush=True)
+    return row
+
+
+def report(scenario: str, rows: list[dict], out: str | None) -> None:
+    """The table of every row's times over cuBLAS's, and the JSON (one GPU)."""
+    names = list(rows[0]["vs_cublas"])
+    print(tabulate([[r["case"], *(r["vs_cublas"][v] for v in names)] for r in rows], headers=["time / cuBLAS", *names]))
+    if out:
+        data = envelope(scenario, rows, device=torch.cuda.get_device_name(), gpus=1, world=1, command=command_line())
+        print("wrote", write_json(data, out))
 
 
 def _descriptors(a, b, c, block_a, block_b, block_c):
-    def desc(t, block):
-        dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-    return desc(a, block_a), desc(b, block_b), desc(c, block_c)
+    """Gluon descriptors of a, b and c (the fused launchers' own: default NVMMA layouts)."""
+    return tuple(DescriptorLayout(t, block, gluon=True).over(t) for t, block in ((a, block_a), (b, block_b), (c, block_c)))
 
 
 def one_partition(a, b, scale_a, scale_b, block_m, block_n, block_k, stages, precise, warps=8):
@@ -253,7 +272,7 @@ def one_partition(a, b, scale_a, scale_b, block_m, block_n, block_k, stages, pre
     n = b.shape[0]
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     descs = _descriptors(a, b, c, [block_m, block_k], [block_n, block_k], [block_m, block_n])
-    programs = min(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), SMS)
+    programs = min(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), _sms(a.device))
     warps_m = min(warps, block_m // 16)
     layout = (warps_m, warps // warps_m, block_n // (warps // warps_m))
 
@@ -272,7 +291,7 @@ def pingpong(a, b, scale_a, scale_b, block_k, stages):
         raise ValueError(f"pingpong: K={k} must be an even number of {block_k}-wide blocks")
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     descs = _descriptors(a, b, c, [128, block_k], [128, block_k], [64, 128])
-    programs = min(triton.cdiv(m, 128) * triton.cdiv(n, 128), SMS)
+    programs = min(triton.cdiv(m, 128) * triton.cdiv(n, 128), _sms(a.device))
 
     def run():
         # 12 warps of 168 registers: the two consumers take 232 each, the loader 40.
@@ -283,13 +302,11 @@ def pingpong(a, b, scale_a, scale_b, block_k, stages):
 
 
 def main() -> None:
-    global SMS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
-    SMS = torch.cuda.get_device_properties(device).multi_processor_count
     cases = [GemmCase("all_gather_matmul", m, n, k, w, "float8_e4m3fn", model=model)
              for model, (k, n) in (("llama3-8b", (4096, 14336)), ("llama3-70b", (8192, 28672)))
              for w in (2, 8) for m in (2048, 8192)]
@@ -315,23 +332,12 @@ def main() -> None:
         error = {}
         for name, run in runs.items():
             got = run().double()
-            error[name] = ((got - want).norm() / want.norm()).item()
-        variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
-        ms = measure_rounds(variants, Protocol(rounds=args.rounds, warmup_rounds=1, calls_per_sample=5),
-                            GroupInfo(None, 0, 1), device).ms
+            error[name] = float(f"{((got - want).norm() / want.norm()).item():.3g}")
         m, n, k = case.gemm_shape
-        rows.append({"case": f"{case.model} TP{case.world} M{case.M}", "m": m, "n": n, "k": k,
-                     "ms": {v: round(t, 5) for v, t in ms.items()},
-                     "vs_cublas": {v: round(ms[v] / ms["cublas"], 3) for v in runs},
-                     "relative_error": {v: float(f"{e:.3g}") for v, e in error.items()}})
-        print(rows[-1]["case"], rows[-1]["vs_cublas"], flush=True)
-    names = list(rows[0]["vs_cublas"])
-    print(tabulate([[r["case"], *(r["vs_cublas"][v] for v in names)] for r in rows], headers=["time / cuBLAS", *names]))
+        rows.append(timed_row(f"{case.model} TP{case.world} M{case.M}", runs, args.rounds, device, m=m, n=n, k=k,
+                              relative_error=error))  # fmt: skip
+    report("fp8_promotion", rows, args.out)
     print("relative error:", rows[-1]["relative_error"])
-    if args.out:
-        data = envelope("fp8_promotion", rows, device=torch.cuda.get_device_name(device), gpus=1, world=1,
-                        command=command_line())
-        print("wrote", write_json(data, args.out))
 
 
 if __name__ == "__main__":

@@ -22,19 +22,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from tabulate import tabulate
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from fluxtp._dist import GroupInfo
-from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
-from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import AllGatherMatmulConfig
 from fluxtp.kernels._all_gather_matmul_pingpong import allocate_pingpong
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fp8_promotion import _descriptors, _pingpong_loader, _scaled_store, _tile_origin  # noqa: E402
+from fp8_promotion import _descriptors, _pingpong_loader, _scaled_store, _sms, _tile_origin, report, timed_row  # noqa: E402
 from gemm_efficiency import plain_matmul  # noqa: E402
 
 SHAPES = [  # (case, M, N, K) of one rank's GEMM
@@ -104,13 +100,13 @@ def warp_specialized_kernel(a_desc, b_desc, c_desc, scale_a_ptr, scale_b_ptr, M,
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_pingpong_loader, args)], [4, 1], [232, 40])
 
 
-def warp_specialized(a, b, block_n, stages, sms):
+def warp_specialized(a, b, block_n, stages):
     m, k = a.shape
     n = b.shape[0]
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
     descs = _descriptors(a, b, c, [128, 64], [block_n, 64], [64, block_n])
     ones_m, ones_n = torch.ones(m, device=a.device), torch.ones(n, device=a.device)
-    programs = min(sms, triton.cdiv(m, 128) * triton.cdiv(n, block_n))
+    programs = min(_sms(a.device), triton.cdiv(m, 128) * triton.cdiv(n, block_n))
 
     def run():
         warp_specialized_kernel[(programs,)](*descs, ones_m, ones_n, m, n, k, programs, stages, num_warps=4, maxnreg=168)
@@ -125,7 +121,6 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for case, m, n, k in SHAPES:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -135,25 +130,15 @@ def main() -> None:
             "cublas": lambda a=a, b=b: F.linear(a, b),
             "triton_128x256": plain_matmul(a, b, AllGatherMatmulConfig()),
             "triton_128x128": plain_matmul(a, b, AllGatherMatmulConfig(block_n=128, num_warps=4, num_stages=5)),
-            "ws_128x256": warp_specialized(a, b, 256, 3, sms),  # 3 stages of 48 KiB: the most that fit
-            "ws_128x128": warp_specialized(a, b, 128, 5, sms),
+            "ws_128x256": warp_specialized(a, b, 256, 3),  # 3 stages of 48 KiB: the most that fit
+            "ws_128x128": warp_specialized(a, b, 128, 5),
         }
         for name, run in runs.items():
             error = ((run().float() - want).norm() / want.norm()).item()
             if not error < 1e-2:
                 raise AssertionError(f"{case}: {name} computes a wrong result (relative error {error:.3g})")
-        variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
-        ms = measure_rounds(variants, Protocol(rounds=args.rounds, warmup_rounds=1, calls_per_sample=5),
-                            GroupInfo(None, 0, 1), device).ms  # fmt: skip
-        rows.append({"case": case, "m": m, "n": n, "k": k, "ms": {v: round(t, 5) for v, t in ms.items()},
-                     "vs_cublas": {v: round(ms[v] / ms["cublas"], 3) for v in runs}})  # fmt: skip
-        print(case, rows[-1]["vs_cublas"], flush=True)
-    names = list(rows[0]["vs_cublas"])
-    print(tabulate([[r["case"], *(r["vs_cublas"][v] for v in names)] for r in rows], headers=["time / cuBLAS", *names]))
-    if args.out:
-        data = envelope("warp_specialized_bf16", rows, device=torch.cuda.get_device_name(device), gpus=1, world=1,
-                        command=command_line())  # fmt: skip
-        print("wrote", write_json(data, args.out))
+        rows.append(timed_row(case, runs, args.rounds, device, m=m, n=n, k=k))
+    report("warp_specialized_bf16", rows, args.out)
 
 
 if __name__ == "__main__":

@@ -84,15 +84,26 @@ def gemm_only(launcher_module, kernel_name: str, kernel, case, x, weight):
         setattr(launcher_module, kernel_name, shipped)
 
 
-def case_parser(doc: str, models: str, worlds: str, tokens: str) -> argparse.ArgumentParser:
-    """The part-by-part benchmarks' arguments: which cases (cases_of), rounds, the JSON's path."""
+def case_parser(doc: str, models: str, worlds: str, tokens: str, variants: dict) -> argparse.ArgumentParser:
+    """The part-by-part benchmarks' arguments: which cases (cases_of), which of `variants`
+    (chosen_variants), rounds, the JSON's path."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--models", default=models)
     parser.add_argument("--worlds", default=worlds)
     parser.add_argument("--tokens", default=tokens)
+    parser.add_argument("--variants", default=",".join(variants), help="comma-separated names of the variants")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out")
     return parser
+
+
+def chosen_variants(parser: argparse.ArgumentParser, args, variants: dict) -> dict:
+    """The variants (name -> replacements) that --variants names; a parser error for an unknown name."""
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(variants))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(variants)}")
+    return {n: variants[n] for n in names}
 
 
 def cases_of(args, op: str) -> list:

@@ -34,7 +34,7 @@ from fluxtp.backends.fused import _all_gather_matmul
 from fluxtp.bench.gemm_grid import case_inputs, gathered, launched_config, relative_error
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import case_parser, cases_of, graphed_runs, report, time_case, variant_kernels  # noqa: E402
+from _kernel_variants import case_parser, cases_of, chosen_variants, graphed_runs, report, time_case, variant_kernels  # noqa: E402
 
 SKIP_EMPTY_LOOPS = [  # a program with no tile of a phase does not enter its pipelined loop at all
     ("    _tiles(own_desc,", "    if pid < tiles_per_segment:\n        _tiles(own_desc,"),
@@ -96,16 +96,11 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = case_parser(__doc__, "llama3-8b,llama3-70b,gpt3-175b", "2,4,8", "1024,2048,4096")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    parser = case_parser(__doc__, "llama3-8b,llama3-70b,gpt3-175b", "2,4,8", "1024,2048,4096", VARIANTS)
     args = parser.parse_args()
     cases = cases_of(args, "all_gather_matmul")
-    names = args.variants.split(",")
-    unknown = sorted(set(names) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     kernel = "all_gather_matmul_kernel"
-    kernels = variant_kernels(_all_gather_matmul, kernel, "_all_gather_matmul.py", {n: VARIANTS[n] for n in names})
+    kernels = variant_kernels(_all_gather_matmul, kernel, "_all_gather_matmul.py", chosen_variants(parser, args, VARIANTS))
     rows = []
     for case in cases:
         x, w = case_inputs(case, "cuda")

@@ -42,7 +42,8 @@ NO_PEER_STORES = [("tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc
 NO_FLAGS = [('                set_flag(pending_flag, 1, "sys")\n            pending = 0', "                pass\n            pending = 0"),
             ('tl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")', "pass")]
 NO_WAIT = [('arrived = wait_flags(flag_ptrs, peer, 1, max_spins, "sys")', "arrived = peer | ~peer")]
-PEERS_ONLY = [("own: tl.constexpr = part == 1", "own: tl.constexpr = False")]
+PEERS_ONLY = [("    for own in tl.static_range(2):", "    for own in tl.static_range(1):"),
+              ("        for tile_id in tl.range(start, stop, NUM_SMS", "        stop = end_tile\n        for tile_id in tl.range(start, stop, NUM_SMS")]
 NONE = NO_PARTIAL_LOADS + NO_PEER_STORES + NO_FLAGS
 # A chained (ring) reduction's reads: every tile adds one partial before it hands its sum on
 # (the previous hop's, in this rank's buffer), so an own tile adds one, not W-1.

@@ -197,8 +197,7 @@ def matmul_reduce_scatter_kernel(
     # epilogue (`own` is a constant in each): a loop holding both paths ran 1-2% slower at W = 4
     # and 8. A program visits its tiles in the same order either way.
     own_first = (WORLD - 1) * tiles_per_segment  # the own step's first tile
-    for part in tl.static_range(2):
-        own: tl.constexpr = part == 1
+    for own in tl.static_range(2):  # 0: the peer steps, 1: the own step
         if own:
             start = first_tile + tl.cdiv(tl.maximum(own_first - first_tile, 0), NUM_SMS) * NUM_SMS
             stop = end_tile

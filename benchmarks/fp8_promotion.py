@@ -42,7 +42,7 @@ from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import AllGatherMatmulConfig
 
-from fluxtp.kernels._all_gather_matmul_pingpong import _tma_load, _tma_store, allocate_pingpong
+from fluxtp.kernels._pingpong import allocate_pingpong, tma_load, tma_store
 
 
 @gluon.jit
@@ -56,8 +56,8 @@ def _tile_origin(tile, tiles_m, tiles_n, GROUP_M, BLOCK_M: gl.constexpr, BLOCK_N
 @gluon.jit
 def _load_stage(a_desc, b_desc, a_bufs, b_bufs, bars, stage, off_m, off_n, k):
     mbarrier.expect(bars.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    _tma_load(a_desc, [off_m, k], bars.index(stage), a_bufs.index(stage))
-    _tma_load(b_desc, [off_n, k], bars.index(stage), b_bufs.index(stage))
+    tma_load(a_desc, [off_m, k], bars.index(stage), a_bufs.index(stage))
+    tma_load(b_desc, [off_n, k], bars.index(stage), b_bufs.index(stage))
 
 
 @gluon.jit
@@ -70,7 +70,7 @@ def _scaled_store(acc, c_desc, c_smem, scale_a_ptr, scale_b_ptr, off_m, off_n, M
     tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
     c_smem.store(out.to(c_desc.dtype))
     fence_async_shared()
-    _tma_store(c_desc, [off_m, off_n], c_smem)
+    tma_store(c_desc, [off_m, off_n], c_smem)
 
 
 @gluon.jit

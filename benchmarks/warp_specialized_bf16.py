@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from fluxtp.configs import AllGatherMatmulConfig
-from fluxtp.kernels._all_gather_matmul_pingpong import allocate_pingpong
+from fluxtp.kernels._pingpong import allocate_pingpong
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_promotion import _descriptors, _pingpong_loader, _scaled_store, _sms, _tile_origin, report, timed_row  # noqa: E402

@@ -45,7 +45,7 @@ def copy_engine(buffers, ptrs, layout, world, dtype=torch.float16):
         assert len(steps) == (world - 1) * layout.bands
         for step in steps:
             count = counters[step.counter].item()
-            assert count == step.tiles, f"rank {rank} counted {count} tiles at counter {step.counter}, not {step.tiles}"
+            assert count == step.count, f"rank {rank} counted {count} arrivals at counter {step.counter}, not {step.count}"
             owner_flags = step.owner_flags.view(torch.int32)
             assert owner_flags[step.flag] == 0, f"rank {rank}: the owner's flag {step.flag} was set before its band came"
             step.target.copy_(step.source)

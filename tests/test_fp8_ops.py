@@ -50,8 +50,8 @@ def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
     says the call can take it (precise accumulation, a Hopper GPU, compiled), never a fast call;
     a config that asks for it where it cannot run is refused with the reason, before any launch."""
     from fluxtp._dist import GroupInfo
-    from fluxtp.backends.fused._all_gather_matmul import _config_for, launch_gemm, pingpong_unsupported
-    from fluxtp.backends.fused._scaled import Scaled
+    from fluxtp.backends.fused._all_gather_matmul import _config_for, launch_gemm
+    from fluxtp.backends.fused._scaled import Scaled, pingpong_unsupported
     from fluxtp.configs import AllGatherMatmulConfig
     from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_TILING
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-import os
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +128,7 @@ class _Gemm:
         self.config = config
         self.pingpong = None
         if config.warp_specialized:
-            why = pingpong_unsupported(device, scaled)
+            why = _scaled.pingpong_unsupported(device, scaled)
             if why:
                 raise ValueError(f"all_gather_scaled_matmul: config {config} asks for the warp-specialized kernel, but {why}")
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
@@ -196,33 +194,6 @@ class _Gemm:
             self.report,
             *scales,
         )
-
-
-@functools.cache
-def _pingpong_kernel_available() -> bool:
-    """Whether this Triton has the Gluon the warp-specialized kernel is written in (its API moves)."""
-    try:
-        from triton.experimental.gluon import language as gl
-
-        from fluxtp.kernels import _all_gather_matmul_pingpong  # noqa: F401
-    except (ImportError, AttributeError):
-        return False
-    return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
-
-
-def pingpong_unsupported(device, scaled) -> str | None:
-    """Why a call cannot take the warp-specialized FP8 kernel (_all_gather_matmul_pingpong), or None.
-    It serves scaled calls with precise accumulation on Hopper (sm_90), compiled (not interpreted)."""
-    if scaled is None or not scaled.precise_acc:
-        return "it serves FP8 calls with precise accumulation (use_fast_accum=False) only"
-    device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return "it runs on a CUDA GPU only, not under the Triton interpreter"
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return f"it needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name(device)}"
-    if not _pingpong_kernel_available():
-        return "this Triton's Gluon lacks what it is written in (Triton 3.6's warp_specialize and Hopper TMA)"
-    return None
 
 
 class _PingPong:
@@ -292,7 +263,7 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     if scaled is not None:
         device = x_shard.device
         return config or AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
-                                                             num_sms(device), pingpong_unsupported(device, scaled) is None)  # fmt: skip
+                                                             num_sms(device), _scaled.pingpong_unsupported(device, scaled) is None)  # fmt: skip
     return config or tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
         rows_per_rank, weight.shape[0], k, world, num_sms(x_shard.device)
     )

@@ -55,13 +55,16 @@ _OP = "matmul_reduce_scatter"
 # W=8 that took 0.91-1.00x the time of one load at a time, at W=2 and 4 it was level (one H200,
 # GEMM-only, benchmarks/reduce_unroll_ab.py), so smaller groups keep the fewer live registers of the loop.
 REDUCE_UNROLL_MIN_WORLD = 8
+
+
 @dataclass(frozen=True)
 class Layout:
     """Byte layout of one rank's buffer for one call: partial slots [m, n], then int32 flags.
 
     Push and pull: W-1 slots, a flag per (peer, tile). Copy engine: W-1 incoming and W-1
     outgoing slots, a flag per (peer, band) and then a tile counter per (owner, band), a band
-    being group_m rows of tiles."""
+    being group_m rows of tiles. A tile's producer adds tile_arrivals to its flag or counter
+    (the warp-specialized kernel releases each half of a tile on its own: 2)."""
 
     rows_per_rank: int
     n: int
@@ -72,6 +75,7 @@ class Layout:
     flags_offset: int
     num_flags: int
     nbytes: int
+    tile_arrivals: int
 
     @staticmethod
     @functools.lru_cache(maxsize=256)  # on every call's path; 8 us to build on the H200 hosts
@@ -85,7 +89,7 @@ class Layout:
             num_flags = (world - 1) * tiles_m * tiles_n
         return Layout(
             rows_per_rank, n, tiles_m, tiles_n, config.group_m, config.block_m,
-            flags_offset, num_flags, flags_offset + 4 * num_flags,
+            flags_offset, num_flags, flags_offset + 4 * num_flags, 2 if config.warp_specialized else 1,
         )
 
     @property
@@ -117,7 +121,7 @@ class _BandCopy:
     them costs host time on every call)."""
 
     counter: int  # index into this rank's tile counters
-    tiles: int  # the count that says the band is complete
+    count: int  # the count that says the band is complete (its tiles' arrivals)
     source: torch.Tensor  # the band in this rank's outgoing slot
     target: torch.Tensor  # its place in the owner's incoming slot
     owner_flags: torch.Tensor  # uint32 view of the owner's flags
@@ -156,7 +160,7 @@ class _Workspace:
                 plan.append(
                     _BandCopy(
                         out_slot * layout.bands + band,
-                        tiles,
+                        tiles * layout.tile_arrivals,
                         outgoing[out_slot, first:end],
                         incoming[owner][in_slot, first:end],
                         flags[owner],
@@ -204,6 +208,21 @@ class _Kernel:
         self.layouts = None
         report = _launch.timeout_record(_OP, x.device) if report is None else report
         self.scalars = (rows_per_rank, n, k, out_stride, buffer_flags_offset, first_step, last_step, max_spins, report)
+        self.gluon = config.warp_specialized
+        if self.gluon:
+            why = _scaled.pingpong_unsupported(x.device, scaled)
+            if why:
+                raise ValueError(f"scaled_matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
+            from fluxtp.kernels._matmul_reduce_scatter_pingpong import matmul_reduce_scatter_pingpong_kernel
+
+            grid = min(sms, max(tiles, 1))
+            self.launch = Launch(
+                matmul_reduce_scatter_pingpong_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
+                NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None,
+                PUSH=config.transport != "pull", COPY_ENGINE=config.copy_engine, SCALING=scaled.scaling,
+                num_warps=4, maxnreg=168,  # 12 warps: consumers 232 registers each, loader 40
+            )  # fmt: skip
+            return
         self.launch = Launch(
             matmul_reduce_scatter_kernel,
             min(sms, max(tiles, 1)),
@@ -236,8 +255,8 @@ class _Kernel:
         if layouts is None:
             c = self.config
             layouts = self.layouts = (
-                DescriptorLayout(x, [c.block_m, c.block_k]),
-                DescriptorLayout(b, self.weight.block(c)),
+                DescriptorLayout(x, [c.block_m, c.block_k], gluon=self.gluon),
+                DescriptorLayout(b, self.weight.block(c), gluon=self.gluon),
             )
         self.launch(layouts[0].over(x), layouts[1].over(b), out, out if bias is None else bias, buffer_ptrs, *self.scalars,
                     *scales)  # fmt: skip
@@ -280,7 +299,9 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
     own, nothing tuned yet)."""
     m_total, k = x.shape
     if scaled is not None:
-        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, weight.shape[0], k, world, scaled.precise_acc)
+        warp_specialized = _scaled.pingpong_unsupported(x.device, scaled) is None
+        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, weight.shape[0], k, world, scaled.precise_acc,
+                                                                 warp_specialized)  # fmt: skip
     return config or tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(
         m_total, weight.shape[0], k, world
     )
@@ -389,7 +410,7 @@ class Plan:
         kernel."""
         counters = self.counters
         for step in self.steps:
-            symm.stream_wait_at_least(counters, step.counter, step.tiles)
+            symm.stream_wait_at_least(counters, step.counter, step.count)
             step.target.copy_(step.source)
             _write_value32(step.owner_flags, step.flag, 1)
 
@@ -462,7 +483,8 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     config = _config_for(x, weight, world, config, scaled)  # the same config as matmul_reduce_scatter
     layout = Layout.of(m_total // world, n, partial_dtype(x, scaled).itemsize, world, config)
     read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
-    read[layout.flags_offset :].view(torch.int32).fill_(1)
+    # Every peer's flag preset to its complete value: a band's 1 (set by the copy stream), a tile's arrivals.
+    read[layout.flags_offset :].view(torch.int32).fill_(1 if config.copy_engine else layout.tile_arrivals)
     scratch = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
     # push: the owner (this rank) reads its own buffer, producers write the peers'; pull: reversed.
     own, peers = (scratch, read) if config.transport == "pull" else (read, scratch)

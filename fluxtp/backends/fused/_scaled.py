@@ -11,6 +11,9 @@ own reduced precision over the whole K loop.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,3 +48,30 @@ def constexprs(scaled: Scaled | None) -> dict:
     if scaled is None:
         return {"SCALING": 0, "PRECISE_ACC": False}
     return {"SCALING": scaled.scaling, "PRECISE_ACC": scaled.precise_acc}
+
+
+@functools.cache
+def _pingpong_kernels_available() -> bool:
+    """Whether this Triton has the Gluon the warp-specialized kernels are written in (its API moves)."""
+    try:
+        from triton.experimental.gluon import language as gl
+
+        from fluxtp.kernels import _pingpong  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+
+
+def pingpong_unsupported(device, scaled: Scaled | None) -> str | None:
+    """Why a call cannot take a warp-specialized FP8 kernel (fluxtp.kernels._pingpong), or None.
+    They serve scaled calls with precise accumulation on Hopper (sm_90), compiled (not interpreted)."""
+    if scaled is None or not scaled.precise_acc:
+        return "it serves FP8 calls with precise accumulation (use_fast_accum=False) only"
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "it runs on a CUDA GPU only, not under the Triton interpreter"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return f"it needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name(device)}"
+    if not _pingpong_kernels_available():
+        return "this Triton's Gluon lacks what it is written in (Triton 3.6's warp_specialize and Hopper TMA)"
+    return None

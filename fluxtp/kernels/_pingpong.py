@@ -1,0 +1,131 @@
+"""What the warp-specialized (Gluon, Hopper) FP8 kernels share: a loader warp feeding a ring of
+TMA stages, and two consumer warpgroups that each compute half of a BLOCK_M x BLOCK_N tile's rows
+with the float32 promotion off the tensor cores' path.
+
+Within one warpgroup a promotion waits for the MMAs before it (measured: issuing the next
+block's wgmma first does not hide it). So each consumer promotes after every two K blocks
+(2 * BLOCK_K products, as precise torch._scaled_mm), consumer 1 one block after consumer 0: one
+issues MMAs while the other waits for its own. Each releases a stage once its MMAs retired; a
+stage is refilled when both did. docs/perf-log.md ("FP8 precise accumulation ...") has the
+measurements.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from fluxtp.kernels._sync import RECORD_AND_TRAP_PTX
+
+# Triton 3.6's names; later releases call them async_load / async_store.
+tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
+tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
+
+
+@gluon.jit
+def grouped_tile(local, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+    """(pid_m, pid_n) of the local-th tile of a segment in GROUP_M-row bands (as
+    fluxtp.kernels._tiles.grouped_tile, which a Gluon kernel cannot call)."""
+    in_group = GROUP_M * tiles_n
+    first_m = (local // in_group) * GROUP_M
+    rows = gl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (local % in_group) % rows, (local % in_group) // rows
+
+
+@gluon.jit
+def record_and_trap(report_ptr, a, b, rank):
+    """Every thread stores (a, b, rank), fences it system-wide and traps: whichever thread traps
+    first has made the record visible (fluxtp.kernels._sync.record_and_trap)."""
+    gl.inline_asm_elementwise(RECORD_AND_TRAP_PTX, "=r,l,r,r,r", [report_ptr, a, b, rank], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
+    """NUM_STAGES stages of A and B tiles, and per stage a `ready` barrier (the loader's TMA bytes)
+    and an `empty` one (both consumers released it)."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    return a_bufs, b_bufs, ready, empty
+
+
+
+@gluon.jit
+def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
+    """allocate_stages, and a C staging buffer of half a tile's rows per consumer (for TMA stores)."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    return a_bufs, b_bufs, c_bufs, ready, empty
+
+
+@gluon.jit
+def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, K):
+    """The loader's part of one tile: every K block of A's rows a_row.. and B's rows b_row.. into
+    the next stages, each once both consumers released it; returns the running block count."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for ki in range(gl.cdiv(K, BLOCK_K)):
+        s = loaded % STAGES
+        mbarrier.wait(empty.index(s), ((loaded // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma_load(a_desc, [a_row, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
+        tma_load(b_desc, [b_row, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+        loaded += 1
+    return loaded
+
+
+@gluon.jit
+def _blocks(a_bufs, b_bufs, ready, empty, used, part, BLOCKS: gl.constexpr, C: gl.constexpr):
+    """BLOCKS K blocks of consumer C's rows into `part` (imprecise, from zero), returned once their
+    MMAs retired and their stages are released."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    for i in gl.static_range(BLOCKS):
+        s = (used + i) % STAGES
+        mbarrier.wait(ready.index(s), ((used + i) // STAGES) & 1)
+        part = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b_bufs.index(s).permute((1, 0)), part,
+                             use_acc=i > 0, is_async=True)  # fmt: skip
+    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+    for i in gl.static_range(BLOCKS):
+        mbarrier.arrive(empty.index((used + i) % STAGES), count=1)
+    return part
+
+
+@gluon.jit
+def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr):
+    """Consumer C's half of one tile, float32 [BLOCK_M // 2, BLOCK_N] in `layout`, from the next
+    cdiv(K, BLOCK_K) stages (the running count `used`); returns (acc, used)."""
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    # Consumer 0 promotes after blocks 1, 3, 5, ...; consumer 1 after 0, 2, 4, ...; either after the last.
+    lead = C
+    pairs = (k_tiles - lead) // 2
+    tail = k_tiles - lead - 2 * pairs
+    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
+    part = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
+    if lead > 0:
+        part = _blocks(a_bufs, b_bufs, ready, empty, used, part, 1, C)
+        acc = acc + part
+        used += 1
+    for _ in range(pairs):
+        part = _blocks(a_bufs, b_bufs, ready, empty, used, part, 2, C)
+        acc = acc + part
+        used += 2
+    if tail > 0:
+        part = _blocks(a_bufs, b_bufs, ready, empty, used, part, 1, C)
+        acc = acc + part
+        used += 1
+    return acc, used
+

@@ -20,7 +20,14 @@ A wait that gives up writes (source rank, tile, rank) to `report_ptr` (host-pinn
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from fluxtp.kernels._pingpong import accumulate, allocate_stages, grouped_tile, load_tile, record_and_trap
+from fluxtp.kernels._pingpong import (
+    accumulate,
+    allocate_stages,
+    grouped_tile,
+    load_tile,
+    partition_barrier,
+    record_and_trap,
+)
 
 TILE_ARRIVALS = gl.constexpr(2)  # one release per consumer warpgroup
 FLAG_LANES = gl.constexpr(128)  # one lane per thread of a warpgroup: the peers' flags read as one vector
@@ -103,7 +110,7 @@ def _consumer(out_ptr, bias_ptr, buffer_ptrs, report_ptr, scale_a_ptr, scale_b_p
                 spins += 1
             if gl.min(arrived.to(gl.int32), 0) == 0:
                 record_and_trap(report_ptr, gl.min(gl.where(arrived, FLAG_LANES, srcs), 0), tile, RANK)
-            gl.barrier()  # every thread of this warpgroup loads after the acquire
+            partition_barrier()  # every thread of this warpgroup loads after the acquire
             # The peers' partials in rank order (the Triton kernel's order: the same bits).
             for i in range(WORLD - 1):
                 src = i + (i >= RANK).to(gl.int32)
@@ -137,7 +144,7 @@ def _consumer(out_ptr, bias_ptr, buffer_ptrs, report_ptr, scale_a_ptr, scale_b_p
             slot_rows = (slot * rows_per_rank + rows).to(gl.int64)
             part_offs = gl.expand_dims(slot_rows, 1) * N + gl.expand_dims(cols, 0)
             gl.store(base.to(gl.pointer_type(gl.float32)) + part_offs, acc, mask=mask)
-            gl.barrier()  # every thread's stores of the half came before the release
+            partition_barrier()  # every thread's stores of the half came before the release
             flags = (base + flags_offset).to(gl.pointer_type(gl.int32))
             if COPY_ENGINE:
                 gl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")

@@ -19,6 +19,8 @@ from fluxtp.kernels._sync import RECORD_AND_TRAP_PTX
 # Triton 3.6's names; later releases call them async_load / async_store.
 tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
 tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
+# Triton 3.6's name; later releases call it barrier. In a partition it syncs that partition's warps.
+partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit

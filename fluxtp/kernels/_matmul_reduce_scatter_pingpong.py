@@ -101,11 +101,12 @@ def _consumer(out_ptr, bias_ptr, buffer_ptrs, report_ptr, scale_a_ptr, scale_b_p
                 expected = TILE_ARRIVALS
             bases = gl.load(buffer_ptrs + holders, mask=peer, other=0) + flags_offset
             flag_ptrs = bases.to(gl.pointer_type(gl.int32)) + index
-            values = gl.atomic_add(flag_ptrs, 0, mask=peer, sem="acquire", scope="sys")
+            zero = gl.full((FLAG_LANES,), 0, gl.int32, layout=flag_layout)  # (Gluon 3.6: no scalar operand)
+            values = gl.atomic_add(flag_ptrs, zero, mask=peer, sem="acquire", scope="sys")
             arrived = (values == expected) | ~peer
             spins = 0
             while (gl.min(arrived.to(gl.int32), 0) == 0) & (spins < max_spins):
-                values = gl.atomic_add(flag_ptrs, 0, mask=peer & ~arrived, sem="acquire", scope="sys")
+                values = gl.atomic_add(flag_ptrs, zero, mask=peer & ~arrived, sem="acquire", scope="sys")
                 arrived = arrived | (peer & (values == expected))
                 spins += 1
             if gl.min(arrived.to(gl.int32), 0) == 0:

@@ -45,6 +45,28 @@ def test_gpu_backends_refuse_cpu_tensors_and_uneven_rows():
     run_on_ranks(_gpu_backends_refuse_cpu, 2, backend="gloo")
 
 
+def test_the_warp_specialized_reduce_scatter_is_opt_in_and_refused_where_it_cannot_run():
+    """The FP8 heuristic never picks the warp-specialized reduce-scatter (slower than the Triton
+    kernel); its own config keeps the heuristic's transport rule and counts two arrivals a tile;
+    asked for on CPU tensors, it is refused with the reason before any launch."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import Layout, launch_kernel
+    from fluxtp.backends.fused._scaled import Scaled
+    from fluxtp.configs import MatmulReduceScatterConfig
+
+    assert not MatmulReduceScatterConfig.heuristic_fp8(4096, 4096, 14336, 2, True).warp_specialized
+    ws = MatmulReduceScatterConfig.warp_specialized_fp8(4096, 4096, 2)
+    assert ws.warp_specialized and ws.transport == MatmulReduceScatterConfig.heuristic(4096, 4096, 14336, 2).transport
+    layout = Layout.of(2048, 4096, 4, 2, ws)
+    assert layout.tile_arrivals == 2 and Layout.of(2048, 4096, 4, 2, MatmulReduceScatterConfig()).tile_arrivals == 1
+    x = torch.zeros(512, 64).to(torch.float8_e4m3fn)
+    w = torch.zeros(128, 64).to(torch.float8_e4m3fn)
+    small = Layout.of(256, 128, 4, 2, ws)
+    buffers = torch.zeros(2, small.nbytes, dtype=torch.uint8)
+    ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    with pytest.raises(ValueError, match="asks for the warp-specialized kernel, but it runs on a CUDA GPU only"):
+        launch_kernel(x, w, None, torch.empty(256, 128, dtype=torch.bfloat16), ptrs, small.flags_offset, 0, 2, ws,
+                      scaled=Scaled(torch.bfloat16, True, True), scales=(torch.ones(512), torch.ones(128)))  # fmt: skip
+
 def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
     """The FP8 heuristic gives precise calls the warp-specialized kernel's tiling when the launcher
     says the call can take it (precise accumulation, a Hopper GPU, compiled), never a fast call;

@@ -144,8 +144,8 @@ class MatmulReduceScatterConfig(GemmTiling):
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
     epilogue_split: int = 4
-    # As AllGatherMatmulConfig's (fluxtp/kernels/_matmul_reduce_scatter_pingpong.py; epilogue_split
-    # and num_warps ignored). Every rank must agree: a tile's flag then counts two arrivals.
+    # The warp-specialized FP8 kernel (fluxtp/kernels/_matmul_reduce_scatter_pingpong.py; epilogue_split
+    # and num_warps ignored), opt-in through warp_specialized_fp8(): a tile's flag counts two arrivals.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     def __post_init__(self):
@@ -164,15 +164,20 @@ class MatmulReduceScatterConfig(GemmTiling):
         return MatmulReduceScatterConfig().with_communication_heuristic(m_total, n, world)
 
     @staticmethod
-    def heuristic_fp8(m_total: int, n: int, k: int, world: int, precise_acc: bool,
-                      warp_specialized: bool = False) -> MatmulReduceScatterConfig:  # fmt: skip
+    def heuristic_fp8(m_total: int, n: int, k: int, world: int, precise_acc: bool) -> MatmulReduceScatterConfig:
         """The scaled (FP8) ops' tiling (fp8_tiling; the narrow one's epilogue in 2 slices), the
-        same transport rule as heuristic(). warp_specialized: as AllGatherMatmulConfig.heuristic_fp8."""
-        if precise_acc and warp_specialized:
-            config = MatmulReduceScatterConfig(**WARP_SPECIALIZED_FP8_TILING, epilogue_split=2, warp_specialized=True)
-            return config.with_communication_heuristic(m_total, n, world)
+        same transport rule as heuristic(). Never the warp-specialized kernel: it is slower (below)."""
         tiling = fp8_tiling(precise_acc, narrow=False)
         config = MatmulReduceScatterConfig(**tiling, epilogue_split=2 if tiling["block_n"] == 128 else 4)
+        return config.with_communication_heuristic(m_total, n, world)
+
+    @staticmethod
+    def warp_specialized_fp8(m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
+        """The warp-specialized kernel's config (precise FP8 on Hopper), with heuristic()'s transport
+        rule. Opt-in only: on one H100 the Triton kernel took 0.59-0.78x its time at TP=8 and
+        0.89-1.09x at TP=2 (its epilogue, both halves of a tile at once, is not overlapped;
+        docs/perf-log.md)."""
+        config = MatmulReduceScatterConfig(**WARP_SPECIALIZED_FP8_TILING, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
 
     def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:

@@ -15,6 +15,10 @@ at TILE_ARRIVALS times its tiles, and its owner's flag is still set to 1 by the 
 The halves need no handshake inside the CTA, and no consumer waits for the other.
 
 A wait that gives up writes (source rank, tile, rank) to `report_ptr` (host-pinned) and traps.
+
+Opt-in (MatmulReduceScatterConfig.warp_specialized_fp8): it is slower than the Triton kernel
+today. Both halves of a tile reach the epilogue together, so its float32 partial traffic is not
+overlapped with any MMA (docs/perf-log.md).
 """
 
 from triton.experimental import gluon

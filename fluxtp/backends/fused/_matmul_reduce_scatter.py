@@ -299,9 +299,7 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
     own, nothing tuned yet)."""
     m_total, k = x.shape
     if scaled is not None:
-        warp_specialized = _scaled.pingpong_unsupported(x.device, scaled) is None
-        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, weight.shape[0], k, world, scaled.precise_acc,
-                                                                 warp_specialized)  # fmt: skip
+        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, weight.shape[0], k, world, scaled.precise_acc)
     return config or tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(
         m_total, weight.shape[0], k, world
     )

@@ -33,6 +33,10 @@ GATE_DELAY_S = 0.004
 MAX_SPINS = 1 << 26
 
 
+def _skip_unless_hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernels are for Hopper")
+
 def _operands(seed, rows, n, k, row_wise, device="cuda"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(-6, 7, (rows, 1), generator=g)
@@ -130,8 +134,7 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
 
     x = torch.zeros(512, 1024, device="cuda").to(torch.float8_e4m3fn)
     w = torch.zeros(768, 1024, device="cuda").to(torch.float8_e4m3fn)
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the warp-specialized kernel is for Hopper")
+    _skip_unless_hopper()
     assert _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
     assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
     # The reduce-scatter's is opt-in (slower than its Triton kernel: docs/perf-log.md).
@@ -146,7 +149,7 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
 
 # One process (a trap poisons its CUDA context): the warp-specialized kernel as rank 1 of 4, chunk 1
 # of rank 3's rows never arriving. Its loader's wait must give up and name the chunk.
-_PINGPONG_TIMEOUT_SCRIPT = """
+_AG_PINGPONG_TIMEOUT_SCRIPT = """
 import torch
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, launch_gemm
@@ -165,23 +168,6 @@ one = torch.ones(1, device="cuda")
 launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk_rows, GroupInfo(None, rank, world), config,
             max_spins=100_000, scaled=Scaled(torch.bfloat16, False, True), scales=(one, one, one))
 """
-
-
-def test_the_warp_specialized_kernel_names_a_chunk_that_never_arrives():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the warp-specialized kernel is for Hopper")
-    proc = run_until_trap(_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul")
-    out = proc.stdout
-    assert "rank 1 timed out waiting for chunk 1 of rank 3's rows" in out, out[-2000:] + proc.stderr[-2000:]
-
-
-REDUCE_SCATTER_CASES = [
-    (2, 1000, 1000, 2048, True, torch.bfloat16, True),  # ragged rows, N not a tile multiple
-    (4, 384, 1536, 1024, False, torch.float32, False),
-    (8, 200, 1024, 512, True, torch.float16, False),  # the unrolled reduction
-    (4, 384, 640, 640, False, torch.float32, True),  # per tensor, an odd number of 128-wide K blocks
-    (8, 200, 1024, 384, True, torch.float16, True),  # under two tiles of rows a rank, three K blocks
-]
 
 
 # The warp-specialized reduce-scatter as rank 2 of 4 running its own step: rank 0's partial of tile
@@ -210,12 +196,27 @@ launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, w
 """
 
 
-def test_the_warp_specialized_reduce_scatter_names_a_partial_that_never_arrives():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the warp-specialized kernel is for Hopper")
-    proc = run_until_trap(_RS_PINGPONG_TIMEOUT_SCRIPT, "_matmul_reduce_scatter")
-    out = proc.stdout
-    assert "rank 2 timed out waiting for rank 0's partial of tile 3" in out, out[-2000:] + proc.stderr[-2000:]
+@pytest.mark.parametrize(
+    "script, module, expected",
+    [
+        (_AG_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul", "rank 1 timed out waiting for chunk 1 of rank 3's rows"),
+        (_RS_PINGPONG_TIMEOUT_SCRIPT, "_matmul_reduce_scatter", "rank 2 timed out waiting for rank 0's partial of tile 3"),
+    ],
+    ids=["all_gather", "reduce_scatter"],
+)
+def test_the_warp_specialized_kernels_name_what_never_arrives(script, module, expected):
+    _skip_unless_hopper()
+    proc = run_until_trap(script, module)
+    assert expected in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+REDUCE_SCATTER_CASES = [
+    (2, 1000, 1000, 2048, True, torch.bfloat16, True),  # ragged rows, N not a tile multiple
+    (4, 384, 1536, 1024, False, torch.float32, False),
+    (8, 200, 1024, 512, True, torch.float16, False),  # the unrolled reduction
+    (4, 384, 640, 640, False, torch.float32, True),  # per tensor, an odd number of 128-wide K blocks
+    (8, 200, 1024, 384, True, torch.float16, True),  # under two tiles of rows a rank, three K blocks
+]
 
 
 @pytest.mark.parametrize("warp_specialized", [False, True])
@@ -226,8 +227,8 @@ def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, 
     slots, bitwise repeatable over reused buffers, and the GEMM-only mode; both kernels."""
     if warp_specialized and not precise:
         pytest.skip("the warp-specialized kernel serves precise accumulation only")
-    if warp_specialized and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the warp-specialized kernel is for Hopper")
+    if warp_specialized:
+        _skip_unless_hopper()
     seed = random.randrange(1 << 30)
     what = f"{transport} ws={warp_specialized} world={world} m={m} row_wise={row_wise} {out_dtype} precise={precise} seed={seed}"
     parts, scales = [], []

@@ -28,7 +28,6 @@ peer's scales before the first chunk of rows, so a chunk's signal also says its 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -211,7 +210,7 @@ class _PingPong:
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
-            SCALING=scaled.scaling, num_warps=4, maxnreg=168,  # 12 warps: consumers 232 registers each, loader 40
+            SCALING=scaled.scaling, **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):

@@ -203,6 +203,7 @@ class _Kernel:
         sms = num_sms(x.device)
         tiles = (last_step - first_step + 1) * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
         self.empty = tiles <= 0
+        grid = min(sms, max(tiles, 1))
         self.config = config
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         self.layouts = None
@@ -215,17 +216,16 @@ class _Kernel:
                 raise ValueError(f"scaled_matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
             from fluxtp.kernels._matmul_reduce_scatter_pingpong import matmul_reduce_scatter_pingpong_kernel
 
-            grid = min(sms, max(tiles, 1))
             self.launch = Launch(
                 matmul_reduce_scatter_pingpong_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
                 NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None,
                 PUSH=config.transport != "pull", COPY_ENGINE=config.copy_engine, SCALING=scaled.scaling,
-                num_warps=4, maxnreg=168,  # 12 warps: consumers 232 registers each, loader 40
+                **_scaled.PINGPONG_WARPS,
             )  # fmt: skip
             return
         self.launch = Launch(
             matmul_reduce_scatter_kernel,
-            min(sms, max(tiles, 1)),
+            grid,
             RANK=rank,
             WORLD=world,
             BLOCK_M=config.block_m,

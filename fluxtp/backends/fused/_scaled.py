@@ -50,6 +50,11 @@ def constexprs(scaled: Scaled | None) -> dict:
     return {"SCALING": scaled.scaling, "PRECISE_ACC": scaled.precise_acc}
 
 
+# The warp-specialized kernels' launch: 12 warps of 168 registers (num_warps counts the default
+# partition, consumer 0); the two consumers take 232 each, the loader warp 40.
+PINGPONG_WARPS = {"num_warps": 4, "maxnreg": 168}
+
+
 @functools.cache
 def _pingpong_kernels_available() -> bool:
     """Whether this Triton has the Gluon the warp-specialized kernels are written in (its API moves)."""

@@ -76,6 +76,24 @@ def test_tile_width_follows_wave_quantization(tile_rows, n, narrow):
     assert (config.block_n, config.num_warps, config.num_stages) == ((128, 4, 5) if narrow else (256, 8, 3))
 
 
+def test_wide_bf16_all_gather_tiles_move_to_the_warp_specialized_kernel_from_4096_rows():
+    """128x256x64 tilings at 4096 gathered rows or more take the warp-specialized kernel (3
+    stages); other tilings, fewer rows and configs already on it stay as they are. The launcher
+    asks only where the kernel runs: a CPU call keeps the Triton kernel."""
+    from fluxtp.backends.fused._all_gather_matmul import _config_for
+    from fluxtp.configs._classes import WARP_SPECIALIZED_MIN_ROWS
+
+    wide = AllGatherMatmulConfig(num_stages=4)
+    moved = wide.on_warp_specialized_kernel(WARP_SPECIALIZED_MIN_ROWS)
+    assert moved == dataclasses.replace(wide, warp_specialized=True, num_stages=3)
+    assert wide.on_warp_specialized_kernel(WARP_SPECIALIZED_MIN_ROWS - 1) is wide
+    narrow = AllGatherMatmulConfig(block_n=128, num_warps=4, num_stages=5)
+    assert narrow.on_warp_specialized_kernel(1 << 20) is narrow
+    assert moved.on_warp_specialized_kernel(1 << 20) is moved
+    x, w = torch.zeros(4096, 64, dtype=torch.bfloat16), torch.zeros(8192, 64, dtype=torch.bfloat16)
+    assert not _config_for(x, w, 2, None).warp_specialized
+
+
 def test_reduce_scatter_heuristic_is_the_wide_tile_everywhere():
     for m in (1024, 4096, 16384):
         config = MatmulReduceScatterConfig.heuristic(m, 8192, 3584, 8)

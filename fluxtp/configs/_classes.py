@@ -55,6 +55,11 @@ def fp8_tiling(precise: bool, narrow: bool) -> dict:
 # precise one), 4 stages of 32 KiB. Measurements: docs/perf-log.md.
 WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4}
 
+# A bf16 / fp16 all-gather's 128x256x64 tiling runs on the warp-specialized kernel from this
+# many gathered rows on: one H100 took 0.956-0.999x the Triton kernel's time at 4096-16384
+# tokens, TP 2 and 8; fewer rows are not measured yet (docs/perf-log.md).
+WARP_SPECIALIZED_MIN_ROWS = 4096
+
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
 HOPPER_SMS = 132
 # What a 128x128 tile costs relative to a 128x256 one (half the work, a little less efficient):
@@ -80,8 +85,9 @@ class AllGatherMatmulConfig(GemmTiling):
     flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
     tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
     epilogue_subtile: bool = True  # TMA-store the tile in two halves
-    # FP8 calls with precise accumulation on Hopper: the warp-specialized Gluon kernel
-    # (fluxtp/kernels/_all_gather_matmul_pingpong.py; 4 warps a consumer, num_warps ignored).
+    # The warp-specialized Gluon kernel (fluxtp/kernels/_all_gather_matmul_pingpong.py; Hopper,
+    # 128-row tiles, 4 warps a consumer, num_warps ignored): FP8 calls with precise accumulation,
+    # and bf16 / fp16 calls with a row-major weight (on_warp_specialized_kernel).
     # Optional in tuning tables: entries written before it existed mean False.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
@@ -110,6 +116,15 @@ class AllGatherMatmulConfig(GemmTiling):
             )
         narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
+
+    def on_warp_specialized_kernel(self, gathered_rows: int) -> AllGatherMatmulConfig:
+        """This bf16 / fp16 config on the warp-specialized kernel where that measured faster: a
+        128x256x64 tiling from WARP_SPECIALIZED_MIN_ROWS gathered rows on (3 stages, what fits
+        beside its staging); any other config as it is."""
+        wide = (self.block_m, self.block_n, self.block_k) == (128, 256, 64)
+        if self.warp_specialized or not wide or gathered_rows < WARP_SPECIALIZED_MIN_ROWS:
+            return self
+        return dataclasses.replace(self, warp_specialized=True, num_stages=3)
 
     def with_communication_heuristic(self, rows_per_rank: int) -> AllGatherMatmulConfig:
         """This tiling with the heuristic's copy chunks: the peers' rows in four chunks from 4096

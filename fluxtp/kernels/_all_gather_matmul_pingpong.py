@@ -1,10 +1,12 @@
-"""Persistent AllGather+GEMM for FP8 with precise accumulation, warp-specialized (Gluon, Hopper).
+"""Persistent AllGather+GEMM, warp-specialized (Gluon, Hopper): FP8 with precise accumulation,
+and bf16 / fp16 calls whose config asks for it.
 
-The same op as _all_gather_matmul's kernel for scaled calls without use_fast_accum (tiles in
-data order: this rank's rows first from its shard, then the peers' segments in arrival order,
-each peer tile after its chunk's signal; scales and bias in the epilogue; the last program resets
-the signals), built on fluxtp.kernels._pingpong so that the float32 promotion costs no
-tensor-core time:
+The same op as _all_gather_matmul's kernel for scaled calls without use_fast_accum and for plain
+calls with a row-major weight (tiles in data order: this rank's rows first from its shard, then
+the peers' segments in arrival order, each peer tile after its chunk's signal; scales and bias in
+the epilogue; the last program resets the signals), built on fluxtp.kernels._pingpong so that an
+FP8 call's float32 promotion costs no tensor-core time (SCALING 0, a plain call: no promotion,
+no scales):
 - a loader warp: waits for a peer tile's chunk signal (bounded; a wait that gives up records
   (rank, chunk, this rank) and traps), then TMA-loads the tile's K blocks into a ring of stages;
 - two consumer warpgroups, each computing and storing half of a tile's rows.
@@ -14,7 +16,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
-from fluxtp.kernels._pingpong import accumulate, allocate_pingpong, grouped_tile, load_tile, record_and_trap, tma_store
+from fluxtp.kernels._pingpong import (
+    accumulate,
+    accumulate_plain,
+    allocate_pingpong,
+    grouped_tile,
+    load_tile,
+    record_and_trap,
+    tma_store,
+)
 
 
 @gluon.jit
@@ -57,7 +67,9 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    INSTR_K: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 32 bytes of operand
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, INSTR_K])  # fmt: skip
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
@@ -65,13 +77,16 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
         segment = (RANK + tile // tiles_per_segment) % WORLD
         pid_m, pid_n = grouped_tile(tile % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-        acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+        if SCALING == 0:
+            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+        else:
+            acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
 
         rows = pid_m * BLOCK_M + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         if SCALING == 1:
             acc = acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
-        else:  # row-wise: this rank's rows' scales from its own, the peers' from the gathered ones
+        elif SCALING == 2:  # row-wise: this rank's rows' scales from its own, the peers' from the gathered
             if tile < tiles_per_segment:
                 row_scales = scale_own_ptr + rows
             else:
@@ -99,9 +114,9 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
 
 @gluon.jit
 def all_gather_matmul_pingpong_kernel(
-    a_desc,  # Gluon TensorDescriptor over A_gathered [W*m, K] (float8), block [BLOCK_M, BLOCK_K]
+    a_desc,  # Gluon TensorDescriptor over A_gathered [W*m, K] (float8, bf16, fp16), block [BLOCK_M, BLOCK_K]
     own_desc,  # over this rank's shard [m, K], block [BLOCK_M, BLOCK_K]
-    b_desc,  # over B [n, K] (float8, row-major), block [BLOCK_N, BLOCK_K]
+    b_desc,  # over B [n, K] (row-major), block [BLOCK_N, BLOCK_K]
     c_desc,  # over C [W*m, n], block [BLOCK_M // 2, BLOCK_N] (used with TMA_STORE)
     c_ptr,  # C [W*m, n] in the output dtype
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
@@ -116,7 +131,7 @@ def all_gather_matmul_pingpong_kernel(
     max_spins,
     signal_reset,  # what the last program writes into the signals: 0 (a call), 1 (GEMM-only mode)
     report_ptr,  # int32 [3], host-readable: where a wait that gives up records (rank, chunk, this rank)
-    scale_a_ptr,  # float32 scales of A_gathered's rows (row-wise) or of A (per tensor)
+    scale_a_ptr,  # float32 scales of A_gathered's rows (row-wise) or of A (per tensor); None unscaled
     scale_own_ptr,  # float32 scales of this rank's shard's rows (row-wise) or of A
     scale_b_ptr,  # float32 scales of B's rows [n] (row-wise) or of B
     RANK: gl.constexpr,
@@ -126,7 +141,7 @@ def all_gather_matmul_pingpong_kernel(
     NUM_STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     TMA_STORE: gl.constexpr,
-    SCALING: gl.constexpr,  # 1 per tensor, 2 row-wise
+    SCALING: gl.constexpr,  # 0 unscaled (bf16, fp16), 1 per tensor, 2 row-wise
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)

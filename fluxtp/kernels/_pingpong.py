@@ -1,6 +1,7 @@
-"""What the warp-specialized (Gluon, Hopper) FP8 kernels share: a loader warp feeding a ring of
-TMA stages, and two consumer warpgroups that each compute half of a BLOCK_M x BLOCK_N tile's rows
-with the float32 promotion off the tensor cores' path.
+"""What the warp-specialized (Gluon, Hopper) kernels share: a loader warp feeding a ring of TMA
+stages, and two consumer warpgroups that each compute half of a BLOCK_M x BLOCK_N tile's rows;
+FP8 with the float32 promotion off the tensor cores' path (accumulate), bf16 and fp16 straight
+(accumulate_plain).
 
 Within one warpgroup a promotion waits for the MMAs before it (measured: issuing the next
 block's wgmma first does not hide it). So each consumer promotes after every two K blocks
@@ -131,3 +132,27 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
         used += 1
     return acc, used
 
+
+
+@gluon.jit
+def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr):
+    """accumulate without promotion (bf16, fp16: the tensor cores accumulate in float32): one
+    wgmma in flight, each stage released once the wgmma after it was issued and it retired."""
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
+    previous = 0
+    for ki in range(k_tiles):
+        s = used % STAGES
+        mbarrier.wait(ready.index(s), (used // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index(previous), count=1, pred=ki > 0)  # the block before this one retired
+        previous = s
+        used += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(previous), count=1, pred=k_tiles > 0)
+    return acc, used

@@ -22,6 +22,14 @@ def _world() -> int:
 WORLD = _world()
 
 
+def skip_unless_hopper() -> None:
+    """Skip the calling test off Hopper: the warp-specialized (Gluon) kernels are for sm_90."""
+    import pytest
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernels are for Hopper")
+
+
 _REPORT_TAIL = """
 try:
     torch.cuda.synchronize()

@@ -17,7 +17,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
 from tests._cases import TOLERANCE, draw, rel_error
 from tests._gates import HostGates
-from tests.gpu import run_until_trap
+from tests.gpu import run_until_trap, skip_unless_hopper
 
 pytestmark = pytest.mark.gpus(1)
 
@@ -25,6 +25,9 @@ WIDE = AllGatherMatmulConfig()  # 128x256x64, 3 stages, 8 warps: the large-M heu
 NARROW = AllGatherMatmulConfig(block_n=128, num_stages=4)  # the small-M heuristic
 GATE_DELAY_S = 0.004
 MAX_SPINS = 1 << 26  # a chunk 4 ms late is far inside it; a lost one still traps
+# The kernels a config can launch: the Triton one flattened (one loop over tile and K) or not,
+# and the warp-specialized Gluon one (Hopper).
+KERNELS = {"flatten": {"flatten": True}, "loop": {"flatten": False}, "warp_specialized": {"warp_specialized": True}}
 
 
 def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
@@ -39,7 +42,7 @@ def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
             _set_signal(signals, segment * chunks + c)
 
 
-@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "world, rank, m, n, k, base, chunk_rows, dtype, with_bias",
     [
@@ -48,10 +51,12 @@ def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
         (4, 2, 384, 1536, 1024, NARROW, 128, torch.bfloat16, True),  # a chunk per tile row, ring order wraps
     ],
 )
-def test_waits_hold_tiles_until_their_chunk_arrives(flatten, world, rank, m, n, k, base, chunk_rows, dtype, with_bias):
+def test_waits_hold_tiles_until_their_chunk_arrives(kernel, world, rank, m, n, k, base, chunk_rows, dtype, with_bias):
+    if kernel == "warp_specialized":
+        skip_unless_hopper()
     seed = random.randrange(1 << 30)
-    what = f"world={world} rank={rank} m={m} flatten={flatten} seed={seed}"
-    cfg = dataclasses.replace(base, chunk_rows=chunk_rows, flatten=flatten)
+    what = f"world={world} rank={rank} m={m} kernel={kernel} seed={seed}"
+    cfg = dataclasses.replace(base, chunk_rows=chunk_rows, **KERNELS[kernel])
     x = draw(seed, (world * m, k), dtype, "cuda")
     w = draw(seed + 1, (n, k), dtype, "cuda", scale=k**-0.5)
     b = draw(seed + 2, (n,), dtype, "cuda") if with_bias else None
@@ -91,9 +96,9 @@ import torch
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, launch_gemm
 
-flatten = sys.argv[1] == "1"
+kernel = {"flatten": {"flatten": True}, "loop": {"flatten": False}, "warp_specialized": {"warp_specialized": True}}
 world, rank, m, n, k, chunk_rows = 4, 1, 256, 512, 1024, 128
-config = AllGatherMatmulConfig(block_n=128, num_stages=4, flatten=flatten, chunk_rows=chunk_rows)
+config = AllGatherMatmulConfig(block_n=128, num_stages=4, chunk_rows=chunk_rows, **kernel[sys.argv[1]])
 x = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
 y = torch.empty(world * m, n, device="cuda", dtype=torch.bfloat16)
@@ -105,8 +110,10 @@ launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk
 """
 
 
-@pytest.mark.parametrize("flatten", [True, False])
-def test_a_chunk_that_never_arrives_traps_and_is_named(flatten):
-    proc = run_until_trap(_TIMEOUT_SCRIPT, "_all_gather_matmul", "1" if flatten else "0")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_chunk_that_never_arrives_traps_and_is_named(kernel):
+    if kernel == "warp_specialized":
+        skip_unless_hopper()
+    proc = run_until_trap(_TIMEOUT_SCRIPT, "_all_gather_matmul", kernel)
     out = proc.stdout
     assert "rank 1 timed out waiting for chunk 1 of rank 3's rows" in out, out[-2000:] + proc.stderr[-2000:]

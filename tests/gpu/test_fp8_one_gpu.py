@@ -25,17 +25,13 @@ from fluxtp.backends.fused._scaled import Scaled, flat
 from tests._fp8_cases import quantize, rel_error, tolerance
 from tests._gates import HostGates
 from tests._rs_simulation import simulate
-from tests.gpu import run_until_trap
+from tests.gpu import run_until_trap, skip_unless_hopper
 
 pytestmark = pytest.mark.gpus(1)
 
 GATE_DELAY_S = 0.004
 MAX_SPINS = 1 << 26
 
-
-def _skip_unless_hopper():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the warp-specialized kernels are for Hopper")
 
 def _operands(seed, rows, n, k, row_wise, device="cuda"):
     g = torch.Generator().manual_seed(seed)
@@ -134,7 +130,7 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
 
     x = torch.zeros(512, 1024, device="cuda").to(torch.float8_e4m3fn)
     w = torch.zeros(768, 1024, device="cuda").to(torch.float8_e4m3fn)
-    _skip_unless_hopper()
+    skip_unless_hopper()
     assert _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
     assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
     # The reduce-scatter's is opt-in (slower than its Triton kernel: docs/perf-log.md).
@@ -205,7 +201,7 @@ launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, w
     ids=["all_gather", "reduce_scatter"],
 )
 def test_the_warp_specialized_kernels_name_what_never_arrives(script, module, expected):
-    _skip_unless_hopper()
+    skip_unless_hopper()
     proc = run_until_trap(script, module)
     assert expected in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
@@ -228,7 +224,7 @@ def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, 
     if warp_specialized and not precise:
         pytest.skip("the warp-specialized kernel serves precise accumulation only")
     if warp_specialized:
-        _skip_unless_hopper()
+        skip_unless_hopper()
     seed = random.randrange(1 << 30)
     what = f"{transport} ws={warp_specialized} world={world} m={m} row_wise={row_wise} {out_dtype} precise={precise} seed={seed}"
     parts, scales = [], []

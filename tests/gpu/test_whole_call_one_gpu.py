@@ -49,6 +49,9 @@ def _hold_copy_stream(device):
         (2, 1, 300, 1000, 512, torch.bfloat16),  # ragged rows
         (4, 2, 256, 768, 1024, torch.float16),
         (8, 5, 128, 512, 256, torch.bfloat16),  # the ring order wraps
+        # 4096 gathered rows or more in 128x256 tiles: the warp-specialized kernel on Hopper
+        (2, 1, 2048, 2048, 512, torch.bfloat16),
+        (4, 3, 1100, 1536, 512, torch.float16),  # ragged rows: stored without TMA
     ],
 )
 def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dtype):
@@ -83,7 +86,10 @@ def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dty
                 replayed = plan  # a plan whose pulls replay
         graph = replayed.pull_peers_replay.graph
         assert isinstance(graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
-        assert replayed.gemm.launch._direct is not None, f"{what}: this Triton's launcher was not launched directly"
+        warp_specialized = world * m >= 4096 and torch.cuda.get_device_capability()[0] == 9
+        assert replayed.config.warp_specialized == warp_specialized, f"{what}: {replayed.config}"
+        launch = replayed.gemm.pingpong.launch if warp_specialized else replayed.gemm.launch
+        assert launch._direct is not None, f"{what}: this Triton's launcher was not launched directly"
 
 
 def test_a_captured_call_gathers_afresh_on_every_replay():

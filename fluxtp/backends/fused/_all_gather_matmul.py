@@ -48,7 +48,7 @@ from fluxtp.backends.fused._launch import (
     num_sms,
     tma_ready,
 )
-from fluxtp.configs import AllGatherMatmulConfig, tuned_config
+from fluxtp.configs import AllGatherMatmulConfig, tuned_config, weight_layout_of
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 
 MAX_SPINS = MAX_SPINS_LOCAL  # the kernel spins on signals in this GPU's memory
@@ -127,12 +127,17 @@ class _Gemm:
         self.config = config
         self.pingpong = None
         if config.warp_specialized:
-            why = _scaled.pingpong_unsupported(device, scaled)
+            why = _scaled.pingpong_unsupported(device, scaled, weight.dtype)
+            if config.block_m != 128:  # two consumer warpgroups of 64 rows (one wgmma's M)
+                why = f"its tiles have 128 rows, not {config.block_m}"
             if why:
-                raise ValueError(f"all_gather_scaled_matmul: config {config} asks for the warp-specialized kernel, but {why}")
-        self.weight = WeightOperand(weight, row_major_only=scaled is not None)
+                op = _OP if scaled is None else "all_gather_scaled_matmul"
+                raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
+        # FP8 tensor cores and the warp-specialized kernel read the weight K-major only.
+        self.weight = WeightOperand(weight, row_major_only=scaled is not None or config.warp_specialized)
         # TMA stores need whole tiles inside each segment and 16-byte output rows.
-        y_size = weight.element_size() if scaled is None else scaled.out_dtype.itemsize
+        y_dtype = weight.dtype if scaled is None else scaled.out_dtype
+        y_size = y_dtype.itemsize
         self.tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y_stride * y_size) % 16 == 0
         self.store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
         self.layouts = None  # (a, own, b, c) DescriptorLayouts, from the first launch's tensors
@@ -140,7 +145,12 @@ class _Gemm:
         self.scalars = (rows_per_rank, n, k, y_stride, chunk_rows, triton.cdiv(rows_per_rank, chunk_rows), max_spins,
                         signal_reset)  # fmt: skip
         if config.warp_specialized:
-            self.pingpong = _PingPong(config, min(sms, tiles), info, bias is not None, self.tma_store, scaled, device)
+            scaling = 0 if scaled is None else scaled.scaling
+            # One SM left to the copy stream's barrier kernel: a warp-specialized program takes a
+            # whole SM's registers, so a barrier queued behind the publish copy found none and the
+            # GEMM timed out on rows never pulled (world 4 on one H100, tests/gpu/test_whole_call_one_gpu.py).
+            grid = min(sms - 1, tiles)
+            self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaling, y_dtype, device)
             return
         self.launch = Launch(
             all_gather_matmul_kernel,
@@ -196,21 +206,23 @@ class _Gemm:
 
 
 class _PingPong:
-    """The warp-specialized FP8 kernel's launch for one call signature: Gluon descriptor layouts
-    (each with its shared-memory layout) made at the first call, rebound per call, and the launch
-    through Launch. x_gathered and x_own are float8 [*, k], the weight float8 [n, k] row-major."""
+    """The warp-specialized kernel's launch for one call signature: Gluon descriptor layouts (each
+    with its shared-memory layout) made at the first call, rebound per call, and the launch
+    through Launch. x_gathered and x_own are [*, k] (float8, bf16 or fp16), the weight [n, k]
+    row-major; scaling: the kernel's SCALING (0 for a plain call)."""
 
-    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled, device):
+    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaling: int, y_dtype,
+                 device):  # fmt: skip
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
         self.config, self.layouts = config, None
         self.c_block = [config.block_m // 2, config.block_n]
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
-        self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=scaled.out_dtype, device=device)
+        self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=y_dtype, device=device)
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
-            SCALING=scaled.scaling, **_scaled.PINGPONG_WARPS,
+            SCALING=scaling, **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
@@ -257,15 +269,21 @@ def _write_value32(flags_u32, index, value):
 
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
     """The caller's config, else the tuned table's for this shape, else the heuristic (FP8: its
-    own, nothing tuned yet)."""
+    own, nothing tuned yet); a bf16 / fp16 one on the warp-specialized kernel where it runs and
+    measured faster (AllGatherMatmulConfig.on_warp_specialized_kernel)."""
     rows_per_rank, k = x_shard.shape
+    device = x_shard.device
     if scaled is not None:
-        device = x_shard.device
         return config or AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
                                                              num_sms(device), _scaled.pingpong_unsupported(device, scaled) is None)  # fmt: skip
-    return config or tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
-        rows_per_rank, weight.shape[0], k, world, num_sms(x_shard.device)
+    if config is not None:
+        return config
+    chosen = tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
+        rows_per_rank, weight.shape[0], k, world, num_sms(device)
     )
+    if weight_layout_of(weight) == "linear" and _scaled.pingpong_unsupported(device, None, weight.dtype) is None:
+        chosen = chosen.on_warp_specialized_kernel(world * rows_per_rank)
+    return chosen
 
 
 class Plan:

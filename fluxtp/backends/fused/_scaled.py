@@ -67,10 +67,13 @@ def _pingpong_kernels_available() -> bool:
     return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 
 
-def pingpong_unsupported(device, scaled: Scaled | None) -> str | None:
-    """Why a call cannot take a warp-specialized FP8 kernel (fluxtp.kernels._pingpong), or None.
-    They serve scaled calls with precise accumulation on Hopper (sm_90), compiled (not interpreted)."""
-    if scaled is None or not scaled.precise_acc:
+def pingpong_unsupported(device, scaled: Scaled | None, plain_dtype: torch.dtype | None = None) -> str | None:
+    """Why a call cannot take a warp-specialized kernel (fluxtp.kernels._pingpong), or None. They
+    serve scaled calls with precise accumulation, and the all-gather's kernel plain calls too
+    (plain_dtype: such a call's dtype, bf16 or fp16), on Hopper (sm_90), compiled (not interpreted)."""
+    if scaled is None and plain_dtype not in (torch.bfloat16, torch.float16):
+        return "it serves FP8 calls with precise accumulation (use_fast_accum=False), and bf16 or fp16 all-gathers, only"
+    if scaled is not None and not scaled.precise_acc:
         return "it serves FP8 calls with precise accumulation (use_fast_accum=False) only"
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":

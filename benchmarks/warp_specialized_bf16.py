@@ -24,10 +24,10 @@ import torch.nn.functional as F
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from fluxtp.configs import AllGatherMatmulConfig
-from fluxtp.kernels._pingpong import allocate_pingpong
+from fluxtp.kernels._pingpong import accumulate_plain, allocate_pingpong
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_promotion import _descriptors, _pingpong_loader, _scaled_store, _sms, _tile_origin, report, timed_row  # noqa: E402
@@ -50,28 +50,15 @@ SHAPES = [  # (case, M, N, K) of one rank's GEMM
 def _consumer(a_desc, b_desc, c_desc, scale_a_ptr, scale_b_ptr, M, N, K, a_bufs, b_bufs, c_bufs, ready, empty,
               NUM_PROGRAMS, C: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
-    S: gl.constexpr = a_bufs.type.shape[0]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     used = 0
     for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
         off_m, off_n = _tile_origin(tile, tiles_m, tiles_n, 8, BLOCK_M, BLOCK_N)
-        acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
-        previous = 0
-        for ki in range(gl.cdiv(K, BLOCK_K)):
-            s = used % S
-            mbarrier.wait(ready.index(s), (used // S) & 1)
-            acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index(previous), count=1, pred=ki > 0)  # the block before this one retired
-            previous = s
-            used += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(previous), count=1)
+        acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
         # Unit scales: the FP8 probe's scaled store, so the two probes share their epilogue.
         _scaled_store(acc, c_desc, c_bufs.index(C), scale_a_ptr, scale_b_ptr, off_m + C * HALF, off_n, M, N, layout)
     tma.store_wait(pendings=0)

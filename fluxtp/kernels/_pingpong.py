@@ -133,7 +133,6 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
     return acc, used
 
 
-
 @gluon.jit
 def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr):
     """accumulate without promotion (bf16, fp16: the tensor cores accumulate in float32): one

@@ -7,6 +7,7 @@ float64. NVLink, the symmetric barriers, graphs and two groups need the multi-GP
 """
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -91,14 +92,14 @@ def test_waits_hold_tiles_until_their_chunk_arrives(kernel, world, rank, m, n, k
 # One process (a trap poisons its CUDA context): rank 1 of a world of 4 whose chunk 1 of rank 3's
 # rows never arrives; every other chunk is there. The wait must give up and name the chunk.
 _TIMEOUT_SCRIPT = """
+import json
 import sys
 import torch
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, launch_gemm
 
-kernel = {"flatten": {"flatten": True}, "loop": {"flatten": False}, "warp_specialized": {"warp_specialized": True}}
 world, rank, m, n, k, chunk_rows = 4, 1, 256, 512, 1024, 128
-config = AllGatherMatmulConfig(block_n=128, num_stages=4, chunk_rows=chunk_rows, **kernel[sys.argv[1]])
+config = AllGatherMatmulConfig(block_n=128, num_stages=4, chunk_rows=chunk_rows, **json.loads(sys.argv[1]))
 x = torch.randn(world * m, k, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
 y = torch.empty(world * m, n, device="cuda", dtype=torch.bfloat16)
@@ -114,6 +115,6 @@ launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk
 def test_a_chunk_that_never_arrives_traps_and_is_named(kernel):
     if kernel == "warp_specialized":
         skip_unless_hopper()
-    proc = run_until_trap(_TIMEOUT_SCRIPT, "_all_gather_matmul", kernel)
+    proc = run_until_trap(_TIMEOUT_SCRIPT, "_all_gather_matmul", json.dumps(KERNELS[kernel]))
     out = proc.stdout
     assert "rank 1 timed out waiting for chunk 1 of rank 3's rows" in out, out[-2000:] + proc.stderr[-2000:]

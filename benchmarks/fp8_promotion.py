@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._launch import DescriptorLayout
+from fluxtp.backends.fused._scaled import PINGPONG_WARPS
 from fluxtp.bench.gemm_grid import GemmCase, fp8_case_inputs, gathered, gemm_only_case
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
@@ -294,8 +295,7 @@ def pingpong(a, b, scale_a, scale_b, block_k, stages):
     programs = min(triton.cdiv(m, 128) * triton.cdiv(n, 128), _sms(a.device))
 
     def run():
-        # 12 warps of 168 registers: the two consumers take 232 each, the loader 40.
-        pingpong_kernel[(programs,)](*descs, scale_a, scale_b, m, n, k, programs, stages, num_warps=4, maxnreg=168)
+        pingpong_kernel[(programs,)](*descs, scale_a, scale_b, m, n, k, programs, stages, **PINGPONG_WARPS)
         return c
 
     return run

@@ -63,7 +63,7 @@ from fluxtp.bench.gemm_grid import (
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.kernels._matmul_reduce_scatter import _halves
-from fluxtp.kernels._tiles import grouped_tile
+from fluxtp.kernels._tiles import dot_k_block, grouped_tile
 
 # The issues' shapes at TP=2 (LLaMA-70B and GPT-3-175B layer dims), both ops.
 DEFAULT_SHAPES = ",".join(
@@ -97,10 +97,7 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.cons
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
             a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-            if B_KN:  # the backward's transposed weight, read through its [K, N] base as the fused kernels do
-                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N]), acc)
-            else:
-                acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T, acc)
+            acc = dot_k_block(a, b_desc, ki * BLOCK_K, pid_n * BLOCK_N, acc, B_KN, False)
         tile_id_c += NUM_SMS  # the epilogue's own counter, as in the fused kernels (no loop-carried tile)
         pid_m_c, pid_n_c = grouped_tile(tile_id_c, tiles_m, tiles_n, GROUP_M)
         if POINTER_SPLIT == 1:

@@ -81,8 +81,8 @@ def _tile_of(tile_id, tiles_m, tiles_n, WORLD: gl.constexpr, band):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K, band,
-            WORLD: gl.constexpr, REDUCE: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, N, K, band, WORLD: gl.constexpr,
+            NUM_PROGRAMS: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     tiles_m = gl.cdiv(m, BLOCK_M)
@@ -160,20 +160,6 @@ def _consumer(a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_buf
 
 
 @gluon.jit
-def _consumer0(a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K, band,
-               WORLD: gl.constexpr, REDUCE: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
-    _consumer(a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K, band,
-              WORLD, REDUCE, NUM_PROGRAMS, 0)  # fmt: skip
-
-
-@gluon.jit
-def _consumer1(a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K, band,
-               WORLD: gl.constexpr, REDUCE: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
-    _consumer(a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K, band,
-              WORLD, REDUCE, NUM_PROGRAMS, 1)  # fmt: skip
-
-
-@gluon.jit
 def pingpong_kernel(a_desc, b_desc, c_desc, part_desc, read_ptr, m, N, K, band, WORLD: gl.constexpr,
                     REDUCE: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -192,12 +178,11 @@ def pingpong_kernel(a_desc, b_desc, c_desc, part_desc, read_ptr, m, N, K, band, 
     # Spelled out in each tuple: constexprs keep their kind only so (Triton 3.6).
     gl.warp_specialize(
         [
-            (_consumer0, (a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K,
-                          band, WORLD, REDUCE, NUM_PROGRAMS)),
-            (_consumer1, (a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K,
-                          band, WORLD, REDUCE, NUM_PROGRAMS)),
-            (_loader, (a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K,
-                       band, WORLD, REDUCE, NUM_PROGRAMS)),
+            (_consumer, (a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K,
+                         band, WORLD, REDUCE, NUM_PROGRAMS, 0)),
+            (_consumer, (a_desc, b_desc, c_desc, part_desc, read_ptr, a_bufs, b_bufs, c_bufs, ready, empty, order, m, N, K,
+                         band, WORLD, REDUCE, NUM_PROGRAMS, 1)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, m, N, K, band, WORLD, NUM_PROGRAMS)),
         ],
         [4, 1],
         [232, 40],

@@ -26,6 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
+from fluxtp.backends.fused._scaled import PINGPONG_WARPS
 from fluxtp.configs import AllGatherMatmulConfig
 from fluxtp.kernels._pingpong import accumulate_plain, allocate_pingpong
 
@@ -96,7 +97,7 @@ def warp_specialized(a, b, block_n, stages):
     programs = min(_sms(a.device), triton.cdiv(m, 128) * triton.cdiv(n, block_n))
 
     def run():
-        warp_specialized_kernel[(programs,)](*descs, ones_m, ones_n, m, n, k, programs, stages, num_warps=4, maxnreg=168)
+        warp_specialized_kernel[(programs,)](*descs, ones_m, ones_n, m, n, k, programs, stages, **PINGPONG_WARPS)
         return c
 
     return run

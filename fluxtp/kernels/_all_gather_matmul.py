@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fluxtp.kernels._sync import record_and_trap, wait_flag
-from fluxtp.kernels._tiles import grouped_tile
+from fluxtp.kernels._tiles import dot_k_block, grouped_tile
 
 
 @triton.jit
@@ -92,12 +92,7 @@ def _tiles(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
             a = a_desc.load([row0, ki * BLOCK_K])
-            if B_KN:
-                acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
-            elif PRECISE_ACC:  # FP8: promoted to float32 after each K block (_scaled.py)
-                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
+            acc = dot_k_block(a, b_desc, ki * BLOCK_K, col0, acc, B_KN, PRECISE_ACC)
 
         tile_id_c += NUM_SMS
         segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD

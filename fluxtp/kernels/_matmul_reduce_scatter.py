@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from fluxtp.kernels._sync import give_up, set_flag, wait_flags
-from fluxtp.kernels._tiles import grouped_tile
+from fluxtp.kernels._tiles import dot_k_block, grouped_tile
 
 
 @triton.jit
@@ -214,12 +214,7 @@ def matmul_reduce_scatter_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
                 a = a_desc.load([owner * rows_per_rank + row_in_segment, ki * BLOCK_K])
-                if B_KN:
-                    acc = tl.dot(a, b_desc.load([ki * BLOCK_K, col0]), acc)
-                elif PRECISE_ACC:  # FP8: promoted to float32 after each K block (_scaled.py)
-                    acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc, max_num_imprecise_acc=BLOCK_K)
-                else:
-                    acc = tl.dot(a, b_desc.load([col0, ki * BLOCK_K]).T, acc)
+                acc = dot_k_block(a, b_desc, ki * BLOCK_K, col0, acc, B_KN, PRECISE_ACC)
             if SCALING == 1:
                 acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
             elif SCALING == 2:

@@ -41,6 +41,7 @@ from fluxtp.bench.gemm_grid import (
     gemm_only_case,
     heuristic_config,
     relative_error,
+    warp_specialized_runs,
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
 from fluxtp.configs import Entry, Key, describe, fits, load, m_bucket
@@ -58,6 +59,13 @@ ONE_GPU_TILINGS = (
     (64, 256, 64, 4, 4),
     (64, 128, 64, 4, 4),  # twice the tiles of 128x128: fills the SMs where a case has under a wave of those
 )
+# The all-gather's warp-specialized kernel, screened beside those where a case can take it (bf16 /
+# fp16, a row-major weight, Hopper): the same fields; num_warps names the Triton tiling of the same
+# shape (the kernel runs a loader warp and two 4-warp consumers), num_stages what fits its staging.
+WARP_SPECIALIZED_TILINGS = (
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+)
 FINALISTS = 3
 SCREEN = Protocol(rounds=2, warmup_rounds=1, calls_per_sample=1)
 FINAL_ROUNDS = 6
@@ -70,12 +78,17 @@ RELATIVE_ERROR_LIMIT = 1e-2  # bf16 operands, float32 accumulation: ~1e-3 when r
 COMPILE_WORKERS = 8
 
 
-def candidates(case: GemmCase) -> list:
-    """The tilings to screen for a case, each with the communication knobs of the heuristic."""
-    base = heuristic_config(case)
+def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
+    """The tilings to screen for a case, each with the communication knobs of the heuristic;
+    warp_specialized: the GPU runs the all-gather's warp-specialized kernel for the case
+    (warp_specialized_runs; other ops have none to screen)."""
+    warp_specialized = warp_specialized and case.op == "all_gather_matmul"
+    base = heuristic_config(case, warp_specialized)
+    tilings = [(t, False) for t in ONE_GPU_TILINGS] + [(t, True) for t in WARP_SPECIALIZED_TILINGS if warp_specialized]
     out = []
-    for bm, bn, bk, warps, stages in ONE_GPU_TILINGS:
-        tiling = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=8)
+    for (bm, bn, bk, warps, stages), on_warp_specialized in tilings:
+        tiling = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=8,
+                      warp_specialized=on_warp_specialized)  # fmt: skip
         if case.op == "matmul_reduce_scatter":
             tiling["epilogue_split"] = 4 if bn >= 256 else 2
         config = with_communication_heuristic(case, dataclasses.replace(base, **tiling))
@@ -158,7 +171,8 @@ def tune_case(case: GemmCase, device: torch.device, generator: torch.Generator) 
     info = GroupInfo(None, 0, 1)
     cublas = state.cublas()
     calls = _calls_per_sample(cublas.calls[0], device)
-    base = heuristic_config(case)
+    warp_specialized = warp_specialized_runs(case, device)
+    base = heuristic_config(case, warp_specialized)
     failed, wrong = [], []
 
     def working(configs) -> list:
@@ -172,7 +186,7 @@ def tune_case(case: GemmCase, device: torch.device, generator: torch.Generator) 
                 (wrong if is_wrong else failed).append((config, why))
         return ok
 
-    screened = working(candidates(case))
+    screened = working(candidates(case, warp_specialized))
     if base not in screened:
         raise RuntimeError(f"{case.label()}: the heuristic config {describe(base)} fails: {(failed + wrong)[0][1]}")
     names = {f"c{i}": c for i, c in enumerate(screened)}
@@ -193,14 +207,15 @@ def tune_case(case: GemmCase, device: torch.device, generator: torch.Generator) 
 # ---------------------------------------------------------------- compiling ahead, in parallel
 
 
-def _compile_jobs(cases: list[GemmCase]) -> list[tuple[GemmCase, object]]:
-    """One (case, config) per distinct kernel the job will launch, on the smallest case that
-    launches it: shapes are runtime arguments, specialized only by divisibility (by 16, and the
-    all-gather's TMA store by block_m), and the all-gather's chunk_rows is a runtime argument."""
+def _compile_jobs(cases: list[GemmCase], device=None) -> list[tuple[GemmCase, object]]:
+    """One (case, config) per distinct kernel the job will launch on `device` (None: no GPU's
+    own kernels), on the smallest case that launches it: shapes are runtime arguments,
+    specialized only by divisibility (by 16, and the all-gather's TMA store by block_m), and the
+    all-gather's chunk_rows is a runtime argument."""
     jobs = {}
     for case in sorted(cases, key=lambda c: c.M):
         (rows, _), _ = case.shard_shapes
-        for config in candidates(case):
+        for config in candidates(case, device is not None and warp_specialized_runs(case, device)):
             fields = dataclasses.asdict(config)
             fields.pop("chunk_rows", None)
             spec = (rows % 16 == 0, rows % config.block_m == 0)
@@ -223,9 +238,9 @@ def _compile_worker(jobs: list[tuple[GemmCase, object]]) -> int:
     return compiled
 
 
-def precompile(cases: list[GemmCase], workers: int = COMPILE_WORKERS) -> int:
+def precompile(cases: list[GemmCase], device, workers: int = COMPILE_WORKERS) -> int:
     """Compile every kernel the job will launch, in `workers` processes, into Triton's disk cache."""
-    jobs = _compile_jobs(cases)
+    jobs = _compile_jobs(cases, device)
     workers = max(1, min(workers, len(jobs), (os.cpu_count() or 2) - 1))
     slices = [jobs[i::workers] for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
@@ -294,7 +309,7 @@ def run(cases: list[GemmCase], cache_path: str | None, out: str | None, command:
     for case in cases:
         if case not in todo:
             print(f"kept {case.label()}: its shipped entry was measured with communication", flush=True)
-    print(f"compiled {precompile(todo)} kernels ahead", flush=True)
+    print(f"compiled {precompile(todo, device)} kernels ahead", flush=True)
     generator = torch.Generator(device=device).manual_seed(20261124)
     path = out
     if out and (out.endswith(("/", os.sep)) or os.path.isdir(out)):

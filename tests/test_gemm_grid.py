@@ -110,6 +110,25 @@ def test_one_gpu_candidates_fit_start_at_the_heuristic_and_keep_its_communicatio
         assert {c.block_m for c in space} >= {64, 128, 256}
 
 
+def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
+    """Where a case may take the warp-specialized kernel, its 128x256 and 128x128 tilings are
+    screened beside Triton's (every Triton tiling says so: warp_specialized=False), and the
+    baseline is what an untuned call launches there (128x256 on it from 4096 rows)."""
+    ag = GemmCase(AG, 8192, 28672, 8192, 8)
+    triton_only = tune_gemm.candidates(ag)
+    space = tune_gemm.candidates(ag, warp_specialized=True)
+    on_it = [c for c in space if c.warp_specialized]
+    assert space[0] == tune_gemm.heuristic_config(ag, True) and space[0].warp_specialized
+    assert {(c.block_n, c.num_stages) for c in on_it} == {(256, 3), (128, 4)}
+    assert [c for c in space if not c.warp_specialized] == [c for c in triton_only if not c.warp_specialized]
+    assert all(tune.fits(AG, c) for c in space) and len(space) == len(set(space)) == len(triton_only) + 2
+    few_rows = GemmCase(AG, 2048, 28672, 8192, 8)  # the heuristic stays on Triton; both tilings screened
+    assert not tune_gemm.candidates(few_rows, warp_specialized=True)[0].warp_specialized
+    assert sum(c.warp_specialized for c in tune_gemm.candidates(few_rows, warp_specialized=True)) == 2
+    rs = GemmCase(RS, 8192, 8192, 28672, 8)
+    assert tune_gemm.candidates(rs, warp_specialized=True) == tune_gemm.candidates(rs)
+
+
 def test_compile_jobs_name_each_distinct_kernel_once():
     cases = [GemmCase(AG, m, 28672, 8192, 2) for m in (1024, 4096, 8192)]
     jobs = tune_gemm._compile_jobs(cases)

@@ -110,6 +110,9 @@ GRIDS = {
     # transposed weights at llama3-70b (bf16): what the shipped GEMM tables cover.
     "full": _full,
     "bf16": lambda: [c for c in _full() if c.dtype == "bfloat16"],
+    # The bf16 all-gathers the warp-specialized kernel can serve (row-major weights).
+    "all-gather-bf16": lambda: [c for c in _full() if c.op == "all_gather_matmul" and c.weight_layout == "linear"
+                                and c.dtype == "bfloat16"],
     "llama3-70b": lambda: model_cases("llama3-70b", layouts=("linear", "transposed")),
     # The FP8 ops (row-wise scales, the layers' recipe): the "full" grid's shapes, linear weights.
     "fp8": lambda: [c for model in MODELS for c in model_cases(model, dtypes=tuple(FP8_DTYPE_NAMES))],
@@ -167,13 +170,14 @@ def expected_rows(case: GemmCase, full: torch.Tensor) -> torch.Tensor:
     return full if case.op == "all_gather_matmul" else full[: case.M // case.world]
 
 
-def heuristic_config(case: GemmCase):
-    """The config the launcher takes when no table has an entry for the case."""
+def heuristic_config(case: GemmCase, warp_specialized: bool = False):
+    """The config the launcher takes when no table has an entry for the case; warp_specialized:
+    on a GPU where the all-gather may take its warp-specialized kernel (warp_specialized_runs)."""
     from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 
     (rows, k), (n, _) = case.shard_shapes
     if case.op == "all_gather_matmul":
-        return AllGatherMatmulConfig.heuristic(rows, n, k, case.world)
+        return AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
     return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
 
 
@@ -186,6 +190,15 @@ def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scale
     module = _all_gather_matmul if case.op == "all_gather_matmul" else _matmul_reduce_scatter
     scaled = None if scales is None else Scaled.of(*scales, torch.bfloat16, use_fast_accum)
     return module._config_for(x, weight, case.world, None, scaled)
+
+
+def warp_specialized_runs(case: GemmCase, device) -> bool:
+    """Whether the case's all-gather may take the warp-specialized kernel on `device` (a bf16 /
+    fp16 call with a row-major weight on Hopper), as the launcher decides."""
+    from fluxtp.backends.fused import _all_gather_matmul
+
+    return (case.op == "all_gather_matmul" and not case.fp8
+            and _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype], case.weight_layout))  # fmt: skip
 
 
 def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None, scales=None,

@@ -87,20 +87,27 @@ class AllGatherMatmulConfig(GemmTiling):
     epilogue_subtile: bool = True  # TMA-store the tile in two halves
     # The warp-specialized Gluon kernel (fluxtp/kernels/_all_gather_matmul_pingpong.py; Hopper,
     # 128-row tiles, 4 warps a consumer, num_warps ignored): FP8 calls with precise accumulation,
-    # and bf16 / fp16 calls with a row-major weight (on_warp_specialized_kernel).
+    # and bf16 / fp16 calls with a row-major weight: untuned ones by on_warp_specialized_kernel,
+    # tuned ones where their tune chose it (`fluxtp tune --one-gpu` screens it beside Triton's).
     # Optional in tuning tables: entries written before it existed mean False.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod
     @functools.cache
-    def heuristic(rows_per_rank: int, n: int, k: int, world: int, sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:
+    def heuristic(rows_per_rank: int, n: int, k: int, world: int, sms: int = HOPPER_SMS,
+                  warp_specialized: bool = False) -> AllGatherMatmulConfig:  # fmt: skip
         """128x256x64, 8 warps, 3 stages, unless 128x128x64, 4 warps, 5 stages take fewer waves
         (narrow_tiles_win): at the one-GPU grid on H200 and H100 this rule's tiling read 1.003x
-        the best screened one in geometric mean, 1.075x at worst (docs/perf-log.md)."""
+        the best screened one in geometric mean, 1.075x at worst (docs/perf-log.md).
+        warp_specialized: the call may take the warp-specialized kernel (a bf16 / fp16 call with a
+        row-major weight on Hopper; the launcher decides), which it then does where
+        on_warp_specialized_kernel says."""
         if narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms):
             config = AllGatherMatmulConfig(block_n=128, num_warps=4, num_stages=5)
         else:
             config = AllGatherMatmulConfig()
+        if warp_specialized:
+            config = config.on_warp_specialized_kernel(world * rows_per_rank)
         return config.with_communication_heuristic(rows_per_rank)
 
     @staticmethod
@@ -282,13 +289,15 @@ def smem_bytes(op: str, config) -> int:
     """Shared memory of one block: the operand pipeline plus the epilogue's staging tile.
 
     Pipeline: num_stages x (BM x BK + BN x BK) operand elements. Epilogue: all_gather_matmul
-    stages the output tile for its TMA store (half of it when subtiled); matmul_reduce_scatter
-    converts one float32 column slice (BN / epilogue_split) of the accumulator's layout.
+    stages the output tile for its TMA store (half of it when subtiled; the warp-specialized
+    kernel both consumers' halves); matmul_reduce_scatter converts one float32 column slice
+    (BN / epilogue_split) of the accumulator's layout.
     """
     c = config
     pipeline = c.num_stages * (c.block_m * c.block_k + c.block_n * c.block_k) * ELEMENT_BYTES
     if op == "all_gather_matmul":
-        epilogue = 0 if not c.tma_store else c.block_m * c.block_n * ELEMENT_BYTES // (2 if c.epilogue_subtile else 1)
+        halves = 1 if c.warp_specialized or not c.epilogue_subtile else 2
+        epilogue = c.block_m * c.block_n * ELEMENT_BYTES // halves if c.tma_store or c.warp_specialized else 0
     else:
         epilogue = c.block_m * (c.block_n // c.epilogue_split) * 4
     return pipeline + epilogue

@@ -267,10 +267,15 @@ def _write_value32(flags_u32, index, value):
     torch.ops.symm_mem.stream_write_value32_.default(flags_u32, index, value)
 
 
+def warp_specialized_runs(device, dtype: torch.dtype, weight_layout: str) -> bool:
+    """Whether a bf16 / fp16 call may take the warp-specialized kernel: a row-major weight on Hopper."""
+    return weight_layout == "linear" and _scaled.pingpong_unsupported(device, None, dtype) is None
+
+
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
-    """The caller's config, else the tuned table's for this shape, else the heuristic (FP8: its
-    own, nothing tuned yet); a bf16 / fp16 one on the warp-specialized kernel where it runs and
-    measured faster (AllGatherMatmulConfig.on_warp_specialized_kernel)."""
+    """The caller's config, else the tuned table's for this shape (as measured, the kernel
+    included), else the heuristic's, on the warp-specialized kernel where that runs and measured
+    faster (FP8: its own heuristic, nothing tuned yet)."""
     rows_per_rank, k = x_shard.shape
     device = x_shard.device
     if scaled is not None:
@@ -278,12 +283,12 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
                                                              num_sms(device), _scaled.pingpong_unsupported(device, scaled) is None)  # fmt: skip
     if config is not None:
         return config
-    chosen = tuned_config(_OP, x_shard, weight, world) or AllGatherMatmulConfig.heuristic(
-        rows_per_rank, weight.shape[0], k, world, num_sms(device)
-    )
-    if weight_layout_of(weight) == "linear" and _scaled.pingpong_unsupported(device, None, weight.dtype) is None:
-        chosen = chosen.on_warp_specialized_kernel(world * rows_per_rank)
-    return chosen
+    warp_specialized = warp_specialized_runs(device, weight.dtype, weight_layout_of(weight))
+    tuned = tuned_config(_OP, x_shard, weight, world)
+    if tuned is None:
+        return AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world, num_sms(device), warp_specialized)
+    # A transposed weight may read a linear entry (its layout's fallback): that tiling on Triton.
+    return tuned if warp_specialized or not tuned.warp_specialized else dataclasses.replace(tuned, warp_specialized=False)
 
 
 class Plan:

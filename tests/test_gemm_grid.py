@@ -122,6 +122,7 @@ def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
     assert {(c.block_n, c.num_stages) for c in on_it} == {(256, 3), (128, 4)}
     assert [c for c in space if not c.warp_specialized] == [c for c in triton_only if not c.warp_specialized]
     assert all(tune.fits(AG, c) for c in space) and len(space) == len(set(space)) == len(triton_only) + 2
+    assert len({tune.describe(c) for c in space}) == len(space)  # the screen's record is keyed by it
     few_rows = GemmCase(AG, 2048, 28672, 8192, 8)  # the heuristic stays on Triton; both tilings screened
     assert not tune_gemm.candidates(few_rows, warp_specialized=True)[0].warp_specialized
     assert sum(c.warp_specialized for c in tune_gemm.candidates(few_rows, warp_specialized=True)) == 2

@@ -110,9 +110,8 @@ GRIDS = {
     # transposed weights at llama3-70b (bf16): what the shipped GEMM tables cover.
     "full": _full,
     "bf16": lambda: [c for c in _full() if c.dtype == "bfloat16"],
-    # The bf16 all-gathers the warp-specialized kernel can serve (row-major weights).
-    "all-gather-bf16": lambda: [c for c in _full() if c.op == "all_gather_matmul" and c.weight_layout == "linear"
-                                and c.dtype == "bfloat16"],
+    # The all-gathers the warp-specialized kernel can serve (row-major weights), bf16 and fp16.
+    "all-gather": lambda: [c for c in _full() if c.op == "all_gather_matmul" and c.weight_layout == "linear"],
     "llama3-70b": lambda: model_cases("llama3-70b", layouts=("linear", "transposed")),
     # The FP8 ops (row-wise scales, the layers' recipe): the "full" grid's shapes, linear weights.
     "fp8": lambda: [c for model in MODELS for c in model_cases(model, dtypes=tuple(FP8_DTYPE_NAMES))],

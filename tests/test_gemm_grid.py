@@ -76,20 +76,23 @@ def test_tile_width_follows_wave_quantization(tile_rows, n, narrow):
     assert (config.block_n, config.num_warps, config.num_stages) == ((128, 4, 5) if narrow else (256, 8, 3))
 
 
-def test_wide_bf16_all_gather_tiles_move_to_the_warp_specialized_kernel_from_4096_rows():
-    """128x256x64 tilings at 4096 gathered rows or more take the warp-specialized kernel (3
-    stages); other tilings, fewer rows and configs already on it stay as they are. The launcher
-    asks only where the kernel runs: a CPU call keeps the Triton kernel."""
+def test_wide_bf16_all_gather_tiles_move_to_the_warp_specialized_kernel():
+    """128x256x64 tilings take the warp-specialized kernel (3 stages) at any number of rows;
+    other tilings and configs already on it stay as they are. The launcher asks only where the
+    kernel runs: a CPU call keeps the Triton kernel."""
     from fluxtp.backends.fused._all_gather_matmul import _config_for
-    from fluxtp.configs._classes import WARP_SPECIALIZED_MIN_ROWS
 
     wide = AllGatherMatmulConfig(num_stages=4)
-    moved = wide.on_warp_specialized_kernel(WARP_SPECIALIZED_MIN_ROWS)
+    moved = wide.on_warp_specialized_kernel()
     assert moved == dataclasses.replace(wide, warp_specialized=True, num_stages=3)
-    assert wide.on_warp_specialized_kernel(WARP_SPECIALIZED_MIN_ROWS - 1) is wide
     narrow = AllGatherMatmulConfig(block_n=128, num_warps=4, num_stages=5)
-    assert narrow.on_warp_specialized_kernel(1 << 20) is narrow
-    assert moved.on_warp_specialized_kernel(1 << 20) is moved
+    assert narrow.on_warp_specialized_kernel() is narrow
+    assert moved.on_warp_specialized_kernel() is moved
+    wide_heuristic = AllGatherMatmulConfig.heuristic(1024, 28672 // 8, 8192, 8)
+    assert wide_heuristic.block_n == 256
+    assert AllGatherMatmulConfig.heuristic(1024, 28672 // 8, 8192, 8, warp_specialized=True) == dataclasses.replace(
+        wide_heuristic, warp_specialized=True
+    )
     x, w = torch.zeros(4096, 64, dtype=torch.bfloat16), torch.zeros(8192, 64, dtype=torch.bfloat16)
     assert not _config_for(x, w, 2, None).warp_specialized
 
@@ -113,7 +116,7 @@ def test_one_gpu_candidates_fit_start_at_the_heuristic_and_keep_its_communicatio
 def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
     """Where a case may take the warp-specialized kernel, its 128x256 and 128x128 tilings are
     screened beside Triton's (every Triton tiling says so: warp_specialized=False), and the
-    baseline is what an untuned call launches there (128x256 on it from 4096 rows)."""
+    baseline is what an untuned call launches there (a 128x256 heuristic on it)."""
     ag = GemmCase(AG, 8192, 28672, 8192, 8)
     triton_only = tune_gemm.candidates(ag)
     space = tune_gemm.candidates(ag, warp_specialized=True)
@@ -123,9 +126,9 @@ def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
     assert [c for c in space if not c.warp_specialized] == [c for c in triton_only if not c.warp_specialized]
     assert all(tune.fits(AG, c) for c in space) and len(space) == len(set(space)) == len(triton_only) + 2
     assert len({tune.describe(c) for c in space}) == len(space)  # the screen's record is keyed by it
-    few_rows = GemmCase(AG, 2048, 28672, 8192, 8)  # the heuristic stays on Triton; both tilings screened
-    assert not tune_gemm.candidates(few_rows, warp_specialized=True)[0].warp_specialized
-    assert sum(c.warp_specialized for c in tune_gemm.candidates(few_rows, warp_specialized=True)) == 2
+    narrow = GemmCase(AG, 1024, 14336, 4096, 8)  # the heuristic's 128x128 stays on Triton; both screened
+    assert not tune_gemm.candidates(narrow, warp_specialized=True)[0].warp_specialized
+    assert sum(c.warp_specialized for c in tune_gemm.candidates(narrow, warp_specialized=True)) == 2
     rs = GemmCase(RS, 8192, 8192, 28672, 8)
     assert tune_gemm.candidates(rs, warp_specialized=True) == tune_gemm.candidates(rs)
 

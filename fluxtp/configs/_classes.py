@@ -55,11 +55,6 @@ def fp8_tiling(precise: bool, narrow: bool) -> dict:
 # precise one), 4 stages of 32 KiB. Measurements: docs/perf-log.md.
 WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4}
 
-# A bf16 / fp16 all-gather's 128x256x64 tiling runs on the warp-specialized kernel from this
-# many gathered rows on: one H100 took 0.956-0.999x the Triton kernel's time at 4096-16384
-# tokens, TP 2 and 8; fewer rows are not measured yet (docs/perf-log.md).
-WARP_SPECIALIZED_MIN_ROWS = 4096
-
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
 HOPPER_SMS = 132
 # What a 128x128 tile costs relative to a 128x256 one (half the work, a little less efficient):
@@ -107,7 +102,7 @@ class AllGatherMatmulConfig(GemmTiling):
         else:
             config = AllGatherMatmulConfig()
         if warp_specialized:
-            config = config.on_warp_specialized_kernel(world * rows_per_rank)
+            config = config.on_warp_specialized_kernel()
         return config.with_communication_heuristic(rows_per_rank)
 
     @staticmethod
@@ -124,12 +119,13 @@ class AllGatherMatmulConfig(GemmTiling):
         narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 
-    def on_warp_specialized_kernel(self, gathered_rows: int) -> AllGatherMatmulConfig:
+    def on_warp_specialized_kernel(self) -> AllGatherMatmulConfig:
         """This bf16 / fp16 config on the warp-specialized kernel where that measured faster: a
-        128x256x64 tiling from WARP_SPECIALIZED_MIN_ROWS gathered rows on (3 stages, what fits
-        beside its staging); any other config as it is."""
-        wide = (self.block_m, self.block_n, self.block_k) == (128, 256, 64)
-        if self.warp_specialized or not wide or gathered_rows < WARP_SPECIALIZED_MIN_ROWS:
+        128x256x64 tiling (3 stages, what fits beside its staging); any other config as it is.
+        One H100's tune screen of the all-gather grid (bf16, fp16, TP 2/4/8) took 0.980 / 0.999 /
+        0.985 / 0.981 / 0.981x the Triton kernel's time in geometric mean at 1024 ... 16384 tokens;
+        its 128x128 tiling lost to Triton's (1.05x; docs/perf-log.md)."""
+        if self.warp_specialized or (self.block_m, self.block_n, self.block_k) != (128, 256, 64):
             return self
         return dataclasses.replace(self, warp_specialized=True, num_stages=3)
 

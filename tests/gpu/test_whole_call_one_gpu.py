@@ -20,7 +20,8 @@ from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter, _scaled
 from fluxtp.backends.fused._matmul_reduce_scatter import copy_plan
-from fluxtp.configs import MatmulReduceScatterConfig
+from fluxtp.backends.fused._launch import num_sms
+from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 from fluxtp.testing import simulated_world
 from tests import _fp8_cases as fp8_cases
 from tests._cases import TOLERANCE, draw, rel_error
@@ -49,7 +50,7 @@ def _hold_copy_stream(device):
         (2, 1, 300, 1000, 512, torch.bfloat16),  # ragged rows
         (4, 2, 256, 768, 1024, torch.float16),
         (8, 5, 128, 512, 256, torch.bfloat16),  # the ring order wraps
-        # 4096 gathered rows or more in 128x256 tiles: the warp-specialized kernel on Hopper
+        # 128x256 tiles: the warp-specialized kernel on Hopper
         (2, 1, 2048, 2048, 512, torch.bfloat16),
         (4, 3, 1100, 1536, 512, torch.float16),  # ragged rows: stored without TMA
     ],
@@ -86,8 +87,11 @@ def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dty
                 replayed = plan  # a plan whose pulls replay
         graph = replayed.pull_peers_replay.graph
         assert isinstance(graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
-        warp_specialized = world * m >= 4096 and torch.cuda.get_device_capability()[0] == 9
-        assert replayed.config.warp_specialized == warp_specialized, f"{what}: {replayed.config}"
+        # The untuned heuristic: a 128x256 tiling on the warp-specialized kernel on Hopper.
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        expected = AllGatherMatmulConfig.heuristic(m, n, k, world, num_sms(w.device), hopper)
+        assert replayed.config == expected, f"{what}: {replayed.config}"
+        warp_specialized = expected.warp_specialized
         launch = replayed.gemm.pingpong.launch if warp_specialized else replayed.gemm.launch
         assert launch._direct is not None, f"{what}: this Triton's launcher was not launched directly"
 

@@ -1,12 +1,12 @@
-"""Persistent AllGather+GEMM, warp-specialized (Gluon, Hopper): FP8 with precise accumulation,
-and bf16 / fp16 calls whose config asks for it.
+"""Persistent AllGather+GEMM, warp-specialized (Gluon, Hopper): the FP8 and bf16 / fp16 calls
+whose config asks for it.
 
-The same op as _all_gather_matmul's kernel for scaled calls without use_fast_accum and for plain
-calls with a row-major weight (tiles in data order: this rank's rows first from its shard, then
-the peers' segments in arrival order, each peer tile after its chunk's signal; scales and bias in
-the epilogue; the last program resets the signals), built on fluxtp.kernels._pingpong so that an
-FP8 call's float32 promotion costs no tensor-core time (SCALING 0, a plain call: no promotion,
-no scales):
+The same op as _all_gather_matmul's kernel for scaled calls and for plain calls with a row-major
+weight (tiles in data order: this rank's rows first from its shard, then the peers' segments in
+arrival order, each peer tile after its chunk's signal; scales and bias in the epilogue; the last
+program resets the signals), built on fluxtp.kernels._pingpong so that an FP8 call's float32
+promotion (PRECISE_ACC) costs no tensor-core time; fast accumulation (FP8 without PRECISE_ACC)
+and plain calls (SCALING 0) accumulate in the MMAs alone:
 - a loader warp: waits for a peer tile's chunk signal (bounded; a wait that gives up records
   (rank, chunk, this rank) and traps), then TMA-loads the tile's K blocks into a ring of stages;
 - two consumer warpgroups, each computing and storing half of a tile's rows.
@@ -63,7 +63,7 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
               rows_per_rank, N, K, stride_cm, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
               GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SCALING: gl.constexpr):  # fmt: skip
+              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
@@ -77,10 +77,10 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
         segment = (RANK + tile // tiles_per_segment) % WORLD
         pid_m, pid_n = grouped_tile(tile % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-        if SCALING == 0:
-            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
-        else:
+        if PRECISE_ACC:
             acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+        else:
+            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
 
         rows = pid_m * BLOCK_M + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
@@ -142,6 +142,7 @@ def all_gather_matmul_pingpong_kernel(
     HAS_BIAS: gl.constexpr,
     TMA_STORE: gl.constexpr,
     SCALING: gl.constexpr,  # 0 unscaled (bf16, fp16), 1 per tensor, 2 row-wise
+    PRECISE_ACC: gl.constexpr,  # FP8 products promoted into float32 every two K blocks (not use_fast_accum)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
@@ -150,10 +151,10 @@ def all_gather_matmul_pingpong_kernel(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING)),
+                         TMA_STORE, SCALING, PRECISE_ACC)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING)),
+                         TMA_STORE, SCALING, PRECISE_ACC)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
                        K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS)),
         ],

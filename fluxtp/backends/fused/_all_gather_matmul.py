@@ -127,7 +127,7 @@ class _Gemm:
         self.config = config
         self.pingpong = None
         if config.warp_specialized:
-            why = _scaled.pingpong_unsupported(device, scaled, weight.dtype)
+            why = _scaled.pingpong_unsupported(device, scaled, weight.dtype, all_gather=True)
             if config.block_m != 128:  # two consumer warpgroups of 64 rows (one wgmma's M)
                 why = f"its tiles have 128 rows, not {config.block_m}"
             if why:
@@ -145,12 +145,11 @@ class _Gemm:
         self.scalars = (rows_per_rank, n, k, y_stride, chunk_rows, triton.cdiv(rows_per_rank, chunk_rows), max_spins,
                         signal_reset)  # fmt: skip
         if config.warp_specialized:
-            scaling = 0 if scaled is None else scaled.scaling
             # One SM left to the copy stream's barrier kernel: a warp-specialized program takes a
             # whole SM's registers, so a barrier queued behind the publish copy found none and the
             # GEMM timed out on rows never pulled (world 4 on one H100, tests/gpu/test_whole_call_one_gpu.py).
             grid = min(sms - 1, tiles)
-            self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaling, y_dtype, device)
+            self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaled, y_dtype, device)
             return
         self.launch = Launch(
             all_gather_matmul_kernel,
@@ -209,9 +208,9 @@ class _PingPong:
     """The warp-specialized kernel's launch for one call signature: Gluon descriptor layouts (each
     with its shared-memory layout) made at the first call, rebound per call, and the launch
     through Launch. x_gathered and x_own are [*, k] (float8, bf16 or fp16), the weight [n, k]
-    row-major; scaling: the kernel's SCALING (0 for a plain call)."""
+    row-major; scaled: an FP8 call's Scaled, None for a plain one."""
 
-    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaling: int, y_dtype,
+    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled, y_dtype,
                  device):  # fmt: skip
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
@@ -222,7 +221,7 @@ class _PingPong:
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
-            SCALING=scaling, **_scaled.PINGPONG_WARPS,
+            **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
@@ -269,7 +268,7 @@ def _write_value32(flags_u32, index, value):
 
 def warp_specialized_runs(device, dtype: torch.dtype, weight_layout: str) -> bool:
     """Whether a bf16 / fp16 call may take the warp-specialized kernel: a row-major weight on Hopper."""
-    return weight_layout == "linear" and _scaled.pingpong_unsupported(device, None, dtype) is None
+    return weight_layout == "linear" and _scaled.pingpong_unsupported(device, None, dtype, all_gather=True) is None
 
 
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
@@ -279,8 +278,9 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     rows_per_rank, k = x_shard.shape
     device = x_shard.device
     if scaled is not None:
+        warp_specialized = _scaled.pingpong_unsupported(device, scaled, all_gather=True) is None
         return config or AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
-                                                             num_sms(device), _scaled.pingpong_unsupported(device, scaled) is None)  # fmt: skip
+                                                             num_sms(device), warp_specialized)  # fmt: skip
     if config is not None:
         return config
     warp_specialized = warp_specialized_runs(device, weight.dtype, weight_layout_of(weight))

@@ -68,23 +68,26 @@ def test_the_warp_specialized_reduce_scatter_is_opt_in_and_refused_where_it_cann
                       scaled=Scaled(torch.bfloat16, True, True), scales=(torch.ones(512), torch.ones(128)))  # fmt: skip
 
 def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
-    """The FP8 heuristic gives precise calls the warp-specialized kernel's tiling when the launcher
-    says the call can take it (precise accumulation, a Hopper GPU, compiled), never a fast call;
-    a config that asks for it where it cannot run is refused with the reason, before any launch."""
+    """The FP8 heuristic gives a call the warp-specialized kernel's tiling for its accumulation
+    when the launcher says the call can take it (a Hopper GPU, compiled); a config that asks for
+    it where it cannot run is refused with the reason, before any launch."""
     from fluxtp._dist import GroupInfo
     from fluxtp.backends.fused._all_gather_matmul import _config_for, launch_gemm
     from fluxtp.backends.fused._scaled import Scaled, pingpong_unsupported
     from fluxtp.configs import AllGatherMatmulConfig
-    from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_TILING
+    from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
 
     ws = AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True, warp_specialized=True)
     assert ws.warp_specialized and {k: getattr(ws, k) for k in WARP_SPECIALIZED_FP8_TILING} == WARP_SPECIALIZED_FP8_TILING
     assert ws.chunk_rows % ws.block_m == 0
-    assert not AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, False, warp_specialized=True).warp_specialized
+    fast_ws = AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, False, warp_specialized=True)
+    assert fast_ws.warp_specialized
+    assert {k: getattr(fast_ws, k) for k in WARP_SPECIALIZED_FP8_FAST_TILING} == WARP_SPECIALIZED_FP8_FAST_TILING
     assert not AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True).warp_specialized
 
     precise, fast = Scaled(torch.bfloat16, True, True), Scaled(torch.bfloat16, True, False)
-    assert "precise accumulation" in pingpong_unsupported("cuda", fast)
+    assert "precise accumulation" in pingpong_unsupported("cuda", fast)  # the reduce-scatter's kernel
+    assert "CUDA GPU" in pingpong_unsupported("cpu", fast, all_gather=True)  # the all-gather's serves it
     assert "CUDA GPU" in pingpong_unsupported("cpu", precise)
     x = torch.zeros(256, 64).to(torch.float8_e4m3fn)
     w = torch.zeros(128, 64).to(torch.float8_e4m3fn)

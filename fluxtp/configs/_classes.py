@@ -54,6 +54,9 @@ def fp8_tiling(precise: bool, narrow: bool) -> dict:
 # a promotion buffer each), K blocks of 128 promoted in pairs (every 256 products, as fp8_tiling's
 # precise one), 4 stages of 32 KiB. Measurements: docs/perf-log.md.
 WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4}
+# Its fast-accumulation tiling (no promotion buffer: a 64x256 accumulator per consumer fits): on one
+# H100 it took 0.87-0.99x the Triton kernel's time at 12 all-gather shapes, TP 2 and 8 (docs/perf-log.md).
+WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 4, "num_stages": 3}
 
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
 HOPPER_SMS = 132
@@ -110,12 +113,11 @@ class AllGatherMatmulConfig(GemmTiling):
     def heuristic_fp8(rows_per_rank: int, n: int, k: int, world: int, precise_acc: bool,
                       sms: int = HOPPER_SMS, warp_specialized: bool = False) -> AllGatherMatmulConfig:  # fmt: skip
         """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic().
-        warp_specialized: the call may take the warp-specialized kernel (precise accumulation on
-        Hopper; the launcher decides), which it then does."""
-        if precise_acc and warp_specialized:
-            return AllGatherMatmulConfig(**WARP_SPECIALIZED_FP8_TILING, warp_specialized=True).with_communication_heuristic(
-                rows_per_rank
-            )
+        warp_specialized: the call may take the warp-specialized kernel (Hopper; the launcher
+        decides), which it then does, in its tiling for the call's accumulation."""
+        if warp_specialized:
+            tiling = WARP_SPECIALIZED_FP8_TILING if precise_acc else WARP_SPECIALIZED_FP8_FAST_TILING
+            return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
         narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 

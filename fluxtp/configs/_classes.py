@@ -114,11 +114,12 @@ class AllGatherMatmulConfig(GemmTiling):
                       sms: int = HOPPER_SMS, warp_specialized: bool = False) -> AllGatherMatmulConfig:  # fmt: skip
         """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic().
         warp_specialized: the call may take the warp-specialized kernel (Hopper; the launcher
-        decides), which it then does, in its tiling for the call's accumulation."""
-        if warp_specialized:
+        decides), which it then does in its tiling for the call's accumulation, except a fast one
+        whose 128x256 tiles leave the last wave mostly empty (narrow_tiles_win): Triton's 128x128."""
+        narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
+        if warp_specialized and (precise_acc or not narrow):
             tiling = WARP_SPECIALIZED_FP8_TILING if precise_acc else WARP_SPECIALIZED_FP8_FAST_TILING
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
-        narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 
     def on_warp_specialized_kernel(self) -> AllGatherMatmulConfig:

@@ -22,6 +22,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
 from fluxtp.backends.fused._matmul_reduce_scatter import TRANSPORTS, MatmulReduceScatterConfig, gemm_only
 from fluxtp.backends.fused._scaled import Scaled, flat, pingpong_unsupported
+from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
 from tests._fp8_cases import quantize, rel_error, tolerance
 from tests._gates import HostGates
 from tests._rs_simulation import simulate
@@ -56,8 +57,11 @@ ALL_GATHER_CASES = [
 
 
 def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized):
-    cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise, warp_specialized=warp_specialized)
-    assert cfg.warp_specialized == warp_specialized
+    """The heuristic's Triton config, or the warp-specialized kernel's tiling for the accumulation."""
+    if warp_specialized:
+        tiling = WARP_SPECIALIZED_FP8_TILING if precise else WARP_SPECIALIZED_FP8_FAST_TILING
+        return AllGatherMatmulConfig(**tiling, warp_specialized=True, chunk_rows=chunk_rows)
+    cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise)
     return AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
 
 
@@ -120,8 +124,9 @@ def test_all_gather_fp8_waits_for_rows_and_scales(warp_specialized, world, rank,
 
 
 def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_here():
-    """On this Hopper GPU, scaled all-gathers go to the warp-specialized kernel, precise and fast;
-    the reduce-scatter's serves precise calls only, and only when asked."""
+    """On this Hopper GPU, scaled all-gathers go to the warp-specialized kernel, precise ones and
+    fast ones whose wide tiles fill the waves; the reduce-scatter's serves precise calls only,
+    and only when asked."""
     from fluxtp.backends.fused._all_gather_matmul import _config_for
     from fluxtp.backends.fused._matmul_reduce_scatter import _config_for as rs_config_for
 
@@ -129,7 +134,9 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
     w = torch.zeros(768, 1024, device="cuda").to(torch.float8_e4m3fn)
     skip_unless_hopper()
     assert _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
-    assert _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
+    wide = torch.zeros(7168, 1024, device="cuda").to(torch.float8_e4m3fn)  # fast: where 128x256 tiles fill the waves
+    assert _config_for(x, wide, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
+    assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
     # The reduce-scatter's is opt-in (slower than its Triton kernel: docs/perf-log.md), precise only.
     assert not rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
     assert "precise accumulation" in pingpong_unsupported(x.device, Scaled(torch.bfloat16, True, False))

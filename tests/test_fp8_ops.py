@@ -83,9 +83,11 @@ def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
     fast_ws = AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, False, warp_specialized=True)
     assert fast_ws.warp_specialized
     assert {k: getattr(fast_ws, k) for k in WARP_SPECIALIZED_FP8_FAST_TILING} == WARP_SPECIALIZED_FP8_FAST_TILING
-    # A fast call whose wide tiles leave the last wave mostly empty keeps Triton's narrow tiling.
-    narrow = AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, False, warp_specialized=True)
-    assert not narrow.warp_specialized and narrow.block_n == 128
+    # A fast call whose wide tiles do not fill one wave, or with a float32 output, stays on Triton.
+    sparse = AllGatherMatmulConfig.heuristic_fp8(128, 1792, 4096, 8, False, warp_specialized=True)  # 56 tiles
+    assert not sparse.warp_specialized and sparse.block_n == 128
+    assert not AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, False, warp_specialized=True,
+                                                   out_bytes=4).warp_specialized  # fmt: skip
     assert not AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True).warp_specialized
 
     precise, fast = Scaled(torch.bfloat16, True, True), Scaled(torch.bfloat16, True, False)

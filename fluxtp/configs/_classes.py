@@ -110,16 +110,20 @@ class AllGatherMatmulConfig(GemmTiling):
 
     @staticmethod
     @functools.cache
-    def heuristic_fp8(rows_per_rank: int, n: int, k: int, world: int, precise_acc: bool,
-                      sms: int = HOPPER_SMS, warp_specialized: bool = False) -> AllGatherMatmulConfig:  # fmt: skip
+    def heuristic_fp8(rows_per_rank: int, n: int, k: int, world: int, precise_acc: bool, sms: int = HOPPER_SMS,
+                      warp_specialized: bool = False, out_bytes: int = 2) -> AllGatherMatmulConfig:  # fmt: skip
         """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic().
         warp_specialized: the call may take the warp-specialized kernel (Hopper; the launcher
-        decides), which it then does in its tiling for the call's accumulation, except a fast one
-        whose 128x256 tiles leave the last wave mostly empty (narrow_tiles_win): Triton's 128x128."""
-        narrow = narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms)
-        if warp_specialized and (precise_acc or not narrow):
+        decides), which it then does in its tiling for the call's accumulation. A fast call stays
+        on Triton where the 128x256 tiles do not fill one wave (llama3-8b TP=8 1024 tokens: 1.62x
+        torch._scaled_mm against Triton's narrow tiles' 1.28) or where its output's staging does
+        not fit beside three stages (out_bytes: the output dtype's size; float32 does not)."""
+        tile_rows = world * cdiv(rows_per_rank, 128)
+        fast_fits = out_bytes <= 2 and tile_rows * cdiv(n, 256) >= sms
+        if warp_specialized and (precise_acc or fast_fits):
             tiling = WARP_SPECIALIZED_FP8_TILING if precise_acc else WARP_SPECIALIZED_FP8_FAST_TILING
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
+        narrow = narrow_tiles_win(tile_rows, n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 
     def on_warp_specialized_kernel(self) -> AllGatherMatmulConfig:

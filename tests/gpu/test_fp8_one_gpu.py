@@ -56,11 +56,13 @@ ALL_GATHER_CASES = [
 ]
 
 
-def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized):
-    """The heuristic's Triton config, or the warp-specialized kernel's tiling for the accumulation."""
+def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype):
+    """The heuristic's Triton config, or the warp-specialized kernel's tiling for the accumulation
+    (fast with a float32 output: two stages, so that its 128x256 float32 staging fits)."""
     if warp_specialized:
         tiling = WARP_SPECIALIZED_FP8_TILING if precise else WARP_SPECIALIZED_FP8_FAST_TILING
-        return AllGatherMatmulConfig(**tiling, warp_specialized=True, chunk_rows=chunk_rows)
+        stages = 2 if not precise and out_dtype == torch.float32 else tiling["num_stages"]
+        return AllGatherMatmulConfig(**{**tiling, "num_stages": stages}, warp_specialized=True, chunk_rows=chunk_rows)
     cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise)
     return AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
 
@@ -75,7 +77,7 @@ def test_all_gather_fp8_waits_for_rows_and_scales(warp_specialized, world, rank,
     xq, sx, wq, sw = _operands(seed, world * m, n, k, row_wise)
     bias = torch.randn(n, device="cuda", dtype=out_dtype)
     scaled = Scaled(out_dtype, row_wise, precise)
-    cfg = _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized)
+    cfg = _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype)
     own = slice(rank * m, (rank + 1) * m)
     x_own = xq[own].clone()
     x_gathered = torch.full_like(xq.view(torch.uint8), 0x7F).view(xq.dtype)  # e4m3 NaN until copied

@@ -280,7 +280,7 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     if scaled is not None:
         warp_specialized = _scaled.pingpong_unsupported(device, scaled, all_gather=True) is None
         return config or AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
-                                                             num_sms(device), warp_specialized)  # fmt: skip
+                                                             num_sms(device), warp_specialized, scaled.out_dtype.itemsize)  # fmt: skip
     if config is not None:
         return config
     warp_specialized = warp_specialized_runs(device, weight.dtype, weight_layout_of(weight))

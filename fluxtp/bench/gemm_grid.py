@@ -110,8 +110,8 @@ GRIDS = {
     # transposed weights at llama3-70b (bf16): what the shipped GEMM tables cover.
     "full": _full,
     "bf16": lambda: [c for c in _full() if c.dtype == "bfloat16"],
-    # The all-gathers the warp-specialized kernel can serve (row-major weights), bf16 and fp16.
-    "all-gather": lambda: [c for c in _full() if c.op == "all_gather_matmul" and c.weight_layout == "linear"],
+    # The all-gathers of "full" (the ones the warp-specialized kernel can serve).
+    "all-gather": lambda: [c for c in _full() if c.op == "all_gather_matmul"],
     "llama3-70b": lambda: model_cases("llama3-70b", layouts=("linear", "transposed")),
     # The FP8 ops (row-wise scales, the layers' recipe): the "full" grid's shapes, linear weights.
     "fp8": lambda: [c for model in MODELS for c in model_cases(model, dtypes=tuple(FP8_DTYPE_NAMES))],
@@ -193,11 +193,12 @@ def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scale
 
 def warp_specialized_runs(case: GemmCase, device) -> bool:
     """Whether the case's all-gather may take the warp-specialized kernel on `device` (a bf16 /
-    fp16 call with a row-major weight on Hopper), as the launcher decides."""
+    fp16 call on Hopper), as the launcher decides."""
     from fluxtp.backends.fused import _all_gather_matmul
 
-    return (case.op == "all_gather_matmul" and not case.fp8
-            and _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype], case.weight_layout))  # fmt: skip
+    return case.op == "all_gather_matmul" and not case.fp8 and _all_gather_matmul.warp_specialized_runs(
+        device, DTYPE_NAMES[case.dtype]
+    )
 
 
 def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None, scales=None,

@@ -1,8 +1,8 @@
 """Persistent AllGather+GEMM, warp-specialized (Gluon, Hopper): the FP8 and bf16 / fp16 calls
 whose config asks for it.
 
-The same op as _all_gather_matmul's kernel for scaled calls and for plain calls with a row-major
-weight (tiles in data order: this rank's rows first from its shard, then the peers' segments in
+The same op as _all_gather_matmul's kernel for scaled calls and for plain calls, in either weight
+layout for plain ones (tiles in data order: this rank's rows first from its shard, then the peers' segments in
 arrival order, each peer tile after its chunk's signal; scales and bias in the epilogue; the last
 program resets the signals), built on fluxtp.kernels._pingpong so that an FP8 call's float32
 promotion (PRECISE_ACC) costs no tensor-core time; fast accumulation (FP8 without PRECISE_ACC)
@@ -30,9 +30,9 @@ from fluxtp.kernels._pingpong import (
 @gluon.jit
 def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N, K,
             chunk_rows, chunks_per_rank, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
-            NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
@@ -42,7 +42,8 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
         segment = (RANK + tile // tiles_per_segment) % WORLD  # in arrival order from this rank's
         pid_m, pid_n = grouped_tile(tile % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
         if tile < tiles_per_segment:  # this rank's rows, from its shard
-            loaded = load_tile(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty, loaded, K)
+            loaded = load_tile(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty, loaded, K,
+                               B_KN)  # fmt: skip
         else:
             chunk_in_segment = pid_m * BLOCK_M // chunk_rows
             chunk = segment * chunks_per_rank + chunk_in_segment
@@ -56,16 +57,16 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
                     record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
                 ready_chunk = chunk
             loaded = load_tile(a_desc, segment * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs,
-                               ready, empty, loaded, K)  # fmt: skip
+                               ready, empty, loaded, K, B_KN)  # fmt: skip
 
 
 @gluon.jit
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
               rows_per_rank, N, K, stride_cm, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
               GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr):  # fmt: skip
+              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
     INSTR_K: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 32 bytes of operand
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -80,7 +81,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
         if PRECISE_ACC:
             acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
         else:
-            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
 
         rows = pid_m * BLOCK_M + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
@@ -116,7 +117,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
 def all_gather_matmul_pingpong_kernel(
     a_desc,  # Gluon TensorDescriptor over A_gathered [W*m, K] (float8, bf16, fp16), block [BLOCK_M, BLOCK_K]
     own_desc,  # over this rank's shard [m, K], block [BLOCK_M, BLOCK_K]
-    b_desc,  # over B [n, K] (row-major), block [BLOCK_N, BLOCK_K]
+    b_desc,  # over B [n, K] (row-major), block [BLOCK_N, BLOCK_K]; with B_KN over B^T [K, n], block [BLOCK_K, BLOCK_N]
     c_desc,  # over C [W*m, n], block [BLOCK_M // 2, BLOCK_N] (used with TMA_STORE)
     c_ptr,  # C [W*m, n] in the output dtype
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
@@ -143,6 +144,7 @@ def all_gather_matmul_pingpong_kernel(
     TMA_STORE: gl.constexpr,
     SCALING: gl.constexpr,  # 0 unscaled (bf16, fp16), 1 per tensor, 2 row-wise
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted into float32 every two K blocks (not use_fast_accum)
+    B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose (backward; bf16 / fp16 only)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
@@ -151,12 +153,12 @@ def all_gather_matmul_pingpong_kernel(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
-                       K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS)),
+                       K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
         ],
         [4, 1],
         [232, 40],

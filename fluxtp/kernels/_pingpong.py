@@ -44,13 +44,15 @@ def record_and_trap(report_ptr, a, b, rank):
 
 @gluon.jit
 def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
-    """NUM_STAGES stages of A and B tiles, and per stage a `ready` barrier (the loader's TMA bytes)
-    and an `empty` one (both consumers released it)."""
+    """NUM_STAGES stages of A and B tiles (B's as b_desc's block: [BLOCK_N, BLOCK_K], or
+    [BLOCK_K, BLOCK_N] over a K x N weight), and per stage a `ready` barrier (the loader's TMA
+    bytes) and an `empty` one (both consumers released it)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    B_ROWS: gl.constexpr = b_desc.block_type.shape[0]
+    B_COLS: gl.constexpr = b_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, B_ROWS, B_COLS], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -64,16 +66,17 @@ def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
 def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
     """allocate_stages, and a C staging buffer of half a tile's rows per consumer (for TMA stores)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     return a_bufs, b_bufs, c_bufs, ready, empty
 
 
 @gluon.jit
-def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, K):
-    """The loader's part of one tile: every K block of A's rows a_row.. and B's rows b_row.. into
-    the next stages, each once both consumers released it; returns the running block count."""
+def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, K, B_KN: gl.constexpr = False):
+    """The loader's part of one tile: every K block of A's rows a_row.. and B's rows b_row.. (with
+    B_KN, the K x N weight's columns b_row..) into the next stages, each once both consumers
+    released it; returns the running block count."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
@@ -82,7 +85,10 @@ def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded
         mbarrier.wait(empty.index(s), ((loaded // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         tma_load(a_desc, [a_row, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
-        tma_load(b_desc, [b_row, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+        if B_KN:
+            tma_load(b_desc, [ki * BLOCK_K, b_row], ready.index(s), b_bufs.index(s))
+        else:
+            tma_load(b_desc, [b_row, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
         loaded += 1
     return loaded
 
@@ -134,12 +140,14 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
 
 
 @gluon.jit
-def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr):
-    """accumulate without promotion (bf16, fp16: the tensor cores accumulate in float32): one
-    wgmma in flight, each stage released once the wgmma after it was issued and it retired."""
+def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr,
+                     B_KN: gl.constexpr = False):  # fmt: skip
+    """accumulate without promotion (bf16, fp16: the tensor cores accumulate in float32; FP8 with
+    fast accumulation): one wgmma in flight, each stage released once the wgmma after it was
+    issued and it retired. B_KN: B's stages are [BLOCK_K, BLOCK_N] (a K x N weight, 16-bit only)."""
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     k_tiles = gl.cdiv(K, BLOCK_K)
     acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
@@ -147,7 +155,8 @@ def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, lay
     for ki in range(k_tiles):
         s = used % STAGES
         mbarrier.wait(ready.index(s), (used // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        b = b_bufs.index(s) if B_KN else b_bufs.index(s).permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index(previous), count=1, pred=ki > 0)  # the block before this one retired
         previous = s

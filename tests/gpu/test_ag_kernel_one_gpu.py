@@ -45,21 +45,26 @@ def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
-    "world, rank, m, n, k, base, chunk_rows, dtype, with_bias",
+    "world, rank, m, n, k, base, chunk_rows, dtype, with_bias, transposed",
     [
-        (2, 1, 1000, 1000, 2048, WIDE, 256, torch.bfloat16, True),  # ragged rows, 4 chunks, N not a tile multiple
-        (2, 0, 512, 2048, 4096, NARROW, 512, torch.float16, False),  # one chunk per rank (the small-M default)
-        (4, 2, 384, 1536, 1024, NARROW, 128, torch.bfloat16, True),  # a chunk per tile row, ring order wraps
+        (2, 1, 1000, 1000, 2048, WIDE, 256, torch.bfloat16, True, False),  # ragged rows, 4 chunks, N not a tile multiple
+        (2, 0, 512, 2048, 4096, NARROW, 512, torch.float16, False, False),  # one chunk per rank (the small-M default)
+        (4, 2, 384, 1536, 1024, NARROW, 128, torch.bfloat16, True, False),  # a chunk per tile row, ring order wraps
+        # The backward's weight: a transposed view of a [k, n] tensor, read K x N as it is.
+        (2, 1, 1000, 1024, 2048, WIDE, 256, torch.bfloat16, True, True),
+        (4, 3, 256, 512, 1024, NARROW, 128, torch.float16, False, True),
     ],
 )
-def test_waits_hold_tiles_until_their_chunk_arrives(kernel, world, rank, m, n, k, base, chunk_rows, dtype, with_bias):
+def test_waits_hold_tiles_until_their_chunk_arrives(kernel, world, rank, m, n, k, base, chunk_rows, dtype, with_bias,
+                                                    transposed):  # fmt: skip
     if kernel == "warp_specialized":
         skip_unless_hopper()
     seed = random.randrange(1 << 30)
-    what = f"world={world} rank={rank} m={m} kernel={kernel} seed={seed}"
+    what = f"world={world} rank={rank} m={m} kernel={kernel} transposed={transposed} seed={seed}"
     cfg = dataclasses.replace(base, chunk_rows=chunk_rows, **KERNELS[kernel])
     x = draw(seed, (world * m, k), dtype, "cuda")
-    w = draw(seed + 1, (n, k), dtype, "cuda", scale=k**-0.5)
+    w = draw(seed + 1, (k, n) if transposed else (n, k), dtype, "cuda", scale=k**-0.5)
+    w = w.t() if transposed else w
     b = draw(seed + 2, (n,), dtype, "cuda") if with_bias else None
     x_own = x[rank * m : (rank + 1) * m].clone()
     x_gathered = torch.full_like(x, float("nan"))  # the kernel reads its own rows from x_own, the rest once copied

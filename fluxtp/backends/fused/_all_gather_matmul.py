@@ -48,7 +48,7 @@ from fluxtp.backends.fused._launch import (
     num_sms,
     tma_ready,
 )
-from fluxtp.configs import AllGatherMatmulConfig, tuned_config, weight_layout_of
+from fluxtp.configs import AllGatherMatmulConfig, tuned_config
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 
 MAX_SPINS = MAX_SPINS_LOCAL  # the kernel spins on signals in this GPU's memory
@@ -133,8 +133,8 @@ class _Gemm:
             if why:
                 op = _OP if scaled is None else "all_gather_scaled_matmul"
                 raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
-        # FP8 tensor cores and the warp-specialized kernel read the weight K-major only.
-        self.weight = WeightOperand(weight, row_major_only=scaled is not None or config.warp_specialized)
+        # FP8 tensor cores read the weight K-major only.
+        self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         # TMA stores need whole tiles inside each segment and 16-byte output rows.
         y_dtype = weight.dtype if scaled is None else scaled.out_dtype
         y_size = y_dtype.itemsize
@@ -149,7 +149,8 @@ class _Gemm:
             # whole SM's registers, so a barrier queued behind the publish copy found none and the
             # GEMM timed out on rows never pulled (world 4 on one H100, tests/gpu/test_whole_call_one_gpu.py).
             grid = min(sms - 1, tiles)
-            self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaled, y_dtype, device)
+            self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaled, y_dtype, device,
+                                      self.weight)  # fmt: skip
             return
         self.launch = Launch(
             all_gather_matmul_kernel,
@@ -207,21 +208,23 @@ class _Gemm:
 class _PingPong:
     """The warp-specialized kernel's launch for one call signature: Gluon descriptor layouts (each
     with its shared-memory layout) made at the first call, rebound per call, and the launch
-    through Launch. x_gathered and x_own are [*, k] (float8, bf16 or fp16), the weight [n, k]
-    row-major; scaled: an FP8 call's Scaled, None for a plain one."""
+    through Launch. x_gathered and x_own are [*, k] (float8, bf16 or fp16), the weight as
+    weight_operand reads it ([n, k] rows, or a bf16 / fp16 [k, n] base); scaled: an FP8 call's
+    Scaled, None for a plain one."""
 
-    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled, y_dtype,
-                 device):  # fmt: skip
+    def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled, y_dtype, device,
+                 weight_operand: WeightOperand):  # fmt: skip
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
         self.config, self.layouts = config, None
+        self.b_block = weight_operand.block(config)
         self.c_block = [config.block_m // 2, config.block_n]
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
         self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=y_dtype, device=device)
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
-            **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
+            B_KN=weight_operand.kn, **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
@@ -229,10 +232,10 @@ class _PingPong:
         layouts = self.layouts
         if layouts is None:
             c = self.config
-            a_block, b_block = [c.block_m, c.block_k], [c.block_n, c.block_k]
+            a_block = [c.block_m, c.block_k]
             layouts = self.layouts = tuple(
                 DescriptorLayout(t, block, gluon=True)
-                for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, b_block), (c_base, self.c_block))
+                for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, self.b_block), (c_base, self.c_block))
             )
         a, own, b, c = layouts
         self.launch(a.over(x_gathered), own.over(x_own), b.over(weight), c.over(c_base), y, bias, signals, done, *scalars,
@@ -266,9 +269,9 @@ def _write_value32(flags_u32, index, value):
     torch.ops.symm_mem.stream_write_value32_.default(flags_u32, index, value)
 
 
-def warp_specialized_runs(device, dtype: torch.dtype, weight_layout: str) -> bool:
-    """Whether a bf16 / fp16 call may take the warp-specialized kernel: a row-major weight on Hopper."""
-    return weight_layout == "linear" and _scaled.pingpong_unsupported(device, None, dtype, all_gather=True) is None
+def warp_specialized_runs(device, dtype: torch.dtype) -> bool:
+    """Whether a bf16 / fp16 call may take the warp-specialized kernel (on Hopper, compiled)."""
+    return _scaled.pingpong_unsupported(device, None, dtype, all_gather=True) is None
 
 
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
@@ -283,11 +286,12 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
                                                              num_sms(device), warp_specialized, scaled.out_dtype.itemsize)  # fmt: skip
     if config is not None:
         return config
-    warp_specialized = warp_specialized_runs(device, weight.dtype, weight_layout_of(weight))
+    warp_specialized = warp_specialized_runs(device, weight.dtype)
     tuned = tuned_config(_OP, x_shard, weight, world)
     if tuned is None:
         return AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world, num_sms(device), warp_specialized)
-    # A transposed weight may read a linear entry (its layout's fallback): that tiling on Triton.
+    # An entry on the warp-specialized kernel read where it cannot run (the interpreter, a Triton
+    # without its Gluon): that tiling on Triton.
     return tuned if warp_specialized or not tuned.warp_specialized else dataclasses.replace(tuned, warp_specialized=False)
 
 

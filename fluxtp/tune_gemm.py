@@ -4,8 +4,9 @@ What peers do not change can be tuned without them: the tile shape, pipelining d
 tile grouping of each fused op's GEMM-only mode (the op's own kernel, exactly as rank 0 of a
 W-rank call launches it, every flag preset; fluxtp.bench.gemm_grid). Per case (GPU, world,
 dtype, op, N, K, M bucket, weight layout; the cache's key):
-1. the tilings of ONE_GPU_TILINGS that fit (fluxtp.tune.fits), each with the communication knobs
-   the heuristic gives that tiling (copy chunks; the reduce-scatter's transport), are checked
+1. the tilings of ONE_GPU_TILINGS that fit (fluxtp.tune.fits), and WARP_SPECIALIZED_TILINGS where
+   the all-gather's warp-specialized kernel runs, each with the communication knobs the
+   heuristic gives that tiling (copy chunks; the reduce-scatter's transport), are checked
    against cuBLAS on random data and screened in one short interleaved measurement;
 2. the three fastest and the heuristic's config are timed interleaved with cuBLAS
    (fluxtp.bench.harness; medians of the rounds). Every variant is a CUDA graph replay: the
@@ -60,7 +61,7 @@ ONE_GPU_TILINGS = (
     (64, 128, 64, 4, 4),  # twice the tiles of 128x128: fills the SMs where a case has under a wave of those
 )
 # The all-gather's warp-specialized kernel, screened beside those where a case can take it (bf16 /
-# fp16, a row-major weight, Hopper): the same fields; num_warps names the Triton tiling of the same
+# fp16 on Hopper): the same fields; num_warps names the Triton tiling of the same
 # shape (the kernel runs a loader warp and two 4-warp consumers), num_stages what fits its staging.
 WARP_SPECIALIZED_TILINGS = (
     (128, 256, 64, 8, 3),

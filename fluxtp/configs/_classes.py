@@ -84,9 +84,9 @@ class AllGatherMatmulConfig(GemmTiling):
     tma_store: bool = True  # epilogue through a TMA descriptor when rows per rank is a block_m multiple
     epilogue_subtile: bool = True  # TMA-store the tile in two halves
     # The warp-specialized Gluon kernel (fluxtp/kernels/_all_gather_matmul_pingpong.py; Hopper,
-    # 128-row tiles, 4 warps a consumer, num_warps ignored): FP8 calls with precise accumulation,
-    # and bf16 / fp16 calls with a row-major weight: untuned ones by on_warp_specialized_kernel,
-    # tuned ones where their tune chose it (`fluxtp tune --one-gpu` screens it beside Triton's).
+    # 128-row tiles, 4 warps a consumer, num_warps ignored): FP8 calls by heuristic_fp8, bf16 /
+    # fp16 calls (either weight layout) untuned by on_warp_specialized_kernel, tuned where their
+    # tune chose it (`fluxtp tune --one-gpu` screens it beside Triton's tilings).
     # Optional in tuning tables: entries written before it existed mean False.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
@@ -97,9 +97,8 @@ class AllGatherMatmulConfig(GemmTiling):
         """128x256x64, 8 warps, 3 stages, unless 128x128x64, 4 warps, 5 stages take fewer waves
         (narrow_tiles_win): at the one-GPU grid on H200 and H100 this rule's tiling read 1.003x
         the best screened one in geometric mean, 1.075x at worst (docs/perf-log.md).
-        warp_specialized: the call may take the warp-specialized kernel (a bf16 / fp16 call with a
-        row-major weight on Hopper; the launcher decides), which it then does where
-        on_warp_specialized_kernel says."""
+        warp_specialized: the call may take the warp-specialized kernel (a bf16 / fp16 call on
+        Hopper; the launcher decides), which it then does where on_warp_specialized_kernel says."""
         if narrow_tiles_win(world * cdiv(rows_per_rank, 128), n, sms):
             config = AllGatherMatmulConfig(block_n=128, num_warps=4, num_stages=5)
         else:

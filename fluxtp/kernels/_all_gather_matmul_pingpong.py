@@ -1,12 +1,12 @@
 """Persistent AllGather+GEMM, warp-specialized (Gluon, Hopper): the FP8 and bf16 / fp16 calls
 whose config asks for it.
 
-The same op as _all_gather_matmul's kernel for scaled calls and for plain calls, in either weight
-layout for plain ones (tiles in data order: this rank's rows first from its shard, then the peers' segments in
-arrival order, each peer tile after its chunk's signal; scales and bias in the epilogue; the last
-program resets the signals), built on fluxtp.kernels._pingpong so that an FP8 call's float32
-promotion (PRECISE_ACC) costs no tensor-core time; fast accumulation (FP8 without PRECISE_ACC)
-and plain calls (SCALING 0) accumulate in the MMAs alone:
+The same op as _all_gather_matmul's kernel for scaled calls and for plain calls (these in either
+weight layout): tiles in data order, this rank's rows first from its shard, then the peers'
+segments in arrival order, each peer tile after its chunk's signal; scales and bias in the
+epilogue; the last program resets the signals. Built on fluxtp.kernels._pingpong so that an FP8
+call's float32 promotion (PRECISE_ACC) costs no tensor-core time; fast accumulation (FP8 without
+PRECISE_ACC) and plain calls (SCALING 0) accumulate in the MMAs alone:
 - a loader warp: waits for a peer tile's chunk signal (bounded; a wait that gives up records
   (rank, chunk, this rank) and traps), then TMA-loads the tile's K blocks into a ring of stages;
 - two consumer warpgroups, each computing and storing half of a tile's rows.

@@ -121,6 +121,10 @@ class AllGatherMatmulConfig(GemmTiling):
         fast_fits = out_bytes <= 2 and tile_rows * cdiv(n, 256) >= sms
         if warp_specialized and (precise_acc or fast_fits):
             tiling = WARP_SPECIALIZED_FP8_TILING if precise_acc else WARP_SPECIALIZED_FP8_FAST_TILING
+            if precise_acc and out_bytes <= 2:
+                # A fifth stage beside a 2-byte output's staging: one H100 took 0.85-1.09x four
+                # stages' time, 0.93-0.96 in geomean at TP 2 and 8 (docs/perf-log.md).
+                tiling = {**tiling, "num_stages": 5}
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
         narrow = narrow_tiles_win(tile_rows, n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)

@@ -22,7 +22,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
 from fluxtp.backends.fused._matmul_reduce_scatter import TRANSPORTS, MatmulReduceScatterConfig, gemm_only
 from fluxtp.backends.fused._scaled import Scaled, flat, pingpong_unsupported
-from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
+from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING
 from tests._fp8_cases import quantize, rel_error, tolerance
 from tests._gates import HostGates
 from tests._rs_simulation import simulate
@@ -57,13 +57,15 @@ ALL_GATHER_CASES = [
 
 
 def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype):
-    """The heuristic's Triton config, or the warp-specialized kernel's tiling for the accumulation
-    (fast with a float32 output: two stages, so that its 128x256 float32 staging fits)."""
-    if warp_specialized:
-        tiling = WARP_SPECIALIZED_FP8_TILING if precise else WARP_SPECIALIZED_FP8_FAST_TILING
-        stages = 2 if not precise and out_dtype == torch.float32 else tiling["num_stages"]
-        return AllGatherMatmulConfig(**{**tiling, "num_stages": stages}, warp_specialized=True, chunk_rows=chunk_rows)
-    cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise)
+    """The heuristic's Triton config; warp-specialized, the heuristic's tiling for precise calls,
+    the fast tiling for fast ones (a float32 output on two stages, so that its staging fits)."""
+    if warp_specialized and not precise:
+        stages = 2 if out_dtype == torch.float32 else WARP_SPECIALIZED_FP8_FAST_TILING["num_stages"]
+        return AllGatherMatmulConfig(**{**WARP_SPECIALIZED_FP8_FAST_TILING, "num_stages": stages}, warp_specialized=True,
+                                     chunk_rows=chunk_rows)  # fmt: skip
+    cfg = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise, warp_specialized=warp_specialized,
+                                              out_bytes=out_dtype.itemsize)  # fmt: skip
+    assert cfg.warp_specialized == warp_specialized
     return AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
 
 

@@ -358,6 +358,8 @@ def cmd_tune_one_gpu(args) -> int:
             parser.error("--one-gpu needs --grid, or --op and --shapes")
     except ValueError as e:
         parser.error(str(e))
+    if any(case.fp8 for case in cases):
+        parser.error("--one-gpu tunes bf16 and fp16 GEMMs; the FP8 ops take fixed tilings (fluxtp.configs.fp8_tiling)")
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE, file=sys.stderr, flush=True)
         return 2

@@ -172,6 +172,8 @@ def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
     assert proc.returncode == 2 and "--one-gpu needs --grid, or --op and --shapes" in proc.stderr
     proc = fluxtp("tune", "--one-gpu", "--grid", "nope")
     assert proc.returncode == 2 and "unknown grid 'nope'" in proc.stderr
+    proc = fluxtp("tune", "--one-gpu", "--grid", "fp8-smoke")
+    assert proc.returncode == 2 and "the FP8 ops take fixed tilings" in proc.stderr
     proc = fluxtp("tune")
     assert proc.returncode == 2 and "--op and --shapes are required" in proc.stderr
     if not torch.cuda.is_available():

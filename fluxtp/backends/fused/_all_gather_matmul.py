@@ -278,14 +278,14 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     """The caller's config, else the tuned table's for this shape (as measured, the kernel
     included), else the heuristic's, on the warp-specialized kernel where that runs and measured
     faster (FP8: its own heuristic, nothing tuned yet)."""
+    if config is not None:
+        return config
     rows_per_rank, k = x_shard.shape
     device = x_shard.device
     if scaled is not None:
         warp_specialized = _scaled.pingpong_unsupported(device, scaled, all_gather=True) is None
-        return config or AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
-                                                             num_sms(device), warp_specialized, scaled.out_dtype.itemsize)  # fmt: skip
-    if config is not None:
-        return config
+        return AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
+                                                   num_sms(device), warp_specialized, scaled.out_dtype.itemsize)  # fmt: skip
     warp_specialized = warp_specialized_runs(device, weight.dtype)
     tuned = tuned_config(_OP, x_shard, weight, world)
     if tuned is None:

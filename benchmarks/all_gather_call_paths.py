@@ -41,7 +41,7 @@ def _plans(x, weight, info, configs: dict) -> dict:
     for config_name, config in configs.items():
         replayed = _all_gather_matmul.Plan(x, weight, None, info, False, config)
         eager = _all_gather_matmul.Plan(x, weight, None, info, False, config)
-        eager.pull_peers_replay.graph = False  # StreamReplay's "not recordable" state: issue eagerly
+        eager.copy_steps_replay.graph = False  # StreamReplay's "not recordable" state: issue eagerly
         gathered = _all_gather_matmul.Plan(x, weight, None, info, True, config)
         for path, plan in (("replayed", replayed), ("eager", eager), ("gathered", gathered)):
             calls[f"{path} {config_name}"] = lambda plan=plan: plan(x, weight, None)[0]

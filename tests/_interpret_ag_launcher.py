@@ -4,8 +4,8 @@ CPU, with the CUDA-only pieces (streams, the symmetric buffer and its barrier, s
 replaced by stand-ins. The peers' shards are already published, as the barrier guarantees.
 The gathered input must be an exact copy and the product within fp16 rounding, for every rank,
 on the call that builds the call plan and on a second call with other data that reuses it; and
-a call that keeps no gathered input (it gathers into the workspace's rows, its pulls issued as
-they are recorded: the CPU has no graphs) must compute the same product.
+a call that keeps no gathered input (it gathers into the workspace's rows, its barriers and pulls
+issued as they are recorded, before the GEMM: the CPU has no graphs) must compute the same product.
 """
 
 import os
@@ -103,8 +103,10 @@ def main():
                 assert xg is None, f"rank {rank}: a gathered input came back unasked"
             order = [(rank + s) % world for s in range(world)]  # own rows, then ring order rank+1, ...
             # The GEMM (it reads this rank's rows from its shard: no signal for them) goes in after
-            # the publish and the barrier, before the peers' rows.
-            expected = ["gemm"] + [seg * chunks + c for seg in order[1:] for c in range(chunks)]
+            # the publish and the barrier: before the peers' rows where they are issued eagerly
+            # (a returned gathered input), after them where they are one recorded sequence.
+            pulls = [seg * chunks + c for seg in order[1:] for c in range(chunks)]
+            expected = ["gemm", *pulls] if keep else [*pulls, "gemm"]
             assert signals_seen == expected, f"rank {rank}: signals {signals_seen}, expected {expected}"
             # No host reset between calls: the kernel's last program left every signal 0 for the next.
             assert not Workspace.signals.any() and Workspace.done.item() == 0, f"rank {rank}: signals left set"

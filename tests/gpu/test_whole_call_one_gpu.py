@@ -85,7 +85,7 @@ def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dty
                 assert torch.equal(out[1], x), f"{what} call {call}: gathered rows differ"
             else:
                 replayed = plan  # a plan whose pulls replay
-        graph = replayed.pull_peers_replay.graph
+        graph = replayed.copy_steps_replay.graph
         assert isinstance(graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
         # The untuned heuristic: a 128x256 tiling on the warp-specialized kernel on Hopper.
         hopper = torch.cuda.get_device_capability()[0] == 9

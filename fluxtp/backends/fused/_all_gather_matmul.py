@@ -2,21 +2,22 @@
 
 Per call, with S the caller's (compute) stream and C the side copy stream:
   C: fork from S; publish this rank's shard in its symmetric buffer; barrier (every rank has
-     published).
+     published); pull each peer's shard into x_gathered in ring order rank+1, rank+2, ... chunk
+     by chunk (signal each); barrier (every rank has finished reading the others' buffers, so
+     the next call may overwrite them).
   S: the persistent GEMM: this rank's rows straight from its shard (no copy to wait for), then
      the peers' rows from x_gathered, waiting for each chunk's signal before its tiles' K loops;
      its last program resets the signals for the next call (no reset launch on the host).
-  C: pull each peer's shard into x_gathered in ring order rank+1, rank+2, ... chunk by chunk
-     (signal each); barrier (every rank has finished reading the others' buffers, so the next
-     call may overwrite them). A call that keeps no gathered input gathers into the workspace's
-     rows and replays these steps as one recorded CUDA graph (recorded at the plan's first call,
-     before it issues any work); one that returns x_gathered issues them eagerly into fresh
-     memory, then copies this rank's shard into it too.
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
-The GEMM goes in before the host spends its time on the peers' copies: it computes this rank's
-rows meanwhile. Not before the first barrier, a kernel the peers' rows wait for: launched ahead
-of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the barrier never ran
-beside the GEMM that filled every SM).
+A call that keeps no gathered input gathers into the workspace's rows and replays C's steps
+after the publish (both barriers included) as one recorded CUDA graph (recorded at the plan's
+first call, before it issues any work), then launches the GEMM: one eager barrier and two
+stream switches fewer per call. One that returns x_gathered issues the first barrier, launches
+the GEMM, then issues the pulls eagerly into fresh memory (so the GEMM computes this rank's rows
+while the host issues them) and copies this rank's shard into x_gathered too.
+The GEMM is never launched before the first barrier, a kernel the peers' rows wait for:
+launched ahead of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the
+barrier never ran beside the GEMM that filled every SM).
 No host synchronization past a plan's first call: back-to-back calls and CUDA graph capture (the
 steps then captured as they are) work; the barriers
 and the in-kernel waits are bounded and fail with an error instead of hanging.
@@ -348,13 +349,19 @@ class Plan:
         self.barrier = ws.shard.handle.barrier
         self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None, scaled)
         # A call that does not return its gathered input gathers into the workspace's buffer, so
-        # its pulls, signals and final barrier replay as one recorded graph.
-        self.pull_peers_replay = None
+        # its barriers, pulls and signals replay as one recorded graph.
+        self.copy_steps_replay = None
         if not return_gathered:
             self.gathered, self.gathered_scales = ws.gathered_rows(x_shard.dtype, self.gathered_shape,
                                                                    self.gathered_shape[0] if row_scales else 0)  # fmt: skip
-            self.pull_peers_replay = StreamReplay(lambda: self._pull_peers(self.gathered, self.gathered_scales),
-                                                 self.copy_stream)  # fmt: skip
+            self.copy_steps_replay = StreamReplay(
+                lambda: self._published_and_pulled(self.gathered, self.gathered_scales), self.copy_stream
+            )
+
+    def _published_and_pulled(self, x_gathered, gathered_scales) -> None:
+        """The recorded sequence: the first barrier (every rank has published), then _pull_peers."""
+        self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        self._pull_peers(x_gathered, gathered_scales)
 
     def _pull_peers(self, x_gathered, gathered_scales) -> None:
         """On the current (copy) stream: every peer's row scales (a row-wise scaled call), then
@@ -375,7 +382,7 @@ class Plan:
         if self.copy_x:
             x_shard = tma_ready(x_shard)
         row_scales = self.row_scales
-        replay = self.pull_peers_replay
+        replay = self.copy_steps_replay
         if replay is not None:
             x_gathered, gathered_scales = self.gathered, self.gathered_scales
         else:
@@ -405,24 +412,25 @@ class Plan:
             self.own_shard.copy_(x_shard)
             if row_scales:
                 self.own_scales.copy_(scale_x)
-            # Before the GEMM: see the module docstring.
-            self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        finally:
-            torch.cuda.set_stream(compute)
-        self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
-        torch.cuda.set_stream(copy)
-        try:
+            # The first barrier before the GEMM: see the module docstring.
             if replay is not None:
                 replay(capturing)
             else:
+                self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        finally:
+            torch.cuda.set_stream(compute)
+        self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
+        if replay is None:
+            torch.cuda.set_stream(copy)
+            try:
                 self._pull_peers(x_gathered, gathered_scales)
                 # Returned whole: this rank's rows too (the GEMM read them from x_shard itself).
                 own = self.own_rows
                 x_gathered[own].copy_(x_shard)
                 if row_scales:
                     gathered_scales[own].copy_(scale_x)
-        finally:
-            torch.cuda.set_stream(compute)
+            finally:
+                torch.cuda.set_stream(compute)
         symm.stream_wait(compute, copy)
         if self.scaled is not None:
             gathered = (x_gathered, gathered_scales.view(-1, 1) if row_scales else scale_x.clone())

@@ -43,8 +43,8 @@ SKIP_EMPTY_LOOPS = [  # a program with no tile of a phase does not enter its pip
 NO_TAIL = [('if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:', "if rows_per_rank < 0:")]
 NO_WAIT = [("    if chunk != ready:\n", "    if chunk < -1:\n")]
 ONE_LOOP = [
-    ("    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, tl.minimum(tiles_per_segment, whole_tiles),",
-     "    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, whole_tiles,"),
+    ("    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, tiles_per_segment,",
+     "    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, num_tiles,"),
     ("chunks_per_rank, max_spins, True, RANK, WORLD,", "chunks_per_rank, max_spins, False, RANK, WORLD,"),
     ("    first_peer_tile = pid + tl.maximum(tl.cdiv(tiles_per_segment - pid, NUM_SMS), 0) * NUM_SMS\n",
      "    first_peer_tile = num_tiles\n"),
@@ -71,15 +71,15 @@ def _bands_across(first: str, rows: str, segment0: str) -> list[tuple[str, str]]
          "        else:\n"
          f"            v_m, pid_n = grouped_tile(tile_id - {first}, {rows}, tiles_n, GROUP_M)\n"
          f"            row0 = ((RANK + {segment0} + v_m // tiles_m) % WORLD) * rows_per_rank + (v_m % tiles_m) * BLOCK_M"),
-        ("    segment = (RANK + tile_id // tiles_per_segment) % WORLD\n"
-         "    pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)",
-         "    if OWN:\n"
-         "        segment = RANK\n"
-         "        pid_m, pid_n = grouped_tile(tile_id, tiles_m, tiles_n, GROUP_M)\n"
-         "    else:\n"
-         f"        v_m, pid_n = grouped_tile(tile_id - {first}, {rows}, tiles_n, GROUP_M)\n"
-         f"        segment = (RANK + {segment0} + v_m // tiles_m) % WORLD\n"
-         "        pid_m = v_m % tiles_m"),
+        ("        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD\n"
+         "        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)",
+         "        if OWN:\n"
+         "            segment_c = RANK\n"
+         "            pid_m_c, pid_n_c = grouped_tile(tile_id_c, tiles_m, tiles_n, GROUP_M)\n"
+         "        else:\n"
+         f"            v_m_c, pid_n_c = grouped_tile(tile_id_c - {first}, {rows}, tiles_n, GROUP_M)\n"
+         f"            segment_c = (RANK + {segment0} + v_m_c // tiles_m) % WORLD\n"
+         "            pid_m_c = v_m_c % tiles_m"),
     ]
 
 

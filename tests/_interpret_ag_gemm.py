@@ -85,8 +85,6 @@ def main():
     small = AllGatherMatmulConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16)
     odd_chunks = AllGatherMatmulConfig(block_m=16, block_n=16, block_k=32, group_m=3, num_stages=1, num_warps=4, chunk_rows=40)
     flat = dataclasses.replace(small, flatten=True, tma_store=False)
-    stream_k = AllGatherMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_stages=1, num_warps=4, chunk_rows=16,
-                                     stream_k=True)  # fmt: skip
     cases = [
         (2, 0, 32, 64, 32, True, small, False),  # tile multiples: TMA-store epilogue
         (2, 1, 40, 48, 48, False, small, False),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
@@ -96,12 +94,6 @@ def main():
         (2, 1, 48, 40, 64, True, flat, False),  # flattened loop, pointer-store epilogue
         (2, 0, 32, 64, 32, True, small, True),  # transposed weight view
         (3, 1, 23, 40, 24, False, odd_chunks, True),  # transposed, ragged, N and K tails
-        # Stream-K (4 programs under the interpreter): 27 tiles of 4 K blocks, the last 7 split
-        # mid-tile over every program; ragged rows, pointer stores of the split tiles.
-        (3, 2, 40, 48, 64, True, stream_k, False),
-        (2, 1, 16, 32, 64, True, stream_k, False),  # 2 tiles, each summed from two programs' partials
-        (2, 0, 16, 32, 16, False, stream_k, True),  # fewer K blocks than programs: whole tiles only
-        (2, 1, 48, 40, 64, True, dataclasses.replace(flat, stream_k=True), False),  # after a flattened loop
     ]
     for i, (world, rank, m, n, k, with_bias, cfg, transposed) in enumerate(cases):
         case(seed + i, world, rank, m, n, k, with_bias, cfg, transposed)

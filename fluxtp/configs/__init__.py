@@ -25,7 +25,6 @@ from fluxtp.configs._classes import (
     narrow_tiles_win,
     search_space,
     smem_bytes,
-    stream_k_tiles,
 )
 from fluxtp.configs._table import (
     WEIGHT_LAYOUTS,
@@ -45,5 +44,5 @@ __all__ = [
     "FUSED_OPS", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
     "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig", "MatmulReduceScatterConfig", "candidates", "cdiv",
     "choose", "config_class", "describe", "fits", "heuristic", "load", "m_bucket", "measured_verdict", "narrow_tiles_win", "reload",
-    "search_space", "smem_bytes", "stream_k_tiles", "tuned_config", "weight_layout_of",
+    "search_space", "smem_bytes", "tuned_config", "weight_layout_of",
 ]  # fmt: skip

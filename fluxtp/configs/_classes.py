@@ -89,14 +89,6 @@ class AllGatherMatmulConfig(GemmTiling):
     # tune chose it (`fluxtp tune --one-gpu` screens it beside Triton's tilings).
     # Optional in tuning tables: entries written before it existed mean False.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
-    # Stream-K on the Triton kernel: where the tiles leave the last wave of SMs part empty, the
-    # last partial wave and the full one before it share their K iterations evenly over every
-    # SM (stream_k_tiles), the split tiles summed from float32 partials. Optional in tables.
-    stream_k: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
-
-    def __post_init__(self):
-        if self.stream_k and self.warp_specialized:
-            raise ValueError("stream_k runs on the Triton kernel: it does not combine with warp_specialized")
 
     @staticmethod
     @functools.cache
@@ -157,15 +149,6 @@ class AllGatherMatmulConfig(GemmTiling):
     def chunk_rows_for(self, rows_per_rank: int) -> int:
         rows = cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m
         return min(rows, cdiv(rows_per_rank, self.block_m) * self.block_m)
-
-
-def stream_k_tiles(num_tiles: int, programs: int) -> int:
-    """How many of the last tiles a stream_k config splits: none where the tiles fill whole waves
-    of `programs`, else the last partial wave and the full wave before it (every tile below two
-    waves), so each program's share is more than a tile's K loop where it can be."""
-    if num_tiles % programs == 0:
-        return 0
-    return min(num_tiles, programs + num_tiles % programs)
 
 
 TRANSPORTS = ("push", "pull", "copy_engine")
@@ -387,8 +370,6 @@ def describe(config) -> str:
     c = config
     warps = "ws" if getattr(c, "warp_specialized", False) else f"w{c.num_warps}"
     text = f"{c.block_m}x{c.block_n}x{c.block_k} {warps} s{c.num_stages} g{c.group_m}"
-    if getattr(c, "stream_k", False):
-        text += " sk"
     if hasattr(c, "chunk_rows"):
         return text + f" chunk_rows={c.chunk_rows}"
     return text + f" {c.transport} epilogue_split={c.epilogue_split}"

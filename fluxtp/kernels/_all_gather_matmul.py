@@ -16,14 +16,6 @@ give), so the flattened pipeline of each has no branch between descriptors.
 A tile never spans two segments (m need not be a multiple of BLOCK_M): rows past the segment
 end are loaded (another segment's rows, or TMA's zero padding) but never stored.
 
-Stream-K (STREAM_K, bf16 / fp16, the last sk_tiles tiles; the launcher picks them): where the tiles leave the
-last wave of programs part empty, those tiles' K iterations are split evenly over every program
-(contiguous ranges in tile order), so no SM idles while others finish whole tiles. Each program
-stores the float32 partial of every tile it computes only in part into its slot of
-`partial_ptr` and counts it into the tile's counter (acq_rel); the program that counts last sums
-the tile's partials in program order (deterministic) and stores the tile, then zeroes the
-counter for the next launch. Nothing waits on another program: any order of execution works.
-
 Scaled (FP8) calls (SCALING, fluxtp/backends/fused/_scaled.py): A and B are float8, the float32
 accumulator is multiplied by the scales in the epilogue (per tensor; or row-wise, A's from
 scale_own_ptr for this rank's rows and from scale_a_ptr for the peers', which the copy stream
@@ -68,6 +60,7 @@ def _tiles(
     scale_a_ptr=None, scale_b_ptr=None, SCALING: tl.constexpr = 0, PRECISE_ACC: tl.constexpr = False,
 ):
     """Tiles first_tile, first_tile + NUM_SMS, ... below end_tile: K loop, bias, store into C."""
+    dtype = c_ptr.dtype.element_ty
     ready = -1  # the chunk this program waited for last: tiles of the same chunk skip the wait
     if not OWN:
         if FLATTEN:
@@ -102,138 +95,35 @@ def _tiles(
             acc = dot_k_block(a, b_desc, ki * BLOCK_K, col0, acc, B_KN, PRECISE_ACC)
 
         tile_id_c += NUM_SMS
-        _store_tile(acc, tile_id_c, c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, rows_per_rank, N, stride_cm, tiles_m,
-                    tiles_n, tiles_per_segment, OWN, RANK, WORLD, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, TMA_STORE,
-                    EPILOGUE_SUBTILE, SCALING)  # fmt: skip
-
-
-@triton.jit
-def _scaled_biased(acc, row_in_segment, offs_n, first_s, rows_per_rank, N, bias_ptr, scale_a_ptr, scale_b_ptr,
-                   HAS_BIAS: tl.constexpr, SCALING: tl.constexpr):  # fmt: skip
-    """acc (rows row_in_segment.. of a segment, columns offs_n) times its scales, plus the bias;
-    row-wise A scales are read from scale_a_ptr + first_s (the segment's first row)."""
-    if SCALING == 1:
-        acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
-    elif SCALING == 2:
-        rows_s = row_in_segment + tl.arange(0, acc.shape[0])
-        scale_a = tl.load(scale_a_ptr + first_s + rows_s, mask=rows_s < rows_per_rank, other=0.0)
-        scale_b = tl.load(scale_b_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc = acc * scale_a[:, None] * scale_b[None, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
-def _store_tile(acc, tile_id, c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, rows_per_rank, N, stride_cm, tiles_m, tiles_n,
-                tiles_per_segment, OWN: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_STORE: tl.constexpr,
-                EPILOGUE_SUBTILE: tl.constexpr, SCALING: tl.constexpr):  # fmt: skip
-    """The epilogue of one whole tile: scales, bias, the store into C (rounded once)."""
-    dtype = c_ptr.dtype.element_ty
-    segment = (RANK + tile_id // tiles_per_segment) % WORLD
-    pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-    row_in_segment = pid_m * BLOCK_M
-    row0 = segment * rows_per_rank + row_in_segment
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # This rank's rows: scales indexed from its shard's first row, as A is.
-    first_s = 0 if OWN else segment * rows_per_rank
-    acc = _scaled_biased(acc, row_in_segment, offs_n, first_s, rows_per_rank, N, bias_ptr, scale_a_ptr, scale_b_ptr,
-                         HAS_BIAS, SCALING)  # fmt: skip
-    if TMA_STORE:  # every tile lies inside its segment (rows_per_rank % BLOCK_M == 0)
-        if EPILOGUE_SUBTILE:  # two half-width stores: less shared memory and registers at once
-            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            c_desc.store([row0, pid_n * BLOCK_N], acc0.to(dtype))
-            c_desc.store([row0, pid_n * BLOCK_N + BLOCK_N // 2], acc1.to(dtype))
+        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD
+        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        row_in_segment_c = pid_m_c * BLOCK_M
+        row0_c = segment_c * rows_per_rank + row_in_segment_c
+        offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SCALING == 1:
+            acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+        elif SCALING == 2:  # this rank's rows: scales indexed from its shard's first row, as A is
+            rows_s = row_in_segment_c + tl.arange(0, BLOCK_M)
+            first_s = 0 if OWN else segment_c * rows_per_rank
+            scale_a = tl.load(scale_a_ptr + first_s + rows_s, mask=rows_s < rows_per_rank, other=0.0)
+            scale_b = tl.load(scale_b_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc * scale_a[:, None] * scale_b[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        if TMA_STORE:  # every tile lies inside its segment (rows_per_rank % BLOCK_M == 0)
+            if EPILOGUE_SUBTILE:  # two half-width stores: less shared memory and registers at once
+                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc0.to(dtype))
+                c_desc.store([row0_c, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(dtype))
+            else:
+                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc.to(dtype))  # clipped at N by the descriptor
         else:
-            c_desc.store([row0, pid_n * BLOCK_N], acc.to(dtype))  # clipped at N by the descriptor
-    else:
-        # Tiles may end past their segment: store only their own rows.
-        offs_m = row_in_segment + tl.arange(0, BLOCK_M)
-        rows = (segment * rows_per_rank + offs_m).to(tl.int64)
-        mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
-        tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(dtype), mask=mask)
-
-
-@triton.jit
-def _program_of(iteration, per, extra):
-    """The program whose stream-K range holds `iteration` (programs below `extra` take per + 1)."""
-    long_part = extra * (per + 1)
-    return tl.where(iteration < long_part, iteration // (per + 1), extra + (iteration - long_part) // tl.maximum(per, 1))
-
-
-@triton.jit
-def _stream_k(a_desc, own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, partial_ptr, tile_count_ptr,
-              first_tile, sk_tiles, rows_per_rank, N, k_tiles, stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-              chunks_per_rank, max_spins, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-              HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
-              B_KN: tl.constexpr):  # fmt: skip
-    """Tiles first_tile .. first_tile + sk_tiles - 1, their K iterations split evenly over the
-    programs (module docstring; bf16 / fp16 only: the launcher refuses scaled calls). A partial's
-    slot is 2 * program + (1 if it starts its tile)."""
-    pid = tl.program_id(0)
-    total = sk_tiles * k_tiles
-    per = total // NUM_SMS
-    extra = total % NUM_SMS
-    start = pid * per + tl.minimum(pid, extra)
-    end = start + per + (pid < extra).to(tl.int32)
-    TILE: tl.constexpr = BLOCK_M * BLOCK_N
-    SLICE: tl.constexpr = BLOCK_N // 4  # columns summed at once: four slices' registers, not two tiles'
-    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    it = start
-    while it < end:
-        local = it // k_tiles
-        tile_id = first_tile + local
-        k0 = it % k_tiles
-        k1 = tl.minimum(k_tiles, k0 + end - it)
-        own = tile_id < tiles_per_segment
-        segment = (RANK + tile_id // tiles_per_segment) % WORLD
-        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-        row_in_segment = pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        if not own:
-            _wait_for_tile(tile_id, -1, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                           chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)  # fmt: skip
-        # Two loops one after the other, one of them empty, not one in each branch of an `if`:
-        # the branches' pipeline buffers were allocated side by side (twice the shared memory).
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in tl.range(k0, tl.where(own, k1, k0), num_stages=NUM_STAGES):
-            a = own_desc.load([row_in_segment, ki * BLOCK_K])
-            acc = dot_k_block(a, b_desc, ki * BLOCK_K, col0, acc, B_KN, False)
-        row0 = segment * rows_per_rank + row_in_segment
-        for ki in tl.range(k0, tl.where(own, k0, k1), num_stages=NUM_STAGES):
-            a = a_desc.load([row0, ki * BLOCK_K])
-            acc = dot_k_block(a, b_desc, ki * BLOCK_K, col0, acc, B_KN, False)
-        if (k0 == 0) & (k1 == k_tiles):  # the whole tile here (unscaled: OWN decides nothing)
-            _store_tile(acc, tile_id, c_desc, c_ptr, bias_ptr, None, None, rows_per_rank, N, stride_cm, tiles_m, tiles_n,
-                        tiles_per_segment, False, RANK, WORLD, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, TMA_STORE,
-                        EPILOGUE_SUBTILE, 0)  # fmt: skip
-        else:
-            slot = 2 * pid + (k0 == 0).to(tl.int32)
-            tl.store(partial_ptr + slot * TILE + offs_tile, acc)
-            tl.debug_barrier()  # every thread's part of the partial before the count
-            q_first = _program_of(local * k_tiles, per, extra)
-            q_last = _program_of(local * k_tiles + k_tiles - 1, per, extra)
-            counted = tl.atomic_add(tile_count_ptr + local, 1, sem="acq_rel", scope="gpu")
-            if counted == q_last - q_first:  # the last of the tile's programs: sum and store it
-                tl.store(tile_count_ptr + local, 0)
-                dtype = c_ptr.dtype.element_ty
-                rows_in = row_in_segment + tl.arange(0, BLOCK_M)
-                rows = (segment * rows_per_rank + rows_in).to(tl.int64)
-                head = partial_ptr + (2 * q_first + 1) * TILE  # the tile's first K blocks' partial
-                for c in tl.static_range(0, BLOCK_N, SLICE):
-                    offs_slice = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + (c + tl.arange(0, SLICE))[None, :]
-                    total_slice = tl.load(head + offs_slice)
-                    for q in range(q_first + 1, q_last + 1):
-                        total_slice += tl.load(partial_ptr + 2 * q * TILE + offs_slice)
-                    offs_n = col0 + c + tl.arange(0, SLICE)
-                    total_slice = _scaled_biased(total_slice, row_in_segment, offs_n, 0, rows_per_rank, N, bias_ptr, None,
-                                                 None, HAS_BIAS, 0)  # fmt: skip
-                    mask = (rows_in < rows_per_rank)[:, None] & (offs_n < N)[None, :]
-                    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], total_slice.to(dtype), mask=mask)
-        it += k1 - k0
+            # Tiles may end past their segment: store only their own rows.
+            offs_m = row_in_segment_c + tl.arange(0, BLOCK_M)
+            rows = (segment_c * rows_per_rank + offs_m).to(tl.int64)
+            mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
+            tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["signal_reset"])  # 0 in a call, 1 in GEMM-only mode: one binary for both
@@ -258,9 +148,6 @@ def all_gather_matmul_kernel(
     scale_a_ptr,  # scaled calls: float32 scales of A_gathered's rows (row-wise) or of A (per tensor); else None
     scale_own_ptr,  # scaled calls: float32 scales of this rank's shard's rows (row-wise) or of A; else None
     scale_b_ptr,  # scaled calls: float32 scales of B's rows [n] (row-wise) or of B; else None
-    partial_ptr,  # STREAM_K: float32 [2 * NUM_SMS, BLOCK_M * BLOCK_N], the split tiles' partials; else None
-    tile_count_ptr,  # STREAM_K: int32 [sk_tiles], zero at launch (and left zero); else None
-    sk_tiles,  # STREAM_K: how many of the last tiles are split (0: none)
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -276,7 +163,6 @@ def all_gather_matmul_kernel(
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, n] (backward: no copy)
     SCALING: tl.constexpr,  # 0 unscaled, 1 per tensor, 2 row-wise (FP8 operands; module docstring)
     PRECISE_ACC: tl.constexpr,  # FP8 products promoted to float32 after each K block (not use_fast_accum)
-    STREAM_K: tl.constexpr = False,  # the last sk_tiles tiles split over every program (module docstring)
 ):
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -284,23 +170,16 @@ def all_gather_matmul_kernel(
     num_tiles = WORLD * tiles_per_segment
     k_tiles = tl.cdiv(K, BLOCK_K)
     pid = tl.program_id(0)
-    whole_tiles = num_tiles - sk_tiles if STREAM_K else num_tiles
-    # Tile t (0 .. whole_tiles - 1, own segment first) goes to program t % NUM_SMS, as in one loop.
-    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, tl.minimum(tiles_per_segment, whole_tiles),
-           rows_per_rank, N, k_tiles,
+    # Tile t (0 .. num_tiles - 1, own segment first) goes to program t % NUM_SMS, as in one loop.
+    _tiles(own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, pid, tiles_per_segment, rows_per_rank, N, k_tiles,
            stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, True, RANK, WORLD,
            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN,
            scale_own_ptr, scale_b_ptr, SCALING, PRECISE_ACC)
     first_peer_tile = pid + tl.maximum(tl.cdiv(tiles_per_segment - pid, NUM_SMS), 0) * NUM_SMS
-    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, first_peer_tile, whole_tiles, rows_per_rank, N, k_tiles,
+    _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, first_peer_tile, num_tiles, rows_per_rank, N, k_tiles,
            stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, False, RANK, WORLD,
            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN,
            scale_a_ptr, scale_b_ptr, SCALING, PRECISE_ACC)
-    if STREAM_K:
-        _stream_k(a_desc, own_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, partial_ptr, tile_count_ptr,
-                  whole_tiles, sk_tiles, rows_per_rank, N, k_tiles, stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                  chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES,
-                  TMA_STORE, EPILOGUE_SUBTILE, B_KN)
 
     # Every program's waits precede its increment, so the last one in reads no signal any more and
     # may reset them all (and the counter) for the next call. The next call's copy stream writes

@@ -49,7 +49,7 @@ from fluxtp.backends.fused._launch import (
     num_sms,
     tma_ready,
 )
-from fluxtp.configs import AllGatherMatmulConfig, stream_k_tiles, tuned_config
+from fluxtp.configs import AllGatherMatmulConfig, tuned_config
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 
 MAX_SPINS = MAX_SPINS_LOCAL  # the kernel spins on signals in this GPU's memory
@@ -64,19 +64,6 @@ class _Workspace:
     views: dict = dataclasses.field(default_factory=dict)  # (dtype, shape) -> [view of rank r's shard]
     gathered: torch.Tensor | None = None  # bytes the calls that keep no gathered input gather into
     last_compute: torch.cuda.Stream | None = None  # the stream of the last GEMM that read `gathered`
-    stream_k: tuple | None = None  # stream-K scratch (float32 partials, int32 tile counts), grown on demand
-
-    def stream_k_scratch(self, gemm: _Gemm) -> tuple:
-        """Stream-K scratch for gemm (its stream_k_sizes), shared by the plans of this workspace
-        as the signals are; a plan keeps the one it was given (still valid after a growth)."""
-        partials, counts = gemm.stream_k_sizes
-        if self.stream_k is None or self.stream_k[0].numel() < partials or self.stream_k[1].numel() < counts:
-            old = self.stream_k or (torch.empty(0), torch.empty(0))
-            self.stream_k = (
-                torch.empty(max(partials, old[0].numel()), dtype=torch.float32, device=self.signals.device),
-                torch.zeros(max(counts, old[1].numel()), dtype=torch.int32, device=self.signals.device),
-            )
-        return self.stream_k
 
     def gathered_rows(self, dtype, shape, scales_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The workspace's gathered rows [W*m, k] (and, with scales_rows, float32 row scales after
@@ -147,8 +134,6 @@ class _Gemm:
             if why:
                 op = _OP if scaled is None else "all_gather_scaled_matmul"
                 raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
-        if config.stream_k and scaled is not None:
-            raise ValueError(f"all_gather_scaled_matmul: config {config} asks for stream_k, which runs bf16 / fp16 calls only")
         # FP8 tensor cores read the weight K-major only.
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         # TMA stores need whole tiles inside each segment and 16-byte output rows.
@@ -160,10 +145,6 @@ class _Gemm:
         self.report = _launch.timeout_record(_OP, device) if report is None else report
         self.scalars = (rows_per_rank, n, k, y_stride, chunk_rows, triton.cdiv(rows_per_rank, chunk_rows), max_spins,
                         signal_reset)  # fmt: skip
-        # Stream-K: every SM takes a program, and the split tiles need scratch (stream_k_sizes:
-        # two partial slots a program, a count a split tile).
-        self.sk_tiles = stream_k_tiles(tiles, sms) if config.stream_k else 0
-        self.stream_k_sizes = (2 * sms * config.block_m * config.block_n, self.sk_tiles) if self.sk_tiles else None
         if config.warp_specialized:
             # One SM left to the copy stream's barrier kernel: a warp-specialized program takes a
             # whole SM's registers, so a barrier queued behind the publish copy found none and the
@@ -174,7 +155,7 @@ class _Gemm:
             return
         self.launch = Launch(
             all_gather_matmul_kernel,
-            sms if self.sk_tiles else min(sms, tiles),
+            min(sms, tiles),
             RANK=info.rank,
             WORLD=info.world_size,
             BLOCK_M=config.block_m,
@@ -189,14 +170,12 @@ class _Gemm:
             EPILOGUE_SUBTILE=config.epilogue_subtile,
             B_KN=self.weight.kn,
             **_scaled.constexprs(scaled),
-            STREAM_K=self.sk_tiles > 0,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
 
-    def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None), stream_k=None):
-        """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat; stream_k: the
-        stream-K scratch (partials, tile counts) when stream_k_sizes is not None."""
+    def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
+        """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat."""
         if self.pingpong is not None:
             self.pingpong(x_gathered, x_own, self.weight.of(weight), y, y if bias is None else bias, signals, done,
                           self.scalars, self.report, scales)  # fmt: skip
@@ -224,8 +203,6 @@ class _Gemm:
             *self.scalars,
             self.report,
             *scales,
-            *(stream_k or (None, None)),
-            self.sk_tiles,
         )
 
 
@@ -280,15 +257,7 @@ def launch_gemm(
     call passes `scaled` (_scaled.Scaled) and `scales` (A_gathered's, x_own's, the weight's)."""
     gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, max_spins, signal_reset, report,
                  scaled)  # fmt: skip
-    gemm(x_gathered, x_own, weight, bias, y, signals, done, scales, stream_k_scratch(gemm, y.device))
-
-
-def stream_k_scratch(gemm: _Gemm, device) -> tuple | None:
-    """Fresh stream-K scratch for one launch of gemm (None where it splits no tile)."""
-    if gemm.stream_k_sizes is None:
-        return None
-    partials, counts = gemm.stream_k_sizes
-    return torch.empty(partials, dtype=torch.float32, device=device), torch.zeros(counts, dtype=torch.int32, device=device)
+    gemm(x_gathered, x_own, weight, bias, y, signals, done, scales)
 
 
 def _set_signal(signals: torch.Tensor, index: int) -> None:
@@ -379,7 +348,6 @@ class Plan:
         self.copy_stream = symm.copy_stream(device)
         self.barrier = ws.shard.handle.barrier
         self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None, scaled)
-        self.stream_k = None if self.gemm.stream_k_sizes is None else ws.stream_k_scratch(self.gemm)
         # A call that does not return its gathered input gathers into the workspace's buffer, so
         # its barriers, pulls and signals replay as one recorded graph.
         self.copy_steps_replay = None
@@ -451,7 +419,7 @@ class Plan:
                 self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         finally:
             torch.cuda.set_stream(compute)
-        self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales, self.stream_k)
+        self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         if replay is None:
             torch.cuda.set_stream(copy)
             try:
@@ -524,14 +492,13 @@ def gemm_only(x_shard, weight, bias, info: GroupInfo, config: AllGatherMatmulCon
     y_dtype = x_shard.dtype if scaled is None else out_dtype
     y = torch.empty(rows_per_rank * world, weight.shape[0], dtype=y_dtype, device=x_shard.device)
     gemm = _Gemm(weight, bias, y.stride(0), y.device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 1, None, scaled)
-    stream_k = stream_k_scratch(gemm, y.device)
     kernel_scales = (None, None, None)
     if scaled is not None:
         scale_x, scale_w = (_scaled.flat(s) for s in scales)
         kernel_scales = (scale_x.repeat(world) if scaled.row_wise else scale_x, scale_x, scale_w)
 
     def run():
-        gemm(x_gathered, x_shard, weight, bias, y, signals, done, kernel_scales, stream_k)
+        gemm(x_gathered, x_shard, weight, bias, y, signals, done, kernel_scales)
         return y
 
     return run

@@ -64,8 +64,9 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     if op in _UNSCALED:
-        # The FP8 kernels' GEMM alone takes 1.4-2.3x torch._scaled_mm's time (one H200, docs/fp8.md),
-        # more than the communication they could hide: auto leaves them to NCCL.
+        # No FP8 fused op has been measured faster than NCCL then torch._scaled_mm on several GPUs
+        # (the reduce-scatter's GEMM alone takes 1.1-2.1x _scaled_mm's time: docs/fp8.md): auto
+        # leaves them to NCCL until that measurement says otherwise.
         return False
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:

@@ -11,8 +11,8 @@ Per call, with S the caller's (compute) stream and C the side copy stream:
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
 A call that keeps no gathered input gathers into the workspace's rows and replays C's steps
 after the publish (both barriers included) as one recorded CUDA graph (recorded at the plan's
-first call, before it issues any work), then launches the GEMM: one eager barrier and two
-stream switches fewer per call. One that returns x_gathered issues the first barrier, launches
+first call, before it issues any work), then launches the GEMM: no barrier of its own and two
+stream switches in all (host time). One that returns x_gathered issues the first barrier, launches
 the GEMM, then issues the pulls eagerly into fresh memory (so the GEMM computes this rank's rows
 while the host issues them) and copies this rank's shard into x_gathered too.
 The GEMM is never launched before the first barrier, a kernel the peers' rows wait for:

@@ -11,15 +11,13 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from fluxtp import _generation
+from fluxtp import _driver, _generation
 from fluxtp._dist import GroupInfo, backend_name
 
 # fluxtp never uses NVLink multicast; keep torch from creating multicast objects for our
@@ -159,16 +157,6 @@ def stream_wait(waiter: torch.cuda.Stream, producer: torch.cuda.Stream) -> None:
     waiter.wait_event(event)
 
 
-@functools.cache
-def _driver_wait_value32():
-    """The CUDA driver's cuStreamWaitValue32 (torch wraps only the write side)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def stream_wait_at_least(flags: torch.Tensor, index: int, value: int) -> None:
     """Hold the current stream's later work until int32 flags[index] reaches `value`.
 
@@ -181,10 +169,7 @@ def stream_wait_at_least(flags: torch.Tensor, index: int, value: int) -> None:
     if flags.dtype != torch.int32 or not flags.is_cuda:
         raise TypeError(f"flags must be an int32 CUDA tensor, got {flags.dtype} on {flags.device}")
     stream = current_stream(flags.device.index or 0)
-    address = flags.data_ptr() + index * flags.element_size()
-    status = _driver_wait_value32()(stream.cuda_stream, address, value & 0xFFFFFFFF, 0)  # 0: GEQ
-    if status != 0:
-        raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA driver error {status}")
+    _driver.stream_wait_value32(stream.cuda_stream, flags.data_ptr() + index * flags.element_size(), value)
 
 
 def free_workspaces(group_name: str | None = None) -> None:

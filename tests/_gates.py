@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from fluxtp import symm
+from fluxtp import _driver
 
 
 class HostGates:
@@ -26,8 +26,7 @@ class HostGates:
             raise ValueError(f"only {self.words.numel()} gates")
         stream = torch.cuda.current_stream().cuda_stream
         address = self.words.data_ptr() + self.words.element_size() * self.queued
-        status = symm._driver_wait_value32()(stream, address, 1, 0)  # 0: until the word is >= 1
-        assert status == 0, f"cuStreamWaitValue32 on host memory failed: CUDA driver error {status}"
+        _driver.stream_wait_value32(stream, address, 1)
         self.queued += 1
 
     def open_slowly(self, kernel_done: torch.cuda.Event, delay_s: float, what: str) -> None:

@@ -87,6 +87,8 @@ def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dty
                 replayed = plan  # a plan whose pulls replay
         graph = replayed.copy_steps_replay.graph
         assert isinstance(graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
+        # ... by a driver call on the copy stream's raw handle, forked and joined by the plan's event.
+        assert replayed.copy_steps_replay.graph_exec and replayed.event.event is not None, f"{what}: not through driver calls"
         # The untuned heuristic: a 128x256 tiling on the warp-specialized kernel on Hopper.
         hopper = torch.cuda.get_device_capability()[0] == 9
         expected = AllGatherMatmulConfig.heuristic(m, n, k, world, num_sms(w.device), hopper)

@@ -11,10 +11,11 @@ Per call, with S the caller's (compute) stream and C the side copy stream:
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
 A call that keeps no gathered input gathers into the workspace's rows and replays C's steps
 after the publish (both barriers included) as one recorded CUDA graph (recorded at the plan's
-first call, before it issues any work), then launches the GEMM: no barrier of its own and two
-stream switches in all (host time). One that returns x_gathered issues the first barrier, launches
-the GEMM, then issues the pulls eagerly into fresh memory (so the GEMM computes this rank's rows
-while the host issues them) and copies this rank's shard into x_gathered too.
+first call, before it issues any work), then launches the GEMM; outside graph capture its fork,
+publish, replay and join are driver calls on raw stream handles (fluxtp._driver), so it never
+switches PyTorch's current stream (host time). One that returns x_gathered issues the first
+barrier, launches the GEMM, then issues the pulls eagerly into fresh memory (so the GEMM computes
+this rank's rows while the host issues them) and copies this rank's shard into x_gathered too.
 The GEMM is never launched before the first barrier, a kernel the peers' rows wait for:
 launched ahead of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the
 barrier never ran beside the GEMM that filled every SM).
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from fluxtp import _generation, symm
+from fluxtp import _driver, _generation, symm
 from fluxtp._dist import GroupInfo
 from fluxtp._plan import PlanCache, tensor_key
 from fluxtp.backends.fused import _launch, _scaled
@@ -42,6 +43,7 @@ from fluxtp.backends.fused._launch import (
     BARRIER_TIMEOUT_MS,
     MAX_SPINS_LOCAL,
     DescriptorLayout,
+    DriverEvent,
     Launch,
     StreamReplay,
     WeightOperand,
@@ -63,7 +65,7 @@ class _Workspace:
     done: torch.Tensor  # int32 [1]: the GEMM's count of finished programs (0 between calls)
     views: dict = dataclasses.field(default_factory=dict)  # (dtype, shape) -> [view of rank r's shard]
     gathered: torch.Tensor | None = None  # bytes the calls that keep no gathered input gather into
-    last_compute: torch.cuda.Stream | None = None  # the stream of the last GEMM that read `gathered`
+    last_compute: int | None = None  # the raw stream handle of the last GEMM that read `gathered`
 
     def gathered_rows(self, dtype, shape, scales_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The workspace's gathered rows [W*m, k] (and, with scales_rows, float32 row scales after
@@ -346,6 +348,13 @@ class Plan:
             self.scale_pulls = [(slice(r * rows_per_rank, (r + 1) * rows_per_rank), scale_views[r]) for r in peers]
         self.signals_u32 = ws.signals.view(torch.uint32)
         self.copy_stream = symm.copy_stream(device)
+        # The call through driver calls (_call_replayed): raw handles and addresses, and a
+        # contiguous shard, published by one device copy.
+        self.copy_handle = self.copy_stream.cuda_stream if device.type == "cuda" else None
+        self.shard_bytes = shard_bytes if x_shard.is_contiguous() else None
+        self.own_shard_address = self.own_shard.data_ptr()
+        self.own_scales_address = self.own_scales.data_ptr() if row_scales else None
+        self.event = DriverEvent(self.copy_stream)
         self.barrier = ws.shard.handle.barrier
         self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None, scaled)
         # A call that does not return its gathered input gathers into the workspace's buffer, so
@@ -381,6 +390,43 @@ class Plan:
         (y, (x_gathered, its scales) or None)."""
         if self.copy_x:
             x_shard = tma_ready(x_shard)
+        replay = self.copy_steps_replay
+        if replay is not None and self.shard_bytes is not None and not torch.cuda.is_current_stream_capturing():
+            replay.ready(False)
+            if replay.graph_exec is not None:
+                return self._call_replayed(x_shard, weight, bias, scale_x, scale_w)
+        return self._call_streams(x_shard, weight, bias, scale_x, scale_w)
+
+    def _call_replayed(self, x_shard, weight, bias, scale_x, scale_w):
+        """A call that keeps no gathered input, outside graph capture, its copy stream's steps
+        issued by driver calls on raw stream handles (fork, publish, the recorded sequence's
+        replay, join): no switch of PyTorch's current stream, and each step cheaper than
+        PyTorch's wrapper of it (fluxtp._driver)."""
+        y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
+        compute, copy, event = torch._C._cuda_getCurrentRawStream(self.device_index), self.copy_handle, self.event
+        event.wait(copy, compute)
+        # The workspace's gathered rows are overwritten only after the last GEMM that read
+        # them, on whichever stream it ran.
+        last = self.ws.last_compute
+        if last != compute:
+            if last is not None:
+                event.wait(copy, last)
+            self.ws.last_compute = compute
+        _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, copy)
+        scales = (None, None, None)
+        if self.scaled is not None:
+            if self.row_scales:
+                _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), copy)
+            scales = (self.gathered_scales if self.row_scales else scale_x, scale_x, scale_w)
+        _driver.graph_launch(self.copy_steps_replay.graph_exec, copy)
+        self.gemm(self.gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
+        event.wait(compute, copy)
+        return y, None
+
+    def _call_streams(self, x_shard, weight, bias, scale_x, scale_w):
+        """A call through PyTorch's stream API: one that returns its gathered input, one under
+        graph capture (which then captures the steps as they are), one whose shard is published
+        by a strided copy."""
         row_scales = self.row_scales
         replay = self.copy_steps_replay
         if replay is not None:
@@ -399,12 +445,11 @@ class Plan:
         copy = self.copy_stream
         symm.stream_wait(copy, compute)
         if replay is not None and not capturing:
-            # The workspace's gathered rows are overwritten only after the last GEMM that read
-            # them, on whichever stream it ran (a graph's replays are ordered by their caller).
+            # As in _call_replayed (a graph's replays are ordered by their caller).
             last = self.ws.last_compute
-            if last is not None and last != compute:
-                symm.stream_wait(copy, last)
-            self.ws.last_compute = compute
+            if last is not None and last != compute.cuda_stream:
+                self.event.wait(copy.cuda_stream, last)
+            self.ws.last_compute = compute.cuda_stream
         # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
         # (docs/perf-log.md); compute is the current device's stream.
         torch.cuda.set_stream(copy)

@@ -13,6 +13,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fluxtp import _driver
 from fluxtp.configs import weight_layout_of
 
 try:  # Gluon kernels take descriptors that carry their shared-memory layout
@@ -284,13 +285,15 @@ class StreamReplay:
     (`ready`, before it issues any work of its own: recording may wait for the device, and the
     call's kernel may wait for the recorded operations), then issues them (`__call__`) on the
     current stream, replayed, or eagerly while the caller captures its own graph (`capturing`:
-    that graph then holds them). If CUDA cannot record one of the operations, a warning says so
-    and every call issues them eagerly."""
+    that graph then holds them); or replays them on a raw stream handle with
+    _driver.graph_launch(graph_exec, stream). If CUDA cannot record one of the operations, a
+    warning says so and every call issues them eagerly (graph_exec stays None)."""
 
-    __slots__ = ("record", "stream", "graph")
+    __slots__ = ("record", "stream", "graph", "graph_exec")
 
     def __init__(self, record, stream: torch.cuda.Stream):
         self.record, self.stream, self.graph = record, stream, None
+        self.graph_exec = None  # the instantiated graph's raw handle, for _driver.graph_launch
 
     def ready(self, capturing: bool) -> None:
         if self.graph is not None or capturing:
@@ -312,6 +315,7 @@ class StreamReplay:
         finally:
             torch.cuda.set_stream(previous)
         self.graph = graph
+        self.graph_exec = graph.raw_cuda_graph_exec() if graph else None
 
     def __call__(self, capturing: bool) -> None:
         graph = self.graph
@@ -319,6 +323,25 @@ class StreamReplay:
             self.record()
         else:
             graph.replay()
+
+
+class DriverEvent:
+    """One event for a plan's forks and joins by driver calls (_driver.stream_wait_event; reused:
+    a wait takes the event's state when it is queued), made at its first wait, outside graph
+    capture: PyTorch makes an event at its first record, on `stream`'s device."""
+
+    __slots__ = ("stream", "event")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream, self.event = stream, None
+
+    def wait(self, waiter: int, producer: int) -> None:
+        """Raw stream `waiter` waits for the work queued on raw stream `producer` so far."""
+        event = self.event
+        if event is None:
+            event = self.event = torch.cuda.Event()
+            event.record(self.stream)
+        _driver.stream_wait_event(waiter, producer, event.cuda_event)
 
 
 @functools.cache

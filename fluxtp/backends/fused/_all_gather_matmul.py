@@ -397,6 +397,15 @@ class Plan:
                 return self._call_replayed(x_shard, weight, bias, scale_x, scale_w)
         return self._call_streams(x_shard, weight, bias, scale_x, scale_w)
 
+    def _wait_for_last_reader(self, copy: int, compute: int) -> None:
+        """Raw stream `copy` waits for the last GEMM that read the workspace's gathered rows, on
+        whichever stream it ran, before overwriting them; `compute` runs the next one."""
+        last = self.ws.last_compute
+        if last != compute:
+            if last is not None:
+                self.event.wait(copy, last)
+            self.ws.last_compute = compute
+
     def _call_replayed(self, x_shard, weight, bias, scale_x, scale_w):
         """A call that keeps no gathered input, outside graph capture, its copy stream's steps
         issued by driver calls on raw stream handles (fork, publish, the recorded sequence's
@@ -405,13 +414,7 @@ class Plan:
         y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
         compute, copy, event = torch._C._cuda_getCurrentRawStream(self.device_index), self.copy_handle, self.event
         event.wait(copy, compute)
-        # The workspace's gathered rows are overwritten only after the last GEMM that read
-        # them, on whichever stream it ran.
-        last = self.ws.last_compute
-        if last != compute:
-            if last is not None:
-                event.wait(copy, last)
-            self.ws.last_compute = compute
+        self._wait_for_last_reader(copy, compute)
         _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, copy)
         scales = (None, None, None)
         if self.scaled is not None:
@@ -444,12 +447,8 @@ class Plan:
         compute = symm.current_stream(self.device_index)
         copy = self.copy_stream
         symm.stream_wait(copy, compute)
-        if replay is not None and not capturing:
-            # As in _call_replayed (a graph's replays are ordered by their caller).
-            last = self.ws.last_compute
-            if last is not None and last != compute.cuda_stream:
-                self.event.wait(copy.cuda_stream, last)
-            self.ws.last_compute = compute.cuda_stream
+        if replay is not None and not capturing:  # a graph's replays are ordered by their caller
+            self._wait_for_last_reader(copy.cuda_stream, compute.cuda_stream)
         # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
         # (docs/perf-log.md); compute is the current device's stream.
         torch.cuda.set_stream(copy)

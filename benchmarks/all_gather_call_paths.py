@@ -5,7 +5,7 @@
 Per shape (global M tokens, N and K of the layer), interleaved (fluxtp.bench.harness: rounds of
 back-to-back eager calls, medians, slowest rank): cuBLAS alone on the gathered rows, NCCL then
 cuBLAS, and the fused plan with
-- its pulls replayed as one recorded graph (return_gathered=False, the inference path),
+- the call as one recorded graph, the GEMM in it (return_gathered=False, the inference path),
 - the same pulls issued eagerly into the same workspace rows,
 - return_gathered=True (fresh gathered rows each call: the training path, what `fluxtp bench` times),
 each with the config the launcher looks up (shipped table or user cache) and with the heuristic's.
@@ -41,7 +41,8 @@ def _plans(x, weight, info, configs: dict) -> dict:
     for config_name, config in configs.items():
         replayed = _all_gather_matmul.Plan(x, weight, None, info, False, config)
         eager = _all_gather_matmul.Plan(x, weight, None, info, False, config)
-        eager.copy_steps_replay.graph = False  # StreamReplay's "not recordable" state: issue eagerly
+        eager.call_graph = None  # no recorded call: the GEMM launched apart from ...
+        eager.copy_steps_replay.graph = False  # ... StreamReplay's "not recordable" state: issue eagerly
         gathered = _all_gather_matmul.Plan(x, weight, None, info, True, config)
         for path, plan in (("replayed", replayed), ("eager", eager), ("gathered", gathered)):
             calls[f"{path} {config_name}"] = lambda plan=plan: plan(x, weight, None)[0]

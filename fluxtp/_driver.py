@@ -41,6 +41,20 @@ def _functions():
     }  # fmt: skip
 
 
+@functools.cache
+def _graph_functions():
+    """The calls that update a recorded kernel's parameters (CUDA 12.4 or newer)."""
+    return {
+        "graph_nodes": _function("cuGraphGetNodes", argtypes=[_P, _P, ctypes.POINTER(ctypes.c_size_t)]),
+        "node_type": _function("cuGraphNodeGetType", argtypes=[_P, ctypes.POINTER(ctypes.c_int)]),
+        "kernel_node_params": _function("cuGraphKernelNodeGetParams_v2", argtypes=[_P, _P]),
+        "exec_kernel_node_set": _function("cuGraphExecKernelNodeSetParams_v2", argtypes=[_P, _P, _P]),
+        "param_info": _function("cuFuncGetParamInfo", argtypes=[_P, ctypes.c_size_t, _P, _P]),
+        "encode_tiled": _function("cuTensorMapEncodeTiled", argtypes=[_P, ctypes.c_int, _U32, _P, _P, _P, _P, _P,
+                                                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
+    }  # fmt: skip
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         name = ctypes.c_char_p()
@@ -69,3 +83,93 @@ def graph_launch(graph_exec: int, stream: int) -> None:
 def stream_wait_value32(stream: int, address: int, value: int) -> None:
     """Hold `stream`'s later work until the int32 at device `address` is >= value (wrapping)."""
     _check(_functions()["wait_value32"](stream, address, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")  # 0: GEQ
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2: a kernel node's function, launch shape and parameters."""
+
+    _fields_ = [
+        ("func", _P),
+        ("grid", _U32 * 3),
+        ("block", _U32 * 3),
+        ("shared_mem_bytes", _U32),
+        ("kernel_params", _P),
+        ("extra", _P),
+        ("kern", _P),
+        ("ctx", _P),
+    ]
+
+
+_KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
+
+
+def kernel_nodes(graph: int) -> list[tuple[int, KernelNodeParams]]:
+    """(node, its parameters) of every kernel node of a CUDA graph (torch.cuda.CUDAGraph's
+    raw_cuda_graph(), kept with keep_graph=True)."""
+    f = _graph_functions()
+    count = ctypes.c_size_t(0)
+    _check(f["graph_nodes"](graph, None, ctypes.byref(count)), "cuGraphGetNodes")
+    nodes = (_P * count.value)()
+    _check(f["graph_nodes"](graph, nodes, ctypes.byref(count)), "cuGraphGetNodes")
+    found = []
+    for node in nodes[: count.value]:
+        kind = ctypes.c_int(-1)
+        _check(f["node_type"](node, ctypes.byref(kind)), "cuGraphNodeGetType")
+        if kind.value == _KERNEL_NODE:
+            params = KernelNodeParams()
+            _check(f["kernel_node_params"](node, ctypes.byref(params)), "cuGraphKernelNodeGetParams")
+            found.append((node, params))
+    return found
+
+
+def set_kernel_node(graph_exec: int, node: int, params: KernelNodeParams) -> None:
+    """Later launches of `graph_exec` run `node` with `params` (the driver copies the parameter
+    values now; launches already queued keep theirs)."""
+    _check(_graph_functions()["exec_kernel_node_set"](graph_exec, node, ctypes.byref(params)), "cuGraphExecKernelNodeSetParams")
+
+
+def graph_call(graph_exec: int, node: int, params: KernelNodeParams):
+    """set_kernel_node then graph_launch as one callable of the stream, its arguments bound once
+    (a call runs on every fused op's call: each lookup costs host time)."""
+    set_node = functools.partial(_graph_functions()["exec_kernel_node_set"], graph_exec, node, ctypes.byref(params))
+    launch = functools.partial(_functions()["graph_launch"], graph_exec)
+
+    def call(stream: int) -> None:
+        status = set_node()
+        if status != 0:
+            _check(status, "cuGraphExecKernelNodeSetParams")
+        status = launch(stream)
+        if status != 0:
+            _check(status, "cuGraphLaunch")
+
+    return call
+
+
+def kernel_param_sizes(function: int) -> list[int] | None:
+    """The byte size of each parameter of a loaded kernel (cuFuncGetParamInfo), None where this
+    driver cannot tell."""
+    try:
+        info = _graph_functions()["param_info"]
+    except (OSError, RuntimeError):
+        return None
+    sizes = []
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+    while info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == 0:
+        sizes.append(size.value)
+    return sizes
+
+
+def encode_tiled_tensor_map(out: int, dtype: int, address: int, shape, strides_bytes, box, swizzle: int,
+                            nan_fill: bool) -> None:  # fmt: skip
+    """Fill the 128-byte CUtensorMap at host address `out` (64-byte aligned) for a row-major tensor
+    at device `address`: shape and box outermost first, strides_bytes of every dim but the last;
+    element strides 1, no interleave, 128-byte L2 promotion, out-of-bounds reads zero (NaN where
+    nan_fill), as Triton encodes its host descriptors."""
+    rank = len(shape)
+    dims = (ctypes.c_uint64 * rank)(*reversed(shape))
+    strides = (ctypes.c_uint64 * rank)(*reversed(strides_bytes), 0)
+    boxes = (ctypes.c_uint32 * rank)(*reversed(box))
+    ones = (ctypes.c_uint32 * rank)(*([1] * rank))
+    status = _graph_functions()["encode_tiled"](out, dtype, rank, address, dims, strides, boxes, ones, 0, swizzle, 2,
+                                          1 if nan_fill else 0)  # fmt: skip
+    _check(status, "cuTensorMapEncodeTiled")

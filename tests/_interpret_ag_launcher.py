@@ -37,7 +37,7 @@ def main():
         done = torch.zeros(1, dtype=torch.int32)
         shard = types.SimpleNamespace(handle=types.SimpleNamespace(barrier=lambda **kw: None))
         gathered = torch.full((world * m, k), torch.nan, dtype=torch.float16)
-        last_compute = None
+        last_stream = None
 
         def shard_views(self, dtype, shape, world):
             return shard_buffers  # every rank's symmetric buffer, the views a plan keeps

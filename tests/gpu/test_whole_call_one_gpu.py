@@ -1,22 +1,24 @@
 """Whole fused calls on ONE GPU: the public op as one rank of a world simulated on this
 GPU (fluxtp.testing.simulated_world: the peers' symmetric buffers are local tensors holding
-their shards), so every host step of a real call runs: the plan, the copy stream's publish,
-pulls and signals (recorded once and replayed as a CUDA graph when the call keeps no gathered
-input), the kernel's direct launch with its reused descriptors. The copy stream is held back
-before every call, so the kernel's waits really wait; the gathered rows it reads are NaN until
-pulled. The reduce-scatter's copy-engine pushes are checked where they land. NVLink and the
-real barriers need the multi-GPU files.
+their shards), so every host step of a real call runs: the plan, the publish, the pulls and
+signals, the kernel's launch (a call that keeps no gathered input: all of it but the publish
+recorded once as one CUDA graph whose kernel node takes each call's weight, output and bias).
+The pulls are held back on every call (a gate recorded in front of them, or the copy stream
+held), so the kernel's waits really wait; the gathered rows it reads are NaN until pulled. The
+reduce-scatter's copy-engine pushes are checked where they land. NVLink and the real barriers
+need the multi-GPU files.
 """
 
 import dataclasses
 import random
+import time
 import warnings
 
 import pytest
 import torch
 
 import fluxtp
-from fluxtp import symm
+from fluxtp import _driver, symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter, _scaled
 from fluxtp.backends.fused._matmul_reduce_scatter import copy_plan
@@ -44,6 +46,29 @@ def _hold_copy_stream(device):
         torch.cuda._sleep(HOLD_CYCLES)
 
 
+class _PullGate:
+    """A word of host memory that a plan's recorded pulls wait for (recorded in front of them at
+    the plan's first call), closed by `close()` before a call and opened by `open_later()` after
+    it: the kernel, launched in the same graph, waits for rows that arrive ~10 ms late."""
+
+    def __init__(self, plan):
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        pull = plan._pull_peers
+
+        def gated_pull(*args):
+            _driver.stream_wait_value32(torch.cuda.current_stream().cuda_stream, self.word.data_ptr(), 1)
+            pull(*args)
+
+        plan._pull_peers = gated_pull
+
+    def close(self):
+        self.word[0] = 0
+
+    def open_later(self, delay_s=0.01):
+        time.sleep(delay_s)
+        self.word[0] = 1
+
+
 @pytest.mark.parametrize(
     "world, rank, m, n, k, dtype",
     [
@@ -58,37 +83,50 @@ def _hold_copy_stream(device):
 def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dtype):
     seed = random.randrange(1 << 30)
     what = f"world={world} rank={rank} m={m} seed={seed}"
-    w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
+    # Two weights and a bias on every other call: one plan's recorded kernel takes each call's own.
+    weights = [draw(seed + i, (n, k), dtype, "cuda", scale=k**-0.5) for i in range(2)]
+    bias = draw(seed + 2, (n,), dtype, "cuda")
     side = torch.cuda.Stream()
+    gates = {}
     with simulated_world(world, rank) as group, warnings.catch_warnings():
-        warnings.simplefilter("error")  # a copy sequence that could not be recorded warns
+        warnings.simplefilter("error")  # a call that could not be recorded warns
         info = GroupInfo(group, rank, world)
-        for call in range(8):
+        for call in range(10):
             return_gathered = call % 3 == 2  # both paths, interleaved over one workspace
-            x = draw(seed + 1 + call, (world * m, k), dtype, "cuda")
+            w, b = weights[call % 2], bias if call % 4 < 2 else None
+            x = draw(seed + 3 + call, (world * m, k), dtype, "cuda")
             x_shard = x[rank * m : (rank + 1) * m].clone()
-            plan = _all_gather_matmul.plan(x_shard, w, None, info, return_gathered)
+            plan = _all_gather_matmul.plan(x_shard, w, b, info, return_gathered)
             _publish_peers(plan, x, rank, world, m)
-            if not return_gathered:
-                plan.gathered.fill_(float("nan"))  # the rows the kernel may read only once pulled
             torch.cuda.synchronize()
-            _hold_copy_stream(x.device)
+            if return_gathered:
+                _hold_copy_stream(x.device)
+            else:
+                plan.gathered.fill_(float("nan"))  # the rows the kernel may read only once pulled
+                gate = gates.get(id(plan)) or gates.setdefault(id(plan), _PullGate(plan))
+                gate.close()
             stream = side if call == 4 else torch.cuda.current_stream()  # another caller stream once
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                out = fluxtp.all_gather_matmul(x_shard, w, group=group, backend="fused", return_gathered=return_gathered)
+                out = fluxtp.all_gather_matmul(x_shard, w, group=group, bias=b, backend="fused",
+                                               return_gathered=return_gathered)  # fmt: skip
+            if not return_gathered:
+                gate.open_later()
             torch.cuda.synchronize()
             y = out[0] if return_gathered else out
-            err = rel_error(y, x.double() @ w.double().T)
+            ref = x.double() @ w.double().T + (0 if b is None else b.double())
+            err = rel_error(y, ref)
             assert err <= TOLERANCE[dtype], f"{what} call {call}: rel err {err:.2e}"
             if return_gathered:
                 assert torch.equal(out[1], x), f"{what} call {call}: gathered rows differ"
             else:
-                replayed = plan  # a plan whose pulls replay
-        graph = replayed.copy_steps_replay.graph
-        assert isinstance(graph, torch.cuda.CUDAGraph), f"{what}: the pulls were not replayed from a graph"
-        # ... by a driver call on the copy stream's raw handle, forked and joined by the plan's event.
-        assert replayed.copy_steps_replay.graph_exec and replayed.event.event is not None, f"{what}: not through driver calls"
+                replayed = plan  # a plan whose calls are one recorded graph
+        graph = replayed.call_graph
+        assert isinstance(graph.graph, torch.cuda.CUDAGraph), f"{what}: the call was not recorded as one graph"
+        # ... launched by driver calls on the caller's raw stream, its kernel node updated per call;
+        # the caller's stream changed once, which the plan's event ordered.
+        assert graph.graph_exec and graph.params is not None, f"{what}: the kernel node was not updated"
+        assert replayed.event.event is not None, f"{what}: the change of caller stream was not ordered"
         # The untuned heuristic: a 128x256 tiling on the warp-specialized kernel on Hopper.
         hopper = torch.cuda.get_device_capability()[0] == 9
         expected = AllGatherMatmulConfig.heuristic(m, n, k, world, num_sms(w.device), hopper)
@@ -163,7 +201,9 @@ def test_reduce_scatter_band_pushes_replay_after_their_tiles(world, rank):
                 ref = x[owner * rows : (owner + 1) * rows].double() @ w.double().T
                 err = rel_error(partial, ref)
                 assert err <= TOLERANCE[dtype], f"call {call} owner {owner} seed={seed}: rel err {err:.2e}"
-        assert isinstance(plan.band_pushes.graph, torch.cuda.CUDAGraph), "the band pushes were not replayed from a graph"
+        # The pushes are recorded with the kernel: one graph launch per call, its node updated.
+        assert isinstance(plan.call_graph.graph, torch.cuda.CUDAGraph), "the call was not recorded as one graph"
+        assert plan.call_graph.params is not None, "the kernel node was not updated"
 
 
 @pytest.mark.parametrize(
@@ -191,6 +231,7 @@ def test_fp8_whole_calls_through_the_public_ops(world, rank, m, n, k, row_wise):
     rows = slice(rank * m, (rank + 1) * m)
     x_shard, w = xq[rows].cuda(), wq.cuda()
     scale_x, scale_w = (sx[rows] if row_wise else sx).cuda(), sw.cuda()
+    gates = {}
     with simulated_world(world, rank) as group:
         info = GroupInfo(group, rank, world)
         scaled = _scaled.Scaled.of(scale_x, scale_w, torch.bfloat16, False)
@@ -203,10 +244,14 @@ def test_fp8_whole_calls_through_the_public_ops(world, rank, m, n, k, row_wise):
                 plan.gathered.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
                 if row_wise:
                     plan.gathered_scales.fill_(float("nan"))
+                gate = gates.get(id(plan)) or gates.setdefault(id(plan), _PullGate(plan))
+                gate.close()
             torch.cuda.synchronize()
             _hold_copy_stream(x_shard.device)
             out = fluxtp.all_gather_scaled_matmul(x_shard, w, scale_x, scale_w, group=group, backend="fused",
                                                   return_gathered=return_gathered)  # fmt: skip
+            if not return_gathered:
+                gate.open_later()
             torch.cuda.synchronize()
             y = out[0] if return_gathered else out
             err = fp8_cases.rel_error(y, ref)

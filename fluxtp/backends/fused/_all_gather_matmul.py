@@ -9,11 +9,13 @@ Per call, with S the caller's (compute) stream and C the side copy stream:
      the peers' rows from x_gathered, waiting for each chunk's signal before its tiles' K loops;
      its last program resets the signals for the next call (no reset launch on the host).
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
-A call that keeps no gathered input gathers into the workspace's rows and replays C's steps
-after the publish (both barriers included) as one recorded CUDA graph (recorded at the plan's
-first call, before it issues any work), then launches the GEMM; outside graph capture its fork,
-publish, replay and join are driver calls on raw stream handles (fluxtp._driver), so it never
-switches PyTorch's current stream (host time). One that returns x_gathered issues the first
+A call that keeps no gathered input gathers into the workspace's rows. Outside graph capture it
+is the publish copy on S, then one launch on S of a CUDA graph recorded at the plan's first
+call: the first barrier, then the GEMM on one branch beside C's pulls, signals and second
+barrier on the other (_launch.CallGraph: the GEMM's node takes each call's tensors); driver
+calls on raw stream handles, no switch of PyTorch's current stream (host time). Where that
+graph cannot be used (a launch hook is set), C's steps after the publish replay as one recorded
+graph on C, forked and joined by driver calls, and the GEMM is launched on S. One that returns x_gathered issues the first
 barrier, launches the GEMM, then issues the pulls eagerly into fresh memory (so the GEMM computes
 this rank's rows while the host issues them) and copies this rank's shard into x_gathered too.
 The GEMM is never launched before the first barrier, a kernel the peers' rows wait for:
@@ -42,6 +44,7 @@ from fluxtp.backends.fused import _launch, _scaled
 from fluxtp.backends.fused._launch import (
     BARRIER_TIMEOUT_MS,
     MAX_SPINS_LOCAL,
+    CallGraph,
     DescriptorLayout,
     DriverEvent,
     Launch,
@@ -65,7 +68,7 @@ class _Workspace:
     done: torch.Tensor  # int32 [1]: the GEMM's count of finished programs (0 between calls)
     views: dict = dataclasses.field(default_factory=dict)  # (dtype, shape) -> [view of rank r's shard]
     gathered: torch.Tensor | None = None  # bytes the calls that keep no gathered input gather into
-    last_compute: int | None = None  # the raw stream handle of the last GEMM that read `gathered`
+    last_stream: int | None = None  # the raw handle of the stream the last call's work ended on
 
     def gathered_rows(self, dtype, shape, scales_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The workspace's gathered rows [W*m, k] (and, with scales_rows, float32 row scales after
@@ -178,10 +181,15 @@ class _Gemm:
 
     def __call__(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
         """scales: a scaled call's (A_gathered's, this shard's, B's), _scaled.flat."""
+        launch, args = self.launch_args(x_gathered, x_own, weight, bias, y, signals, done, scales)
+        launch(*args)
+
+    def launch_args(self, x_gathered, x_own, weight, bias, y, signals, done, scales=(None, None, None)):
+        """(the Launch, its arguments) of this call: both kernels take (A, own rows, B, C
+        descriptors, y, bias, signals, done, scalars..., report, scales...)."""
         if self.pingpong is not None:
-            self.pingpong(x_gathered, x_own, self.weight.of(weight), y, y if bias is None else bias, signals, done,
-                          self.scalars, self.report, scales)  # fmt: skip
-            return
+            return self.pingpong.launch_args(x_gathered, x_own, self.weight.of(weight), y, y if bias is None else bias,
+                                             signals, done, self.scalars, self.report, scales)  # fmt: skip
         b = self.weight.of(weight)
         layouts = self.layouts
         if layouts is None:
@@ -193,19 +201,21 @@ class _Gemm:
                 DescriptorLayout(y, [c.block_m, self.store_n]) if self.tma_store else None,
             )
         a, own, b_layout, c_layout = layouts
-        self.launch(
-            a.over(x_gathered),
-            own.over(x_own),
-            b_layout.over(b),
-            None if c_layout is None else c_layout.over(y),
-            y,
-            y if bias is None else bias,
-            signals,
-            done,
-            *self.scalars,
-            self.report,
-            *scales,
-        )
+        args = (a.over(x_gathered), own.over(x_own), b_layout.over(b), None if c_layout is None else c_layout.over(y), y,
+                y if bias is None else bias, signals, done, *self.scalars, self.report, *scales)  # fmt: skip
+        return self.launch, args
+
+    def per_call_indices(self) -> tuple:
+        """launch_args' arguments that change between calls of one signature whose gathered rows,
+        signals and counter stay (a call recorded in a graph), in per_call's order: this rank's
+        shard, the weight's operand, the output, its descriptor (bound only where stored by TMA,
+        else a constexpr or a fixed staging buffer), the bias, the three scales."""
+        first_scale = 8 + len(self.scalars) + 1
+        return (1, 2, 4, 3 if self.tma_store else None, 5, first_scale, first_scale + 1, first_scale + 2)
+
+    def per_call(self, x_own, weight, bias, y, scales) -> tuple:
+        """The tensors of per_call_indices' arguments for one call."""
+        return (x_own, self.weight.of(weight), y, y, y if bias is None else bias, *scales)
 
 
 class _PingPong:
@@ -230,7 +240,7 @@ class _PingPong:
             B_KN=weight_operand.kn, **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
-    def __call__(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
+    def launch_args(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
         c_base = y if self.c_dummy is None else self.c_dummy
         layouts = self.layouts
         if layouts is None:
@@ -241,8 +251,9 @@ class _PingPong:
                 for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, self.b_block), (c_base, self.c_block))
             )
         a, own, b, c = layouts
-        self.launch(a.over(x_gathered), own.over(x_own), b.over(weight), c.over(c_base), y, bias, signals, done, *scalars,
-                    report, *scales)  # fmt: skip
+        args = (a.over(x_gathered), own.over(x_own), b.over(weight), c.over(c_base), y, bias, signals, done, *scalars,
+                report, *scales)  # fmt: skip
+        return self.launch, args
 
 
 def launch_gemm(
@@ -359,13 +370,15 @@ class Plan:
         self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None, scaled)
         # A call that does not return its gathered input gathers into the workspace's buffer, so
         # its barriers, pulls and signals replay as one recorded graph.
-        self.copy_steps_replay = None
+        self.copy_steps_replay = self.call_graph = None
         if not return_gathered:
             self.gathered, self.gathered_scales = ws.gathered_rows(x_shard.dtype, self.gathered_shape,
                                                                    self.gathered_shape[0] if row_scales else 0)  # fmt: skip
             self.copy_steps_replay = StreamReplay(
                 lambda: self._published_and_pulled(self.gathered, self.gathered_scales), self.copy_stream
             )
+            if device.type == "cuda":
+                self.call_graph = CallGraph(self._record_call, self.copy_stream, self.gemm.per_call_indices())
 
     def _published_and_pulled(self, x_gathered, gathered_scales) -> None:
         """The recorded sequence: the first barrier (every rank has published), then _pull_peers."""
@@ -390,6 +403,14 @@ class Plan:
         (y, (x_gathered, its scales) or None)."""
         if self.copy_x:
             x_shard = tma_ready(x_shard)
+        graph = self.call_graph
+        if graph is not None and self.shard_bytes is not None and not torch._C._cuda_isCurrentStreamCapturing():
+            y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
+            scales = self._kernel_scales(scale_x, scale_w)
+            first_kernel = lambda: self.gemm.launch_args(self.gathered, x_shard, weight, bias, y,  # noqa: E731
+                                                         self.ws.signals, self.ws.done, scales)  # fmt: skip
+            if graph.ready(first_kernel):
+                return self._call_graphed(x_shard, weight, bias, y, scale_x, scales)
         replay = self.copy_steps_replay
         if replay is not None and self.shard_bytes is not None and not torch.cuda.is_current_stream_capturing():
             replay.ready(False)
@@ -397,14 +418,48 @@ class Plan:
                 return self._call_replayed(x_shard, weight, bias, scale_x, scale_w)
         return self._call_streams(x_shard, weight, bias, scale_x, scale_w)
 
-    def _wait_for_last_reader(self, copy: int, compute: int) -> None:
-        """Raw stream `copy` waits for the last GEMM that read the workspace's gathered rows, on
-        whichever stream it ran, before overwriting them; `compute` runs the next one."""
-        last = self.ws.last_compute
-        if last != compute:
+    def _kernel_scales(self, scale_x, scale_w) -> tuple:
+        """The kernel's (A_gathered's, this shard's, B's) scales of a call that keeps no gathered input."""
+        if self.scaled is None:
+            return (None, None, None)
+        return (self.gathered_scales if self.row_scales else scale_x, scale_x, scale_w)
+
+    def _wait_for_last_user(self, waiter: int, stream: int) -> None:
+        """Raw stream `waiter` waits for the last call that used the workspace (its published
+        shard, gathered rows and signals), on whichever stream that call's work ended, before this
+        call, whose work ends on `stream`, touches them."""
+        last = self.ws.last_stream
+        if last != stream:
             if last is not None:
-                self.event.wait(copy, last)
-            self.ws.last_compute = compute
+                self.event.wait(waiter, last)
+            self.ws.last_stream = stream
+
+    def _record_call(self, launch, args) -> None:
+        """The recorded whole call (_launch.CallGraph), on the copy stream: the first barrier, then
+        the GEMM on a side branch beside the pulls, signals and second barrier (_pull_peers). The
+        GEMM follows the barrier (the module docstring says why); the branches join at the end."""
+        copy = torch.cuda.current_stream(self.device)
+        self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        side = _launch.side_stream(self.device)
+        side.wait_stream(copy)
+        torch.cuda.set_stream(side)
+        try:
+            launch(*args)
+        finally:
+            torch.cuda.set_stream(copy)
+        self._pull_peers(self.gathered, self.gathered_scales)
+        copy.wait_stream(side)
+
+    def _call_graphed(self, x_shard, weight, bias, y, scale_x, scales):
+        """A call that keeps no gathered input, outside graph capture: the publish copy, then one
+        graph launch (_launch.CallGraph), both on the caller's stream."""
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        self._wait_for_last_user(stream, stream)
+        _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, stream)
+        if self.row_scales:
+            _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), stream)
+        self.call_graph(self.gemm.per_call(x_shard, weight, bias, y, scales), stream)
+        return y, None
 
     def _call_replayed(self, x_shard, weight, bias, scale_x, scale_w):
         """A call that keeps no gathered input, outside graph capture, its copy stream's steps
@@ -414,7 +469,7 @@ class Plan:
         y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
         compute, copy, event = torch._C._cuda_getCurrentRawStream(self.device_index), self.copy_handle, self.event
         event.wait(copy, compute)
-        self._wait_for_last_reader(copy, compute)
+        self._wait_for_last_user(copy, compute)
         _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, copy)
         scales = (None, None, None)
         if self.scaled is not None:
@@ -447,8 +502,8 @@ class Plan:
         compute = symm.current_stream(self.device_index)
         copy = self.copy_stream
         symm.stream_wait(copy, compute)
-        if replay is not None and not capturing:  # a graph's replays are ordered by their caller
-            self._wait_for_last_reader(copy.cuda_stream, compute.cuda_stream)
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():  # a graph's replays
+            self._wait_for_last_user(copy.cuda_stream, compute.cuda_stream)  # are ordered by their caller
         # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
         # (docs/perf-log.md); compute is the current device's stream.
         torch.cuda.set_stream(copy)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import sys
 import warnings
@@ -241,10 +242,131 @@ class _Direct:
         self.launcher(*flat, *self.tail)
 
 
+_PARAM_SIZES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
+_PARAM_CTYPES = {1: ctypes.c_uint8, 2: ctypes.c_uint16, 4: ctypes.c_uint32, 8: ctypes.c_uint64}
+_TENSOR_MAP_BYTES, _TENSOR_MAP_ALIGN = 128, 64
+
+
+class KernelParams:
+    """A compiled Triton kernel's parameter array (cuLaunchKernel's kernelParams) for one call
+    signature, built from its first launch's arguments; a call rebinds only the arguments that
+    change (`bind`): a tensor's address, or a TMA descriptor's base, each descriptor encoded once
+    per address as Triton encodes it (a pure function of the address for one layout).
+
+    The array follows Triton's launcher: each argument that is not a constexpr in the kernel's
+    signature, a host descriptor expanded to its 128-byte CUtensorMap, shape (i32) and strides
+    (i64), then the global and profile scratch pointers (null). `of` returns None where that
+    layout cannot be checked or does not match what the loaded kernel declares (cuFuncGetParamInfo).
+    """
+
+    MAX_ADDRESSES = 256  # encoded descriptors kept per argument: a model's layers' weights and its outputs cycle
+
+    def __init__(self, function: int, slots: dict, descriptors: dict, cells: list, array):
+        self.function, self.slots, self.descriptors = function, slots, descriptors
+        self.cells, self.array = cells, array  # kept alive: the array points into them
+
+    @classmethod
+    def of(cls, compiled, args: tuple):
+        try:
+            signature = list(compiled.src.signature.values())
+            metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+            function = compiled.function
+        except AttributeError:
+            return None
+        cells, sizes, slots, descriptors = [], [], {}, {}
+
+        def add(cell, size):
+            cells.append(cell)
+            sizes.append(size)
+            return len(cells) - 1
+
+        for index, (arg, kind) in enumerate(zip(args, signature)):
+            if kind == "constexpr":
+                continue
+            if isinstance(kind, str) and kind.startswith("tensordesc"):
+                if not metas:
+                    return None  # not lowered to a TMA descriptor
+                meta = metas.pop(0)
+                layout = _TensorMapLayout(arg, meta)
+                slot = add(layout.encoded(arg.base.data_ptr()), _TENSOR_MAP_BYTES)
+                for value in arg.shape:
+                    add(ctypes.c_int32(value), 4)
+                for value in arg.strides:
+                    add(ctypes.c_int64(value), 8)
+                slots[index], descriptors[index] = slot, layout
+            elif isinstance(kind, str) and kind.startswith("*"):
+                slots[index] = add(ctypes.c_uint64(0 if arg is None else arg.data_ptr()), 8)
+            elif kind in _PARAM_SIZES and isinstance(arg, int):
+                size = _PARAM_SIZES[kind]
+                slots[index] = add(_PARAM_CTYPES[size](arg), size)
+            else:
+                return None
+        for _ in range(2):  # global and profile scratch
+            add(ctypes.c_uint64(0), 8)
+        if metas or _driver.kernel_param_sizes(function) != sizes:
+            return None
+        array = (ctypes.c_void_p * len(cells))(*(c if isinstance(c, int) else ctypes.addressof(c) for c in cells))
+        return cls(function, slots, descriptors, cells, array)
+
+    def binder(self, indices: tuple):
+        """A function of a tuple of tensors that makes argument indices[i] (a pointer or
+        descriptor argument of the first launch) read tensors[i]; constexpr (None) arguments are
+        not passed and stay unbound. Resolved once: it runs on every call."""
+        array, steps = self.array, []
+        for i, index in enumerate(indices):
+            slot = self.slots.get(index)
+            if slot is not None:
+                layout = self.descriptors.get(index)
+                steps.append((i, slot, None if layout is None else layout.encoded, self.cells[slot]))
+
+        def bind(tensors) -> None:
+            for i, slot, encoded, cell in steps:
+                tensor = tensors[i]
+                if encoded is not None:
+                    array[slot] = encoded(tensor.data_ptr())
+                else:
+                    cell.value = 0 if tensor is None else tensor.data_ptr()
+
+        return bind
+
+
+class _TensorMapLayout:
+    """One descriptor argument's fixed layout (dtype, shape, strides, block, swizzle); `encoded`
+    returns the host address of its CUtensorMap for a base address, encoding it at first use."""
+
+    def __init__(self, desc, meta):
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+        if meta.get("fp4_padded"):
+            raise ValueError("fp4-padded descriptors are not supported")
+        self.dtype = TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
+        size = meta["elem_size"]
+        self.shape, self.box, self.swizzle = list(desc.shape), list(meta["block_size"]), meta["swizzle"]
+        self.strides_bytes = [stride * size for stride in list(desc.strides)[:-1]]
+        self.nan_fill = getattr(desc, "padding", None) == "nan"
+        self.maps: dict[int, int] = {}
+        self.buffers: list = []
+
+    def encoded(self, address: int) -> int:
+        found = self.maps.get(address)
+        if found is None:
+            if len(self.maps) >= KernelParams.MAX_ADDRESSES:
+                self.maps.clear()
+                self.buffers.clear()
+            buffer = ctypes.create_string_buffer(_TENSOR_MAP_BYTES + _TENSOR_MAP_ALIGN)
+            found = -(-ctypes.addressof(buffer) // _TENSOR_MAP_ALIGN) * _TENSOR_MAP_ALIGN
+            _driver.encode_tiled_tensor_map(found, self.dtype, address, self.shape, self.strides_bytes, self.box,
+                                            self.swizzle, self.nan_fill)  # fmt: skip
+            self.buffers.append(buffer)
+            self.maps[address] = found
+        return found
+
+
 def _hooks_set() -> bool:
     """Whether a launch hook is set (Triton's hooks are a HookChain of `calls`, or a plain callable)."""
     runtime = knobs.runtime
-    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 class Launch:
@@ -261,6 +383,20 @@ class Launch:
     def __init__(self, kernel, grid: int, **constexprs):
         self.kernel, self.grid, self.constexprs = kernel, grid, constexprs
         self._entry = self._direct = None
+
+    def compile(self, *args):
+        """The compiled kernel for these arguments, compiled and loaded without a launch, so that
+        a first launch can be recorded in a CUDA graph (loading a module is no stream operation
+        a graph can hold). None for the interpreter's kernels."""
+        if self._entry is None:
+            if not isinstance(self.kernel, JITFunction):
+                return None
+            compiled = self.kernel.warmup(*args, grid=(self.grid,), **self.constexprs)
+            compiled.run  # noqa: B018 -- loads the module: the launcher and the function handle
+            constexpr_values = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(args) :])
+            self._entry = (compiled, constexpr_values, driver.active.get_current_device())
+            self._direct = _Direct.of(compiled, constexpr_values, len(args))
+        return self._entry[0]
 
     def __call__(self, *args) -> None:
         entry = self._entry
@@ -323,6 +459,89 @@ class StreamReplay:
             self.record()
         else:
             graph.replay()
+
+
+class CallGraph:
+    """A whole call recorded once as one CUDA graph, its kernel included: later calls rebind the
+    kernel's changing arguments (KernelParams.bind), hand its node the parameters and launch the
+    graph on the caller's stream, so that copies, flags, barriers and the kernel cost one driver
+    call and no stream switch or fork and join of PyTorch's (a graph's branches join at its end).
+
+    `ready(kernel)` records the graph at the first call, outside the caller's graph capture:
+    `kernel()` returns (Launch, arguments) of the call's kernel, compiled before anything is
+    recorded, and `record(launch, args)` issues the call's operations on the current stream
+    (forking a side stream where they overlap), the kernel's launch among them. `ready()` says whether the graph can be used:
+    where CUDA cannot record an operation, the kernel's parameters cannot be laid out, or a launch
+    hook wants to see every launch, the caller takes its stream-by-stream path instead."""
+
+    __slots__ = ("record", "stream", "indices", "graph", "graph_exec", "node", "node_params", "params", "bind",
+                 "launch")  # fmt: skip
+
+    def __init__(self, record, stream: torch.cuda.Stream, indices: tuple):
+        """indices: the kernel's arguments a call rebinds, in the order __call__ gets their tensors."""
+        self.record, self.stream, self.indices = record, stream, indices
+        self.graph = None  # False once recording failed
+        self.graph_exec = self.node = self.node_params = self.params = self.bind = self.launch = None
+
+    def ready(self, kernel) -> bool:
+        if self.graph is None:
+            self.graph = self._recorded(kernel) or False
+        return bool(self.graph) and not _hooks_set()
+
+    def _recorded(self, kernel):
+        launch, args = kernel()
+        compiled = launch.compile(*args)
+        try:
+            params = None if compiled is None else KernelParams.of(compiled, args)
+        except (RuntimeError, OSError, ValueError) as error:
+            warnings.warn(f"fluxtp: a kernel's parameters could not be laid out, the call issued step by step: {error}",
+                          stacklevel=4)  # fmt: skip
+            params = None
+        if params is None:
+            return None  # the interpreter, or a Triton whose parameter layout KernelParams does not know
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        previous = torch.cuda.current_stream(self.stream.device)
+        torch.cuda.set_stream(self.stream)
+        try:
+            graph.capture_begin(capture_error_mode="thread_local")  # as StreamReplay
+            try:
+                self.record(launch, args)
+            finally:
+                graph.capture_end()
+            graph.instantiate()
+            nodes = [(node, p) for node, p in _driver.kernel_nodes(graph.raw_cuda_graph()) if p.func == params.function]
+        except (RuntimeError, OSError, ValueError, AttributeError) as error:
+            warnings.warn(f"fluxtp: a call could not be recorded as one CUDA graph, issued step by step: {error}",
+                          stacklevel=4)  # fmt: skip
+            return None
+        finally:
+            torch.cuda.set_stream(previous)
+        if len(nodes) != 1:
+            return None
+        self.node, self.node_params = nodes[0]
+        self.node_params.kernel_params = ctypes.addressof(params.array)
+        self.node_params.extra = None
+        self.params, self.graph_exec = params, graph.raw_cuda_graph_exec()
+        self.bind = params.binder(self.indices)
+        self.launch = _driver.graph_call(self.graph_exec, self.node, self.node_params)
+        return graph
+
+    def __call__(self, tensors: tuple, stream: int) -> None:
+        """Launch on raw stream `stream`, the kernel's argument indices[i] reading tensors[i]."""
+        self.bind(tensors)
+        self.launch(stream)
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second stream of `device` for the branches a recorded call forks (only ever captured)."""
+    index = torch.device(device).index or 0
+    stream = _side_streams.get(index)
+    if stream is None:
+        stream = _side_streams[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 class DriverEvent:

@@ -13,6 +13,8 @@ Per call, everything on the caller's stream S (no side stream, no host synchroni
      kernels, and step 1 of the next call must not reset flags a peer has yet to read.
 Push is safe without it: every flag and partial a peer writes into this rank's buffer is
 consumed by this rank's own kernel, which precedes the next call's reset on S.
+Outside graph capture a call is one launch of a recorded CUDA graph of steps 1-4 (and the copy
+engine's pushes, below) whose kernel node takes the call's tensors (_launch.CallGraph).
 The output is fresh memory owned by the caller; the symmetric buffer is reused. Back-to-back
 calls, alternating shapes, several groups (one buffer each) and CUDA graph capture work (warm
 up outside capture first: the workspace is allocated and rendezvoused on first use). The
@@ -37,6 +39,7 @@ from fluxtp._plan import PlanCache, tensor_key
 from fluxtp.backends.fused import _launch, _scaled
 from fluxtp.backends.fused._launch import (
     BARRIER_TIMEOUT_MS,
+    CallGraph,
     MAX_SPINS_PEER,
     DescriptorLayout,
     DriverEvent,
@@ -251,6 +254,12 @@ class _Kernel:
         """scales: a scaled call's (x's, the weight's), _scaled.flat."""
         if self.empty:
             return
+        launch, args = self.launch_args(x, weight, bias, out, buffer_ptrs, scales)
+        launch(*args)
+
+    def launch_args(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):
+        """(the Launch, its arguments) of this call: both kernels take (x, B descriptors, out,
+        bias, buffer pointers, scalars..., scales...)."""
         b = self.weight.of(weight)
         layouts = self.layouts
         if layouts is None:
@@ -259,8 +268,20 @@ class _Kernel:
                 DescriptorLayout(x, [c.block_m, c.block_k], gluon=self.gluon),
                 DescriptorLayout(b, self.weight.block(c), gluon=self.gluon),
             )
-        self.launch(layouts[0].over(x), layouts[1].over(b), out, out if bias is None else bias, buffer_ptrs, *self.scalars,
-                    *scales)  # fmt: skip
+        args = (layouts[0].over(x), layouts[1].over(b), out, out if bias is None else bias, buffer_ptrs, *self.scalars,
+                *scales)  # fmt: skip
+        return self.launch, args
+
+    def per_call_indices(self) -> tuple:
+        """launch_args' arguments that change between calls of one signature (a call recorded in a
+        graph), in per_call's order: x, the weight's operand, the output, the bias, the two scales
+        (the buffer pointers are the workspace's)."""
+        first_scale = 5 + len(self.scalars)
+        return (0, 1, 2, 3, first_scale, first_scale + 1)
+
+    def per_call(self, x, weight, bias, out, scales) -> tuple:
+        """The tensors of per_call_indices' arguments for one call."""
+        return (x, self.weight.of(weight), out, out if bias is None else bias, *scales)
 
 
 def launch_kernel(
@@ -348,6 +369,9 @@ class Plan:
             self.band_pushes = StreamReplay(self._issue_band_pushes, self.copy_stream)
             self.copy_handle, self.event = self.copy_stream.cuda_stream, DriverEvent(self.copy_stream)
         self.device_index = x.device.index or 0
+        # Outside graph capture a call is one recorded graph launch (_launch.CallGraph).
+        recordable = x.is_cuda and not self.kernel.empty
+        self.call_graph = CallGraph(self._record_call, self.copy_stream, self.kernel.per_call_indices()) if recordable else None
 
     def ready(self, x, weight, bias):
         """The tensors the kernel reads: x TMA-ready, the bias contiguous (the weight as it is)."""
@@ -431,8 +455,35 @@ class Plan:
             step.target.copy_(step.source)
             _write_value32(step.owner_flags, step.flag, 1)
 
+    def _record_call(self, launch, args) -> None:
+        """The recorded whole call (_launch.CallGraph), on the copy stream: steps 1-2, the kernel
+        (the copy engine's band pushes on a branch beside it, forked before it as in launch()),
+        and the pull transport's second barrier."""
+        self._reset_and_barrier()
+        if self.config.copy_engine:
+            copy = torch.cuda.current_stream(self.device)
+            side = _launch.side_stream(self.device)
+            side.wait_stream(copy)
+            torch.cuda.set_stream(side)
+            try:
+                launch(*args)
+            finally:
+                torch.cuda.set_stream(copy)
+            self._issue_band_pushes()
+            copy.wait_stream(side)
+        else:
+            launch(*args)
+        if self.config.transport == "pull":
+            self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+
     def __call__(self, x, weight, bias, scales=(None, None)) -> torch.Tensor:
         x, weight, bias = self.ready(x, weight, bias)
+        graph = self.call_graph
+        if graph is not None and not torch._C._cuda_isCurrentStreamCapturing():
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            if graph.ready(lambda: self.kernel.launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)):
+                graph(self.kernel.per_call(x, weight, bias, out, scales), torch._C._cuda_getCurrentRawStream(self.device_index))
+                return out
         self.prepare()
         return self.launch(x, weight, bias, scales)
 

@@ -122,22 +122,19 @@ def kernel_nodes(graph: int) -> list[tuple[int, KernelNodeParams]]:
     return found
 
 
-def set_kernel_node(graph_exec: int, node: int, params: KernelNodeParams) -> None:
-    """Later launches of `graph_exec` run `node` with `params` (the driver copies the parameter
-    values now; launches already queued keep theirs)."""
-    _check(_graph_functions()["exec_kernel_node_set"](graph_exec, node, ctypes.byref(params)), "cuGraphExecKernelNodeSetParams")
-
-
-def graph_call(graph_exec: int, node: int, params: KernelNodeParams):
-    """set_kernel_node then graph_launch as one callable of the stream, its arguments bound once
-    (a call runs on every fused op's call: each lookup costs host time)."""
-    set_node = functools.partial(_graph_functions()["exec_kernel_node_set"], graph_exec, node, ctypes.byref(params))
+def graph_call(graph_exec: int, nodes: list):
+    """A callable of a raw stream: each kernel node of `nodes`, (node, KernelNodeParams), takes its
+    parameters (the driver copies their values then; launches already queued keep theirs), then
+    `graph_exec` is launched. Its arguments are bound once: it runs on every fused call."""
+    set_node = _graph_functions()["exec_kernel_node_set"]
+    updates = [functools.partial(set_node, graph_exec, node, ctypes.byref(params)) for node, params in nodes]
     launch = functools.partial(_functions()["graph_launch"], graph_exec)
 
     def call(stream: int) -> None:
-        status = set_node()
-        if status != 0:
-            _check(status, "cuGraphExecKernelNodeSetParams")
+        for update in updates:
+            status = update()
+            if status != 0:
+                _check(status, "cuGraphExecKernelNodeSetParams")
         status = launch(stream)
         if status != 0:
             _check(status, "cuGraphLaunch")

@@ -64,3 +64,7 @@ def test_weight_operand_reads_transposed_views_in_place():
     ragged = torch.randn(32, 1001, dtype=torch.float16)  # 1001 * 2 bytes per [k, n] row: not TMA-readable
     b, kn = weight_operand(ragged.t())
     assert not kn and b.shape == (1001, 32) and b.is_contiguous() and torch.equal(b, ragged.t())
+
+
+def test_publish_copy_kernel():
+    run_interpreted("_interpret_copy.py")

@@ -56,8 +56,10 @@ from fluxtp.backends.fused._launch import (
 )
 from fluxtp.configs import AllGatherMatmulConfig, tuned_config
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
+from fluxtp.kernels._copy import copy_kernel
 
 MAX_SPINS = MAX_SPINS_LOCAL  # the kernel spins on signals in this GPU's memory
+PUBLISH_BLOCK = 2048  # words (16 KB) a program of the recorded call's publish copies per step
 _OP = "all_gather_matmul"
 
 
@@ -378,7 +380,10 @@ class Plan:
                 lambda: self._published_and_pulled(self.gathered, self.gathered_scales), self.copy_stream
             )
             if device.type == "cuda":
-                self.call_graph = CallGraph(self._record_call, self.copy_stream, self.gemm.per_call_indices())
+                sms = num_sms(device)  # every SM: the publish runs before the GEMM, alone
+                self.publish = Launch(copy_kernel, sms, BLOCK=PUBLISH_BLOCK, NUM_PROGRAMS=sms, num_warps=4)
+                indices = ((0,), self.gemm.per_call_indices())  # the publish's source; the GEMM's
+                self.call_graph = CallGraph(self._record_call, self.copy_stream, indices)
 
     def _published_and_pulled(self, x_gathered, gathered_scales) -> None:
         """The recorded sequence: the first barrier (every rank has published), then _pull_peers."""
@@ -407,9 +412,7 @@ class Plan:
         if graph is not None and self.shard_bytes is not None and not torch._C._cuda_isCurrentStreamCapturing():
             y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
             scales = self._kernel_scales(scale_x, scale_w)
-            first_kernel = lambda: self.gemm.launch_args(self.gathered, x_shard, weight, bias, y,  # noqa: E731
-                                                         self.ws.signals, self.ws.done, scales)  # fmt: skip
-            if graph.ready(first_kernel):
+            if graph.ready(lambda: self._first_kernels(x_shard, weight, bias, y, scales)):
                 return self._call_graphed(x_shard, weight, bias, y, scale_x, scales)
         replay = self.copy_steps_replay
         if replay is not None and self.shard_bytes is not None and not torch.cuda.is_current_stream_capturing():
@@ -434,11 +437,22 @@ class Plan:
                 self.event.wait(waiter, last)
             self.ws.last_stream = stream
 
-    def _record_call(self, launch, args) -> None:
-        """The recorded whole call (_launch.CallGraph), on the copy stream: the first barrier, then
-        the GEMM on a side branch beside the pulls, signals and second barrier (_pull_peers). The
-        GEMM follows the barrier (the module docstring says why); the branches join at the end."""
+    def _first_kernels(self, x_shard, weight, bias, y, scales) -> list:
+        """The recorded call's kernels at its first call: the publish copy, the GEMM."""
+        words = self.shard_bytes // 8  # whole words: rows of 16-byte multiples
+        publish = (x_shard.view(-1).view(torch.int64), self.own_shard.view(-1).view(torch.int64), words)
+        return [(self.publish, publish),
+                self.gemm.launch_args(self.gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)]
+
+    def _record_call(self, launches) -> None:
+        """The recorded whole call (_launch.CallGraph), on the copy stream: the publish copy (a
+        kernel: updating its node per call costs less host time than a copy call), the first
+        barrier, then the GEMM on a side branch beside the pulls, signals and second barrier
+        (_pull_peers). The GEMM follows the barrier (the module docstring says why); the branches
+        join at the end."""
+        (publish, publish_args), (launch, args) = launches
         copy = torch.cuda.current_stream(self.device)
+        publish(*publish_args)
         self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         side = _launch.side_stream(self.device)
         side.wait_stream(copy)
@@ -451,14 +465,13 @@ class Plan:
         copy.wait_stream(side)
 
     def _call_graphed(self, x_shard, weight, bias, y, scale_x, scales):
-        """A call that keeps no gathered input, outside graph capture: the publish copy, then one
-        graph launch (_launch.CallGraph), both on the caller's stream."""
+        """A call that keeps no gathered input, outside graph capture: one graph launch on the
+        caller's stream (_launch.CallGraph; a row-wise scaled call's scales published before it)."""
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         self._wait_for_last_user(stream, stream)
-        _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, stream)
         if self.row_scales:
             _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), stream)
-        self.call_graph(self.gemm.per_call(x_shard, weight, bias, y, scales), stream)
+        self.call_graph(((x_shard,), self.gemm.per_call(x_shard, weight, bias, y, scales)), stream)
         return y, None
 
     def _call_replayed(self, x_shard, weight, bias, scale_x, scale_w):

@@ -462,42 +462,44 @@ class StreamReplay:
 
 
 class CallGraph:
-    """A whole call recorded once as one CUDA graph, its kernel included: later calls rebind the
-    kernel's changing arguments (KernelParams.bind), hand its node the parameters and launch the
-    graph on the caller's stream, so that copies, flags, barriers and the kernel cost one driver
+    """A whole call recorded once as one CUDA graph, its kernels included: later calls rebind the
+    kernels' changing arguments (KernelParams.binder), hand their nodes the parameters and launch
+    the graph on the caller's stream, so that copies, flags, barriers and kernels cost one driver
     call and no stream switch or fork and join of PyTorch's (a graph's branches join at its end).
 
-    `ready(kernel)` records the graph at the first call, outside the caller's graph capture:
-    `kernel()` returns (Launch, arguments) of the call's kernel, compiled before anything is
-    recorded, and `record(launch, args)` issues the call's operations on the current stream
-    (forking a side stream where they overlap), the kernel's launch among them. `ready()` says whether the graph can be used:
-    where CUDA cannot record an operation, the kernel's parameters cannot be laid out, or a launch
-    hook wants to see every launch, the caller takes its stream-by-stream path instead."""
+    `ready(kernels)` records the graph at the first call, outside the caller's graph capture:
+    `kernels()` returns [(Launch, arguments)] of the call's kernels (each its own function),
+    compiled before anything is recorded, and `record(launches)` issues the call's operations on
+    the current stream (forking a side stream where they overlap), those launches among them.
+    `ready` says whether the graph can be used: where CUDA cannot record an operation, a kernel's
+    parameters cannot be laid out, or a launch hook wants to see every launch, the caller takes
+    its stream-by-stream path instead."""
 
-    __slots__ = ("record", "stream", "indices", "graph", "graph_exec", "node", "node_params", "params", "bind",
-                 "launch")  # fmt: skip
+    __slots__ = ("record", "stream", "indices", "graph", "graph_exec", "params", "binders", "launch")
 
     def __init__(self, record, stream: torch.cuda.Stream, indices: tuple):
-        """indices: the kernel's arguments a call rebinds, in the order __call__ gets their tensors."""
+        """indices: per kernel, the arguments a call rebinds, in the order __call__ gets their tensors."""
         self.record, self.stream, self.indices = record, stream, indices
         self.graph = None  # False once recording failed
-        self.graph_exec = self.node = self.node_params = self.params = self.bind = self.launch = None
+        self.graph_exec = self.params = self.binders = self.launch = None
 
-    def ready(self, kernel) -> bool:
+    def ready(self, kernels) -> bool:
         if self.graph is None:
-            self.graph = self._recorded(kernel) or False
+            self.graph = self._recorded(kernels) or False
         return bool(self.graph) and not _hooks_set()
 
-    def _recorded(self, kernel):
-        launch, args = kernel()
-        compiled = launch.compile(*args)
-        try:
-            params = None if compiled is None else KernelParams.of(compiled, args)
-        except (RuntimeError, OSError, ValueError) as error:
-            warnings.warn(f"fluxtp: a kernel's parameters could not be laid out, the call issued step by step: {error}",
-                          stacklevel=4)  # fmt: skip
-            params = None
-        if params is None:
+    def _recorded(self, kernels):
+        launches = kernels()
+        params = []
+        for launch, args in launches:
+            compiled = launch.compile(*args)
+            try:
+                params.append(None if compiled is None else KernelParams.of(compiled, args))
+            except (RuntimeError, OSError, ValueError) as error:
+                warnings.warn(f"fluxtp: a kernel's parameters could not be laid out, the call issued step by step: "
+                              f"{error}", stacklevel=4)  # fmt: skip
+                return None
+        if None in params:
             return None  # the interpreter, or a Triton whose parameter layout KernelParams does not know
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         previous = torch.cuda.current_stream(self.stream.device)
@@ -505,30 +507,35 @@ class CallGraph:
         try:
             graph.capture_begin(capture_error_mode="thread_local")  # as StreamReplay
             try:
-                self.record(launch, args)
+                self.record(launches)
             finally:
                 graph.capture_end()
             graph.instantiate()
-            nodes = [(node, p) for node, p in _driver.kernel_nodes(graph.raw_cuda_graph()) if p.func == params.function]
+            recorded = _driver.kernel_nodes(graph.raw_cuda_graph())
         except (RuntimeError, OSError, ValueError, AttributeError) as error:
             warnings.warn(f"fluxtp: a call could not be recorded as one CUDA graph, issued step by step: {error}",
                           stacklevel=4)  # fmt: skip
             return None
         finally:
             torch.cuda.set_stream(previous)
-        if len(nodes) != 1:
-            return None
-        self.node, self.node_params = nodes[0]
-        self.node_params.kernel_params = ctypes.addressof(params.array)
-        self.node_params.extra = None
+        nodes = []
+        for p in params:
+            found = [(node, node_params) for node, node_params in recorded if node_params.func == p.function]
+            if len(found) != 1:
+                return None
+            node, node_params = found[0]
+            node_params.kernel_params = ctypes.addressof(p.array)
+            node_params.extra = None
+            nodes.append((node, node_params))
         self.params, self.graph_exec = params, graph.raw_cuda_graph_exec()
-        self.bind = params.binder(self.indices)
-        self.launch = _driver.graph_call(self.graph_exec, self.node, self.node_params)
+        self.binders = [p.binder(indices) for p, indices in zip(params, self.indices)]
+        self.launch = _driver.graph_call(self.graph_exec, nodes)
         return graph
 
     def __call__(self, tensors: tuple, stream: int) -> None:
-        """Launch on raw stream `stream`, the kernel's argument indices[i] reading tensors[i]."""
-        self.bind(tensors)
+        """Launch on raw stream `stream`, kernel i's argument indices[i][j] reading tensors[i][j]."""
+        for bind, kernel_tensors in zip(self.binders, tensors):
+            bind(kernel_tensors)
         self.launch(stream)
 
 

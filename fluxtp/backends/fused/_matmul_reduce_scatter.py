@@ -371,7 +371,7 @@ class Plan:
         self.device_index = x.device.index or 0
         # Outside graph capture a call is one recorded graph launch (_launch.CallGraph).
         recordable = x.is_cuda and not self.kernel.empty
-        self.call_graph = CallGraph(self._record_call, self.copy_stream, self.kernel.per_call_indices()) if recordable else None
+        self.call_graph = CallGraph(self._record_call, self.copy_stream, (self.kernel.per_call_indices(),)) if recordable else None
 
     def ready(self, x, weight, bias):
         """The tensors the kernel reads: x TMA-ready, the bias contiguous (the weight as it is)."""
@@ -455,10 +455,11 @@ class Plan:
             step.target.copy_(step.source)
             _write_value32(step.owner_flags, step.flag, 1)
 
-    def _record_call(self, launch, args) -> None:
+    def _record_call(self, launches) -> None:
         """The recorded whole call (_launch.CallGraph), on the copy stream: steps 1-2, the kernel
         (the copy engine's band pushes on a branch beside it, forked before it as in launch()),
         and the pull transport's second barrier."""
+        (launch, args), = launches
         self._reset_and_barrier()
         if self.config.copy_engine:
             copy = torch.cuda.current_stream(self.device)
@@ -481,8 +482,8 @@ class Plan:
         graph = self.call_graph
         if graph is not None and not torch._C._cuda_isCurrentStreamCapturing():
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-            if graph.ready(lambda: self.kernel.launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)):
-                graph(self.kernel.per_call(x, weight, bias, out, scales), torch._C._cuda_getCurrentRawStream(self.device_index))
+            if graph.ready(lambda: [self.kernel.launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)]):
+                graph((self.kernel.per_call(x, weight, bias, out, scales),), torch._C._cuda_getCurrentRawStream(self.device_index))
                 return out
         self.prepare()
         return self.launch(x, weight, bias, scales)

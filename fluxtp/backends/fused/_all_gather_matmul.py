@@ -10,14 +10,15 @@ Per call, with S the caller's (compute) stream and C the side copy stream:
      its last program resets the signals for the next call (no reset launch on the host).
   S: join C, so everything C touched is ordered before later work on S (caching allocator).
 A call that keeps no gathered input gathers into the workspace's rows. Outside graph capture it
-is the publish copy on S, then one launch on S of a CUDA graph recorded at the plan's first
-call: the first barrier, then the GEMM on one branch beside C's pulls, signals and second
-barrier on the other (_launch.CallGraph: the GEMM's node takes each call's tensors); driver
-calls on raw stream handles, no switch of PyTorch's current stream (host time). Where that
-graph cannot be used (a launch hook is set), C's steps after the publish replay as one recorded
-graph on C, forked and joined by driver calls, and the GEMM is launched on S. One that returns x_gathered issues the first
-barrier, launches the GEMM, then issues the pulls eagerly into fresh memory (so the GEMM computes
-this rank's rows while the host issues them) and copies this rank's shard into x_gathered too.
+is one launch on S of a CUDA graph recorded at the plan's first call: the publish (a copy
+kernel), the first barrier, then the GEMM on one branch beside C's pulls, signals and second
+barrier on the other (_launch.CallGraph: the two kernels' nodes take each call's tensors); driver
+calls on raw stream handles, no switch of PyTorch's current stream (host time). Where that graph
+cannot be used (a launch hook is set), C's steps after the publish replay as one recorded graph
+on C, forked and joined by driver calls, and the GEMM is launched on S. One that returns
+x_gathered issues the first barrier, launches the GEMM, then issues the pulls eagerly into fresh
+memory (so the GEMM computes this rank's rows while the host issues them) and copies this
+rank's shard into x_gathered too.
 The GEMM is never launched before the first barrier, a kernel the peers' rows wait for:
 launched ahead of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the
 barrier never ran beside the GEMM that filled every SM).

@@ -372,7 +372,8 @@ class Plan:
         self.barrier = ws.shard.handle.barrier
         self.gemm = _Gemm(weight, bias, n, device, rows_per_rank, chunk_rows, info, config, MAX_SPINS, 0, None, scaled)
         # A call that does not return its gathered input gathers into the workspace's buffer, so
-        # its barriers, pulls and signals replay as one recorded graph.
+        # its publish, barriers, pulls, signals and GEMM can be one recorded graph (or, with a
+        # launch hook set, everything but the publish and the GEMM).
         self.copy_steps_replay = self.call_graph = None
         if not return_gathered:
             self.gathered, self.gathered_scales = ws.gathered_rows(x_shard.dtype, self.gathered_shape,
@@ -452,18 +453,9 @@ class Plan:
         (_pull_peers). The GEMM follows the barrier (the module docstring says why); the branches
         join at the end."""
         (publish, publish_args), (launch, args) = launches
-        copy = torch.cuda.current_stream(self.device)
         publish(*publish_args)
         self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        side = _launch.side_stream(self.device)
-        side.wait_stream(copy)
-        torch.cuda.set_stream(side)
-        try:
-            launch(*args)
-        finally:
-            torch.cuda.set_stream(copy)
-        self._pull_peers(self.gathered, self.gathered_scales)
-        copy.wait_stream(side)
+        _launch.launch_beside(self.device, launch, args, lambda: self._pull_peers(self.gathered, self.gathered_scales))
 
     def _call_graphed(self, x_shard, weight, bias, y, scale_x, scales):
         """A call that keeps no gathered input, outside graph capture: one graph launch on the
@@ -485,11 +477,9 @@ class Plan:
         event.wait(copy, compute)
         self._wait_for_last_user(copy, compute)
         _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, copy)
-        scales = (None, None, None)
-        if self.scaled is not None:
-            if self.row_scales:
-                _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), copy)
-            scales = (self.gathered_scales if self.row_scales else scale_x, scale_x, scale_w)
+        if self.row_scales:
+            _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), copy)
+        scales = self._kernel_scales(scale_x, scale_w)
         _driver.graph_launch(self.copy_steps_replay.graph_exec, copy)
         self.gemm(self.gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         event.wait(compute, copy)

@@ -542,13 +542,22 @@ class CallGraph:
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A second stream of `device` for the branches a recorded call forks (only ever captured)."""
+def launch_beside(device: torch.device, launch, args: tuple, alongside) -> None:
+    """For a recorded call: `launch(*args)` on a side branch forked from the current stream,
+    `alongside()` on the current stream meanwhile; the branches join on the current stream."""
     index = torch.device(device).index or 0
-    stream = _side_streams.get(index)
-    if stream is None:
-        stream = _side_streams[index] = torch.cuda.Stream(device=index)
-    return stream
+    side = _side_streams.get(index)
+    if side is None:  # a second stream of the device, only ever captured
+        side = _side_streams[index] = torch.cuda.Stream(device=index)
+    current = torch.cuda.current_stream(index)
+    side.wait_stream(current)
+    torch.cuda.set_stream(side)
+    try:
+        launch(*args)
+    finally:
+        torch.cuda.set_stream(current)
+    alongside()
+    current.wait_stream(side)
 
 
 class DriverEvent:

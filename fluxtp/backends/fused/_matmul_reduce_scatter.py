@@ -462,16 +462,7 @@ class Plan:
         (launch, args), = launches
         self._reset_and_barrier()
         if self.config.copy_engine:
-            copy = torch.cuda.current_stream(self.device)
-            side = _launch.side_stream(self.device)
-            side.wait_stream(copy)
-            torch.cuda.set_stream(side)
-            try:
-                launch(*args)
-            finally:
-                torch.cuda.set_stream(copy)
-            self._issue_band_pushes()
-            copy.wait_stream(side)
+            _launch.launch_beside(self.device, launch, args, self._issue_band_pushes)
         else:
             launch(*args)
         if self.config.transport == "pull":

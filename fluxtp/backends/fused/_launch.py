@@ -250,8 +250,8 @@ _TENSOR_MAP_BYTES, _TENSOR_MAP_ALIGN = 128, 64
 class KernelParams:
     """A compiled Triton kernel's parameter array (cuLaunchKernel's kernelParams) for one call
     signature, built from its first launch's arguments; a call rebinds only the arguments that
-    change (`bind`): a tensor's address, or a TMA descriptor's base, each descriptor encoded once
-    per address as Triton encodes it (a pure function of the address for one layout).
+    change (`binder`): a tensor's address, or a TMA descriptor's base, each descriptor encoded
+    once per address as Triton encodes it (a pure function of the address for one layout).
 
     The array follows Triton's launcher: each argument that is not a constexpr in the kernel's
     signature, a host descriptor expanded to its 128-byte CUtensorMap, shape (i32) and strides
@@ -259,7 +259,7 @@ class KernelParams:
     layout cannot be checked or does not match what the loaded kernel declares (cuFuncGetParamInfo).
     """
 
-    MAX_ADDRESSES = 256  # encoded descriptors kept per argument: a model's layers' weights and its outputs cycle
+    MAX_ADDRESSES = 256  # encoded descriptors kept per argument (a model's weights and outputs cycle)
 
     def __init__(self, function: int, slots: dict, descriptors: dict, cells: list, array):
         self.function, self.slots, self.descriptors = function, slots, descriptors

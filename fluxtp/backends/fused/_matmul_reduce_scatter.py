@@ -370,8 +370,9 @@ class Plan:
             self.copy_handle, self.event = self.copy_stream.cuda_stream, DriverEvent(self.copy_stream)
         self.device_index = x.device.index or 0
         # Outside graph capture a call is one recorded graph launch (_launch.CallGraph).
-        recordable = x.is_cuda and not self.kernel.empty
-        self.call_graph = CallGraph(self._record_call, self.copy_stream, (self.kernel.per_call_indices(),)) if recordable else None
+        self.call_graph = None
+        if x.is_cuda and not self.kernel.empty:
+            self.call_graph = CallGraph(self._record_call, self.copy_stream, (self.kernel.per_call_indices(),))
 
     def ready(self, x, weight, bias):
         """The tensors the kernel reads: x TMA-ready, the bias contiguous (the weight as it is)."""
@@ -474,7 +475,8 @@ class Plan:
         if graph is not None and not torch._C._cuda_isCurrentStreamCapturing():
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             if graph.ready(lambda: [self.kernel.launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)]):
-                graph((self.kernel.per_call(x, weight, bias, out, scales),), torch._C._cuda_getCurrentRawStream(self.device_index))
+                stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+                graph((self.kernel.per_call(x, weight, bias, out, scales),), stream)
                 return out
         self.prepare()
         return self.launch(x, weight, bias, scales)

@@ -1,8 +1,8 @@
 """Whole fused calls on ONE GPU: the public op as one rank of a world simulated on this
 GPU (fluxtp.testing.simulated_world: the peers' symmetric buffers are local tensors holding
 their shards), so every host step of a real call runs: the plan, the publish, the pulls and
-signals, the kernel's launch (a call that keeps no gathered input: all of it but the publish
-recorded once as one CUDA graph whose kernel node takes each call's weight, output and bias).
+signals, the kernel's launch (a call that keeps no gathered input: all of it recorded once as one
+CUDA graph whose kernel nodes take each call's shard, weight, output and bias).
 The pulls are held back on every call (a gate recorded in front of them, or the copy stream
 held), so the kernel's waits really wait; the gathered rows it reads are NaN until pulled. The
 reduce-scatter's copy-engine pushes are checked where they land. NVLink and the real barriers

@@ -7,9 +7,9 @@ beside F.linear, and one kernel launch through Triton against launch_compiled.
 "call" rows: a world of W simulated on one GPU and one process (SimulatedWorld): the public op
 `fluxtp.all_gather_matmul` / `matmul_reduce_scatter` with backend "fused" (and "auto" where auto
 takes fused) as rank 0 of a group of W, so every host step of a real call runs: the op's plan
-lookup, the launcher's plan, the outputs' allocation, stream forks and joins, the publish copy,
-the barriers, the kernel's launch, the W-1 peers' copies and signals (all-gather) or the
-band copies, waits and flags (reduce-scatter's copy engine). The peers' symmetric buffers are
+lookup, the launcher's plan, the outputs' allocation, and the launch of the call's recorded graph
+with its kernels' arguments rebound (the publish, the barriers, the kernel, the W-1 peers' copies
+and signals of the all-gather, or the reduce-scatter's band copies, waits and flags). The peers' symmetric buffers are
 local tensors, and torch's symmetric-memory barrier is stood in for by one small kernel launch
 that also marks the peers' data as delivered (so the kernels never wait on the GPU). "F.linear"
 is the host time of the same rank's cuBLAS GEMM ([W*m, K] x [n, K]^T for the all-gather, [M, k] x

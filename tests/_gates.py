@@ -20,14 +20,17 @@ class HostGates:
         self.words = torch.zeros(count, dtype=torch.int32, pin_memory=True)
         self.queued = 0
 
-    def hold(self) -> None:
-        """The current stream's later work waits until the next gate opens."""
-        if self.queued >= self.words.numel():
-            raise ValueError(f"only {self.words.numel()} gates")
+    def hold(self, gate: int | None = None) -> None:
+        """The current stream's later work waits until gate `gate` opens (default: the next gate
+        not queued yet; a queued gate may be waited on again, e.g. by a second recording)."""
+        if gate is None:
+            if self.queued >= self.words.numel():
+                raise ValueError(f"only {self.words.numel()} gates")
+            gate, self.queued = self.queued, self.queued + 1
+        elif not 0 <= gate < self.queued:
+            raise ValueError(f"gate {gate} is not queued yet ({self.queued} are)")
         stream = torch.cuda.current_stream().cuda_stream
-        address = self.words.data_ptr() + self.words.element_size() * self.queued
-        _driver.stream_wait_value32(stream, address, 1)
-        self.queued += 1
+        _driver.stream_wait_value32(stream, self.words.data_ptr() + self.words.element_size() * gate, 1)
 
     def open_slowly(self, kernel_done: torch.cuda.Event, delay_s: float, what: str) -> None:
         """Open the queued gates one by one, `delay_s` apart; before the last one, the kernel

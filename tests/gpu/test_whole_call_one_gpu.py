@@ -11,14 +11,14 @@ need the multi-GPU files.
 
 import dataclasses
 import random
-import time
 import warnings
 
 import pytest
 import torch
+from triton import knobs
 
 import fluxtp
-from fluxtp import _driver, symm
+from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter, _scaled
 from fluxtp.backends.fused._matmul_reduce_scatter import copy_plan
@@ -27,6 +27,7 @@ from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 from fluxtp.testing import simulated_world
 from tests import _fp8_cases as fp8_cases
 from tests._cases import TOLERANCE, draw, rel_error
+from tests._gates import HostGates
 
 pytestmark = pytest.mark.gpus(1)
 
@@ -47,26 +48,25 @@ def _hold_copy_stream(device):
 
 
 class _PullGate:
-    """A word of host memory that a plan's recorded pulls wait for (recorded in front of them at
-    the plan's first call), closed by `close()` before a call and opened by `open_later()` after
-    it: the kernel, launched in the same graph, waits for rows that arrive ~10 ms late."""
+    """A host gate (tests._gates.HostGates) that a plan's recorded pulls wait for (queued in front
+    of them at the plan's first call), closed before each call and opened after it: the kernel,
+    launched in the same graph, must still be waiting for its rows when they are let through."""
 
     def __init__(self, plan):
-        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.gates = HostGates(1)
         pull = plan._pull_peers
 
-        def gated_pull(*args):
-            _driver.stream_wait_value32(torch.cuda.current_stream().cuda_stream, self.word.data_ptr(), 1)
+        def gated_pull(*args):  # recorded once per graph: a plan may record its pulls twice
+            self.gates.hold(0 if self.gates.queued else None)
             pull(*args)
 
         plan._pull_peers = gated_pull
 
     def close(self):
-        self.word[0] = 0
+        self.gates.words[0] = 0
 
-    def open_later(self, delay_s=0.01):
-        time.sleep(delay_s)
-        self.word[0] = 1
+    def open_later(self, kernel_done: torch.cuda.Event, what: str, delay_s=0.01):
+        self.gates.open_slowly(kernel_done, delay_s, what)
 
 
 @pytest.mark.parametrize(
@@ -110,8 +110,10 @@ def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dty
             with torch.cuda.stream(stream):
                 out = fluxtp.all_gather_matmul(x_shard, w, group=group, bias=b, backend="fused",
                                                return_gathered=return_gathered)  # fmt: skip
+                done = torch.cuda.Event()
+                done.record()
             if not return_gathered:
-                gate.open_later()
+                gate.open_later(done, f"{what} call {call}")
             torch.cuda.synchronize()
             y = out[0] if return_gathered else out
             ref = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -134,6 +136,49 @@ def test_whole_calls_replay_their_pulls_and_stay_exact(world, rank, m, n, k, dty
         warp_specialized = expected.warp_specialized
         launch = replayed.gemm.pingpong.launch if warp_specialized else replayed.gemm.launch
         assert launch._direct is not None, f"{what}: this Triton's launcher was not launched directly"
+
+
+def test_a_launch_hook_sees_every_kernel_and_the_calls_stay_exact():
+    """While a Triton launch hook is set, a call is not one recorded graph (the hook must see
+    every launch): its copy stream's steps are replayed and the GEMM launched through Triton,
+    which calls the hook. The pulls stay gated, so the kernel still really waits."""
+    world, rank, m, n, k, dtype = 4, 2, 256, 768, 512, torch.bfloat16
+    seed = random.randrange(1 << 30)
+    w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
+    launched = []
+
+    def hook(metadata):
+        launched.append(metadata.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        with simulated_world(world, rank) as group, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            info = GroupInfo(group, rank, world)
+            x = draw(seed + 1, (world * m, k), dtype, "cuda")
+            plan = _all_gather_matmul.plan(x[rank * m : (rank + 1) * m].clone(), w, None, info, False)
+            gate = _PullGate(plan)
+            for call in range(3):
+                x = draw(seed + 1 + call, (world * m, k), dtype, "cuda")
+                x_shard = x[rank * m : (rank + 1) * m].clone()
+                _publish_peers(plan, x, rank, world, m)
+                plan.gathered.fill_(float("nan"))
+                gate.close()
+                torch.cuda.synchronize()
+                before = len(launched)
+                y = fluxtp.all_gather_matmul(x_shard, w, group=group, backend="fused")
+                done = torch.cuda.Event()
+                done.record()
+                gate.open_later(done, f"seed={seed} call {call}")
+                torch.cuda.synchronize()
+                err = rel_error(y, x.double() @ w.double().T)
+                assert err <= TOLERANCE[dtype], f"seed={seed} call {call}: rel err {err:.2e}"
+                assert any("all_gather_matmul" in name for name in launched[before:]), (
+                    f"call {call}: the hook saw {launched[before:]}, not the GEMM"
+                )
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert plan.call_graph.graph and plan.copy_steps_replay.graph_exec is not None, "the copy steps were not replayed"
 
 
 def test_a_captured_call_gathers_afresh_on_every_replay():

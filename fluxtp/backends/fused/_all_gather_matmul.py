@@ -413,7 +413,7 @@ class Plan:
         graph = self.call_graph
         if graph is not None and self.shard_bytes is not None and not torch._C._cuda_isCurrentStreamCapturing():
             y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
-            scales = self._kernel_scales(scale_x, scale_w)
+            scales = self._kernel_scales(self.gathered_scales, scale_x, scale_w)
             if graph.ready(lambda: self._first_kernels(x_shard, weight, bias, y, scales)):
                 return self._call_graphed(x_shard, weight, bias, y, scale_x, scales)
         replay = self.copy_steps_replay
@@ -423,11 +423,11 @@ class Plan:
                 return self._call_replayed(x_shard, weight, bias, scale_x, scale_w)
         return self._call_streams(x_shard, weight, bias, scale_x, scale_w)
 
-    def _kernel_scales(self, scale_x, scale_w) -> tuple:
-        """The kernel's (A_gathered's, this shard's, B's) scales of a call that keeps no gathered input."""
+    def _kernel_scales(self, gathered_scales, scale_x, scale_w) -> tuple:
+        """The kernel's (A_gathered's, this shard's, B's) scales: row-wise, the gathered rows' scales."""
         if self.scaled is None:
             return (None, None, None)
-        return (self.gathered_scales if self.row_scales else scale_x, scale_x, scale_w)
+        return (gathered_scales if self.row_scales else scale_x, scale_x, scale_w)
 
     def _wait_for_last_user(self, waiter: int, stream: int) -> None:
         """Raw stream `waiter` waits for the last call that used the workspace (its published
@@ -479,7 +479,7 @@ class Plan:
         _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, copy)
         if self.row_scales:
             _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), copy)
-        scales = self._kernel_scales(scale_x, scale_w)
+        scales = self._kernel_scales(self.gathered_scales, scale_x, scale_w)
         _driver.graph_launch(self.copy_steps_replay.graph_exec, copy)
         self.gemm(self.gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         event.wait(compute, copy)
@@ -497,16 +497,14 @@ class Plan:
             x_gathered = torch.empty(self.gathered_shape, dtype=self.dtype, device=self.device)
             gathered_scales = torch.empty(self.gathered_shape[0], device=self.device) if row_scales else None
         y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
-        scales = (None, None, None)
-        if self.scaled is not None:
-            scales = (gathered_scales if row_scales else scale_x, scale_x, scale_w)
-        capturing = replay is not None and torch.cuda.is_current_stream_capturing()
+        scales = self._kernel_scales(gathered_scales, scale_x, scale_w)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if replay is not None:
             replay.ready(capturing)
         compute = symm.current_stream(self.device_index)
         copy = self.copy_stream
         symm.stream_wait(copy, compute)
-        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():  # a graph's replays
+        if self.device.type == "cuda" and not capturing:  # a graph's replays
             self._wait_for_last_user(copy.cuda_stream, compute.cuda_stream)  # are ordered by their caller
         # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
         # (docs/perf-log.md); compute is the current device's stream.

@@ -411,6 +411,23 @@ class Launch:
             self._direct = None if entry is None else _Direct.of(entry[0], entry[1], len(args))
 
 
+def _recorded_on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, record) -> torch.cuda.CUDAGraph:
+    """`graph` with what `record()` issues on `stream` (made current meanwhile) captured into it;
+    raises where CUDA cannot capture an operation. thread_local: other threads' CUDA work (a data
+    loader's copies) may go on meanwhile."""
+    previous = torch.cuda.current_stream(stream.device)
+    torch.cuda.set_stream(stream)
+    try:
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            record()
+        finally:
+            graph.capture_end()
+    finally:
+        torch.cuda.set_stream(previous)
+    return graph
+
+
 class StreamReplay:
     """A fixed run of stream operations (copies, flag writes and waits, barriers: every address
     the same on every call) recorded once as a CUDA graph, then issued with one graph launch.
@@ -434,22 +451,12 @@ class StreamReplay:
     def ready(self, capturing: bool) -> None:
         if self.graph is not None or capturing:
             return
-        graph = torch.cuda.CUDAGraph()
-        previous = torch.cuda.current_stream(self.stream.device)
-        torch.cuda.set_stream(self.stream)
         try:
-            # thread_local: other threads' CUDA work (a data loader's copies) may go on meanwhile.
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.record()
-            finally:
-                graph.capture_end()
+            graph = _recorded_on(self.stream, torch.cuda.CUDAGraph(), self.record)
         except RuntimeError as error:
             warnings.warn(f"fluxtp: a copy sequence could not be recorded as a CUDA graph, issued eagerly: {error}",
                           stacklevel=3)  # fmt: skip
             graph = False
-        finally:
-            torch.cuda.set_stream(previous)
         self.graph = graph
         self.graph_exec = graph.raw_cuda_graph_exec() if graph else None
 
@@ -501,23 +508,14 @@ class CallGraph:
                 return None
         if None in params:
             return None  # the interpreter, or a Triton whose parameter layout KernelParams does not know
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        previous = torch.cuda.current_stream(self.stream.device)
-        torch.cuda.set_stream(self.stream)
         try:
-            graph.capture_begin(capture_error_mode="thread_local")  # as StreamReplay
-            try:
-                self.record(launches)
-            finally:
-                graph.capture_end()
+            graph = _recorded_on(self.stream, torch.cuda.CUDAGraph(keep_graph=True), lambda: self.record(launches))
             graph.instantiate()
             recorded = _driver.kernel_nodes(graph.raw_cuda_graph())
         except (RuntimeError, OSError, ValueError, AttributeError) as error:
             warnings.warn(f"fluxtp: a call could not be recorded as one CUDA graph, issued step by step: {error}",
                           stacklevel=4)  # fmt: skip
             return None
-        finally:
-            torch.cuda.set_stream(previous)
         nodes = []
         for p in params:
             found = [(node, node_params) for node, node_params in recorded if node_params.func == p.function]

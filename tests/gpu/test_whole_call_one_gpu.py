@@ -296,7 +296,9 @@ def test_fp8_whole_calls_through_the_public_ops(world, rank, m, n, k, row_wise):
             out = fluxtp.all_gather_scaled_matmul(x_shard, w, scale_x, scale_w, group=group, backend="fused",
                                                   return_gathered=return_gathered)  # fmt: skip
             if not return_gathered:
-                gate.open_later()
+                done = torch.cuda.Event()
+                done.record()
+                gate.open_later(done, f"{what} call {call}")
             torch.cuda.synchronize()
             y = out[0] if return_gathered else out
             err = fp8_cases.rel_error(y, ref)

@@ -118,7 +118,10 @@ def _launch_cache_body(rank, world, seed):
             assert bound == [], f"{op}: calls with a launch key seen before went through Triton: {bound}"
             for m in (512, 1000):  # a new bias alignment, then a new (ragged) shape: new keys
                 check(next(seeds), m, misaligned_bias=True)
-                assert len(bound) == 1, f"{op} m={m}, misaligned bias: expected one launch through Triton, got {bound}"
+                # The op's kernel once; the all-gather's new plan also compiles its publish copy
+                # (a kernel of its recorded call) through Triton, before recording it.
+                gemms = [name for name in bound if name != "copy_kernel"]
+                assert len(gemms) == 1, f"{op} m={m}, misaligned bias: expected one launch through Triton, got {bound}"
                 bound.clear()
                 check(next(seeds), m, misaligned_bias=True)
                 assert bound == [], f"{op} m={m}: the second call with a key went through Triton: {bound}"

@@ -142,16 +142,25 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict):
         kernel[(grid,)](*args, **constexprs)
         return None
     device = driver.active.get_current_device()
-    key = (kernel, device, tuple(map(_spec_key, args)), tuple(constexprs.items()))
+    key = _compiled_key(kernel, device, args, constexprs)
     entry = _compiled.get(key)
     if entry is None:
-        compiled = kernel[(grid,)](*args, **constexprs)
-        if len(_compiled) >= _MAX_COMPILED:
-            _compiled.clear()
-        entry = _compiled[key] = (compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args) :]))
+        entry = _remember(key, kernel[(grid,)](*args, **constexprs), kernel, args, constexprs)
         return (*entry, device)
     _run(entry[0], entry[1], device, grid, args)
     return (*entry, device)
+
+
+def _compiled_key(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
+    return (kernel, device, tuple(map(_spec_key, args)), tuple(constexprs.items()))
+
+
+def _remember(key: tuple, compiled, kernel, args: tuple, constexprs: dict) -> tuple:
+    """_compiled[key] = (compiled, its constexpr values in signature order); returns the entry."""
+    if len(_compiled) >= _MAX_COMPILED:
+        _compiled.clear()
+    entry = _compiled[key] = (compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args) :]))
+    return entry
 
 
 def _run(compiled, constexpr_values: tuple, device: int, grid: int, args: tuple) -> None:
@@ -391,11 +400,15 @@ class Launch:
         if self._entry is None:
             if not isinstance(self.kernel, JITFunction):
                 return None
-            compiled = self.kernel.warmup(*args, grid=(self.grid,), **self.constexprs)
-            compiled.run  # noqa: B018 -- loads the module: the launcher and the function handle
-            constexpr_values = tuple(self.constexprs[name] for name in self.kernel.arg_names[len(args) :])
-            self._entry = (compiled, constexpr_values, driver.active.get_current_device())
-            self._direct = _Direct.of(compiled, constexpr_values, len(args))
+            device = driver.active.get_current_device()
+            key = _compiled_key(self.kernel, device, args, self.constexprs)
+            entry = _compiled.get(key)  # another plan's launch of the same key: no trip through Triton
+            if entry is None:
+                compiled = self.kernel.warmup(*args, grid=(self.grid,), **self.constexprs)
+                entry = _remember(key, compiled, self.kernel, args, self.constexprs)
+            entry[0].run  # noqa: B018 -- loads the module: the launcher and the function handle
+            self._entry = (*entry, device)
+            self._direct = _Direct.of(entry[0], entry[1], len(args))
         return self._entry[0]
 
     def __call__(self, *args) -> None:

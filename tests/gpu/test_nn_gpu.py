@@ -21,7 +21,8 @@ from tests.test_nn_layers import check_column, check_row, check_shared_gather
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 
-EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_hybrid.py")
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "train_hybrid.py")
 
 
 def _layers_body(rank, world, seed, backend):
@@ -69,7 +70,9 @@ def test_train_hybrid_tp2_bf16_tracks_float64():
     that noise; a wrong row or head block in a fused op is off by far more from step 0 on.
     """
     common = ["--steps", "10", "--seed", "1", "--lr", "3e-3"]
-    env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES="0,1")
+    # The checkout on the path: the example's processes import this fluxtp, installed or not.
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES="0,1", PYTHONPATH=path)
     reference = _losses([sys.executable, EXAMPLE, "--reference", "--dtype", "float64", *common], env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE]
     losses = _losses([*cmd, "--tp", "2", "--dtype", "bfloat16", "--backend", "auto", *common], env)

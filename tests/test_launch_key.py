@@ -1,6 +1,7 @@
 """The fused launchers' compiled-kernel lookup (fluxtp/backends/fused/_launch.py): its key must
 tell apart every argument difference Triton compiles apart, or a call would run a kernel
-compiled for other arguments. The lookup itself needs a GPU: tests/gpu/test_ops_gpu.py."""
+compiled for other arguments. The lookup on real launches needs a GPU (tests/gpu/test_ops_gpu.py);
+here Triton's compile and launch are stood in for."""
 
 import pytest
 import torch
@@ -72,3 +73,41 @@ def test_every_timeout_report_names_rank_and_chunk_or_tile(op, record, expected)
         assert expected in _launch.timeout_report(op)
     finally:
         report.fill_(-1)
+
+
+def test_a_kernel_compiled_ahead_of_a_recording_is_found_by_every_later_launch(monkeypatch):
+    """A plan compiles its kernels before recording them in a graph (Launch.compile, no launch);
+    another plan of the same launch key (say the all-gather's return_gathered twin) must then
+    launch that compiled kernel without a trip through Triton's binding, and the reverse."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    trips = []  # ("warmup" | "run" | "direct", ...) in the order they happened
+
+    def through_triton(what):
+        def compile_or_launch(*args, grid, warmup=False, **constexprs):
+            trips.append(what)
+            return types.SimpleNamespace(run=None, function=0, packed_metadata=None)  # _Direct: not its layout
+
+        return compile_or_launch
+
+    monkeypatch.setattr(kernel, "warmup", through_triton("warmup"))
+    monkeypatch.setattr(kernel, "run", through_triton("run"))
+    device = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: 0)
+    monkeypatch.setattr(_launch, "driver", types.SimpleNamespace(active=device))
+    monkeypatch.setattr(_launch, "_run", lambda compiled, constexprs, index, grid, args: trips.append("direct"))
+    monkeypatch.setattr(_launch, "_compiled", {})
+    x, y = torch.zeros(64), torch.zeros(64)
+
+    _launch.Launch(kernel, 4, BLOCK=16).compile(x, 64)  # recorded plan: compiled, not launched
+    _launch.Launch(kernel, 4, BLOCK=16)(y, 64)  # another plan, same key: launched directly
+    assert trips == ["warmup", "direct"]
+    _launch.Launch(kernel, 4, BLOCK=16)(x, 32)  # a new key (scalars are keyed by value): Triton
+    _launch.Launch(kernel, 4, BLOCK=16).compile(y, 32)  # ... whose kernel a recording then reuses
+    assert trips == ["warmup", "direct", "run"]

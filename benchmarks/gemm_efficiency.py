@@ -122,19 +122,21 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.cons
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
 
 
-def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: int = 0):
+def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: int = 0, programs: int | None = None,
+                 out: torch.Tensor | None = None):  # fmt: skip
     """A launcher of plain_matmul_kernel for x [M, K] @ weight[N, K]^T with a fused op's tiling
-    (pointer_split > 0: pointer stores in that many column slices instead of TMA stores)."""
+    (pointer_split > 0: pointer stores in that many column slices instead of TMA stores;
+    programs: how many persistent programs, one per SM unless given; out: where, [M, N])."""
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     subtile = getattr(config, "epilogue_subtile", True)
     store_n = config.block_n // 2 if subtile else config.block_n
     a_desc = descriptor(x, [config.block_m, config.block_k])
     b, b_kn = weight_operand(weight)
     b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
     c_desc = descriptor(out, [config.block_m, store_n])
-    sms = min(num_sms(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
+    sms = min(programs or num_sms(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
 
     def run():
         plain_matmul_kernel[(sms,)](

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.gpus(1)
 WIDE = MatmulReduceScatterConfig()  # 128x256x64, 3 stages, 8 warps: the large-M heuristic
 NARROW = MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)  # the small-M heuristic
 DEEP = MatmulReduceScatterConfig(num_stages=4, group_m=4)  # the shipped table's deepest wide pipeline
+REDUCER = MatmulReduceScatterConfig(warp_specialized=True)  # the reducer kernel (bf16 / fp16, Hopper)
 GATE_DELAY_S = 0.003
 MAX_SPINS = 1 << 26  # deliveries a few milliseconds apart are far inside it
 
@@ -54,6 +55,9 @@ def _reference(x, w, b, rank, world):
         (2, 512, 2048, 4096, NARROW, torch.float16, False),
         (4, 384, 1536, 1024, DEEP, torch.bfloat16, True),
         (8, 200, 1024, 512, WIDE, torch.bfloat16, False),  # the unrolled reduction (_matmul_reduce_scatter.REDUCE_UNROLL_MIN_WORLD)
+        (2, 1000, 1000, 2048, REDUCER, torch.bfloat16, True),
+        (4, 384, 1536, 1024, dataclasses.replace(REDUCER, group_m=2, num_stages=4), torch.float16, False),
+        (8, 200, 1024, 512, REDUCER, torch.bfloat16, True),
     ],
 )
 def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n, k_local, base, dtype, with_bias):
@@ -67,10 +71,15 @@ def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n
         err = rel_error(outs[r], _reference(x, w, b, r, world))
         assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"
         set_by_peers = flags[r][: layout.num_flags // 2] if cfg.copy_engine else flags[r]
-        assert bool((set_by_peers == 1).all()), f"{what}: flags never set"
+        assert bool((set_by_peers == _complete(cfg, layout)).all()), f"{what}: flags never set"
     again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0, max_spins=1 << 20)  # other poison
     for r in range(world):
         assert torch.equal(outs[r], again[r]), f"rank {r}: outputs differ between identical runs ({transport})"
+
+
+def _complete(cfg, layout) -> int:
+    """A delivered flag's value: a band's 1 (the copy stream's), else its tile's arrivals."""
+    return 1 if cfg.copy_engine else layout.tile_arrivals
 
 
 def _deliveries(layout, cfg, owner, world):
@@ -101,6 +110,8 @@ def _deliveries(layout, cfg, owner, world):
     [
         (2, 1, 500, 600, 2048, WIDE, torch.bfloat16, True),  # ragged: 4 x 3 tiles of 128 x 256
         (4, 2, 256, 512, 1024, dataclasses.replace(NARROW, group_m=1), torch.float16, False),  # 2 bands per peer
+        (2, 1, 500, 600, 2048, REDUCER, torch.bfloat16, True),
+        (4, 2, 256, 512, 1024, dataclasses.replace(REDUCER, group_m=1), torch.float16, False),
     ],
 )
 def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_local, base, dtype, with_bias):
@@ -116,7 +127,7 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     deliveries = _deliveries(layout, cfg, owner, world)
     saved = []
     for holder, slot, flag, rows, cols in deliveries:  # take them back: NaN and flag 0 until delivered again
-        assert flags[holder][flag].item() == 1, f"{what}: flag {flag} of rank {holder} was never set"
+        assert flags[holder][flag].item() == _complete(cfg, layout), f"{what}: flag {flag} of rank {holder} was never set"
         saved.append(parts[holder][slot, rows, cols].clone())
         parts[holder][slot, rows, cols] = float("nan")
         flags[holder][flag] = 0
@@ -124,14 +135,15 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     copy.wait_stream(compute)
     finished = torch.cuda.Event()
     xr, wr = shards(x, w, owner, k_local)
-    launch_kernel(xr, wr, b, outs[owner], ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS)
+    launch_kernel(xr, wr, b, outs[owner], ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS,
+                  own_offset=layout.own_offset)  # fmt: skip
     finished.record(compute)
     gates = HostGates(len(deliveries))
     with torch.cuda.stream(copy):  # last tile first: every program of the kernel waits for a while
         for (holder, slot, flag, rows, cols), data in reversed(list(zip(deliveries, saved))):
             gates.hold()
             parts[holder][slot, rows, cols].copy_(data)
-            torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, 1)
+            torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, _complete(cfg, layout))
     gates.open_slowly(finished, GATE_DELAY_S, what)
     torch.cuda.synchronize()
     err = rel_error(outs[owner], _reference(x, w, b, owner, world))

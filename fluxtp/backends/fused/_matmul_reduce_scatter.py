@@ -52,6 +52,7 @@ from fluxtp.backends.fused._launch import (
 )
 from fluxtp.configs import MIN_COPY_ENGINE_TILES, TRANSPORTS, MatmulReduceScatterConfig, tuned_config  # noqa: F401
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
+from fluxtp.kernels._matmul_reduce_scatter_reducer import own_slot_offset
 
 MAX_SPINS = MAX_SPINS_PEER  # system-scope reads, of local memory (push) or a peer's (pull)
 _OP = "matmul_reduce_scatter"
@@ -68,7 +69,9 @@ class Layout:
     Push and pull: W-1 slots, a flag per (peer, tile). Copy engine: W-1 incoming and W-1
     outgoing slots, a flag per (peer, band) and then a tile counter per (owner, band), a band
     being group_m rows of tiles. A tile's producer adds tile_arrivals to its flag or counter
-    (the warp-specialized kernel releases each half of a tile on its own: 2)."""
+    (the warp-specialized kernels release each half of a tile on its own: 2). With own_region
+    (the reducer kernel), the own region follows at own_offset: flags and counters the kernel
+    resets itself, and the own float32 partial (fluxtp/kernels/_matmul_reduce_scatter_reducer.py)."""
 
     rows_per_rank: int
     n: int
@@ -80,10 +83,12 @@ class Layout:
     num_flags: int
     nbytes: int
     tile_arrivals: int
+    own_offset: int = 0  # 0: no own region
 
     @staticmethod
     @functools.lru_cache(maxsize=256)  # on every call's path; 8 us to build on the H200 hosts
-    def of(rows_per_rank: int, n: int, itemsize: int, world: int, config: MatmulReduceScatterConfig) -> Layout:
+    def of(rows_per_rank: int, n: int, itemsize: int, world: int, config: MatmulReduceScatterConfig,
+           own_region: bool = False) -> Layout:  # fmt: skip
         tiles_m, tiles_n = triton.cdiv(rows_per_rank, config.block_m), triton.cdiv(n, config.block_n)
         slots = 2 * (world - 1) if config.copy_engine else world - 1
         flags_offset = triton.cdiv(slots * rows_per_rank * n * itemsize, 16) * 16
@@ -91,10 +96,24 @@ class Layout:
             num_flags = 2 * (world - 1) * triton.cdiv(tiles_m, config.group_m)
         else:
             num_flags = (world - 1) * tiles_m * tiles_n
+        nbytes = flags_offset + 4 * num_flags
+        own_offset = 0
+        if own_region:
+            own_offset = triton.cdiv(nbytes, 16) * 16
+            nbytes = own_offset + own_slot_offset(tiles_m * tiles_n) + 4 * rows_per_rank * n
         return Layout(
             rows_per_rank, n, tiles_m, tiles_n, config.group_m, config.block_m,
-            flags_offset, num_flags, flags_offset + 4 * num_flags, 2 if config.warp_specialized else 1,
+            flags_offset, num_flags, nbytes, 2 if config.warp_specialized else 1, own_offset,
         )
+
+    @property
+    def reset_words(self) -> int:
+        """int32 words from flags_offset that a call zeroes: the flags, and with an own region its
+        flags and counters too (the kernel resets them after itself, but the buffer may have
+        served another layout since)."""
+        if not self.own_offset:
+            return self.num_flags
+        return (self.own_offset - self.flags_offset + own_slot_offset(self.tiles_m * self.tiles_n)) // 4
 
     @property
     def bands(self) -> int:
@@ -140,10 +159,11 @@ class _Workspace:
     band_copies: dict = field(default_factory=dict)  # (Layout, dtype) -> (counters, [_BandCopy])
 
     def flags(self, layout: Layout) -> torch.Tensor:
-        """This rank's flags for `layout` (the view made once per layout: get_buffer costs ~9 us)."""
+        """What a call zeroes in this rank's buffer for `layout`: its flags, then (with an own
+        region) up to the own slot (the view made once per layout: get_buffer costs ~9 us)."""
         view = self.flag_views.get(layout)
         if view is None:
-            view = self.flag_views[layout] = self.buffer.local(torch.int32, (layout.num_flags,), layout.flags_offset)
+            view = self.flag_views[layout] = self.buffer.local(torch.int32, (layout.reset_words,), layout.flags_offset)
         return view
 
     def copy_engine_steps(self, layout: Layout, dtype: torch.dtype, rank: int, world: int):
@@ -171,7 +191,8 @@ class _Workspace:
                         in_slot * layout.bands + band,
                     )
                 )
-            steps = self.band_copies[(layout, dtype)] = (self.flags(layout)[layout.num_flags // 2 :], plan)
+            counters = self.flags(layout)[layout.num_flags // 2 : layout.num_flags]
+            steps = self.band_copies[(layout, dtype)] = (counters, plan)
         return steps
 
 
@@ -200,7 +221,7 @@ class _Kernel:
     tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor)."""
 
     def __init__(self, x, weight, bias, out_stride, buffer_flags_offset, rank, world, config, first_step, last_step,
-                 max_spins, report, scaled=None):  # fmt: skip
+                 max_spins, report, scaled=None, own_offset=0):  # fmt: skip
         m_total, k = x.shape
         n = weight.shape[0]
         rows_per_rank = m_total // world
@@ -215,9 +236,25 @@ class _Kernel:
         self.scalars = (rows_per_rank, n, k, out_stride, buffer_flags_offset, first_step, last_step, max_spins, report)
         self.gluon = config.warp_specialized
         if self.gluon:
-            why = _scaled.pingpong_unsupported(x.device, scaled)
+            why = _scaled.pingpong_unsupported(x.device, scaled, x.dtype if scaled is None else None)
             if why:
-                raise ValueError(f"scaled_matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
+                op = "matmul_reduce_scatter" if scaled is None else "scaled_matmul_reduce_scatter"
+                raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
+            if scaled is None:
+                from fluxtp.kernels._matmul_reduce_scatter_reducer import matmul_reduce_scatter_reducer_kernel
+
+                # Every program's tiles (a launch of some owner steps skips the others'), one SM
+                # left free: the reducers wait for tiles of other programs, which all need an SM.
+                tiles_per_segment = triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
+                grid = max(1, min(sms - 1, world * tiles_per_segment))
+                self.scalars += (own_offset,)
+                self.launch = Launch(
+                    matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
+                    NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None,
+                    PUSH=config.transport != "pull", COPY_ENGINE=config.copy_engine, B_KN=self.weight.kn,
+                    **_scaled.PINGPONG_WARPS,
+                )  # fmt: skip
+                return
             from fluxtp.kernels._matmul_reduce_scatter_pingpong import matmul_reduce_scatter_pingpong_kernel
 
             self.launch = Launch(
@@ -300,6 +337,7 @@ def launch_kernel(
     report: torch.Tensor | None = None,
     scaled=None,
     scales=(None, None),
+    own_offset: int = 0,
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
@@ -308,11 +346,12 @@ def launch_kernel(
     by peers). Runs owner steps first_step..last_step (default all: 0..W-1, the last being this
     rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
     (default: this process's record). A scaled call passes `scaled` (_scaled.Scaled) and `scales`
-    (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials.
+    (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials. The reducer
+    kernel (uses_reducer) takes its buffer's own region at own_offset (Layout's).
     """
     last_step = world - 1 if last_step is None else last_step
     kernel = _Kernel(x, weight, bias, out.stride(0), flags_offset, rank, world, config, first_step, last_step, max_spins,
-                     report, scaled)  # fmt: skip
+                     report, scaled, own_offset)  # fmt: skip
     kernel(x, weight, bias, out, buffer_ptrs, scales)
 
 
@@ -325,6 +364,12 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
     return config or tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(
         m_total, weight.shape[0], k, world
     )
+
+
+def uses_reducer(config: MatmulReduceScatterConfig, scaled) -> bool:
+    """Whether the call runs the reducer kernel (a warp-specialized config of an unscaled call),
+    whose buffer carries the own region."""
+    return config.warp_specialized and scaled is None
 
 
 def partial_dtype(x, scaled) -> torch.dtype:
@@ -351,7 +396,8 @@ class Plan:
         self.info = info
         self.config = config = _config_for(x, weight, world, config, scaled)
         part = partial_dtype(x, scaled)
-        self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], part.itemsize, world, config)
+        self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], part.itemsize, world, config,
+                                         uses_reducer(config, scaled))  # fmt: skip
         self.ws = ws = _workspace(info, x.device, layout.nbytes)
         self.device, self.dtype = x.device, x.dtype if scaled is None else scaled.out_dtype
         self.scaled = scaled
@@ -359,7 +405,7 @@ class Plan:
         self.flags = ws.flags(layout)
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
-                              MAX_SPINS, None, scaled)  # fmt: skip
+                              MAX_SPINS, None, scaled, layout.own_offset)  # fmt: skip
         # The copy stream records steps 1-2 (they address only the workspace) as one graph, and
         # carries the copy engine's band pushes; the CPU interpreter's plans issue steps 1-2 as they are.
         self.copy_stream = symm.copy_stream(x.device) if x.is_cuda else None
@@ -543,18 +589,20 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     world, rank = info.world_size, info.rank
     scaled = None if scales is None else _scaled.Scaled.of(*scales, out_dtype, use_fast_accum)
     config = _config_for(x, weight, world, config, scaled)  # the same config as matmul_reduce_scatter
-    layout = Layout.of(m_total // world, n, partial_dtype(x, scaled).itemsize, world, config)
+    layout = Layout.of(m_total // world, n, partial_dtype(x, scaled).itemsize, world, config, uses_reducer(config, scaled))
     read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
-    # Every peer's flag preset to its complete value: a band's 1 (set by the copy stream), a tile's arrivals.
-    read[layout.flags_offset :].view(torch.int32).fill_(1 if config.copy_engine else layout.tile_arrivals)
-    scratch = torch.empty(layout.nbytes, dtype=torch.uint8, device=x.device)
+    # Every peer's flag preset to its complete value: a band's 1 (set by the copy stream), a tile's
+    # arrivals. The own region stays zero: the reducer kernel waits for its own tiles as in a call.
+    flags = read[layout.flags_offset : layout.flags_offset + 4 * layout.num_flags].view(torch.int32)
+    flags.fill_(1 if config.copy_engine else layout.tile_arrivals)
+    scratch = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
     # push: the owner (this rank) reads its own buffer, producers write the peers'; pull: reversed.
     own, peers = (scratch, read) if config.transport == "pull" else (read, scratch)
     ptrs = [own.data_ptr() if r == rank else peers.data_ptr() for r in range(world)]
     buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=x.device)
     out = torch.empty(m_total // world, n, dtype=x.dtype if scaled is None else out_dtype, device=x.device)
     kernel = _Kernel(x, weight, bias, out.stride(0), layout.flags_offset, rank, world, config, 0, world - 1, MAX_SPINS,
-                     None, scaled)  # fmt: skip
+                     None, scaled, layout.own_offset)  # fmt: skip
     kernel_scales = (None, None) if scales is None else tuple(_scaled.flat(s) for s in scales)
 
     def run():

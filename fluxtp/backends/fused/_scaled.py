@@ -70,11 +70,11 @@ def _pingpong_kernels_available() -> bool:
 def pingpong_unsupported(device, scaled: Scaled | None, plain_dtype: torch.dtype | None = None,
                          all_gather: bool = False) -> str | None:  # fmt: skip
     """Why a call cannot take a warp-specialized kernel (fluxtp.kernels._pingpong), or None. They
-    serve scaled calls with precise accumulation; the all-gather's kernel (all_gather) also FP8
-    calls with fast accumulation and plain ones (plain_dtype: such a call's dtype, bf16 or fp16).
-    On Hopper (sm_90), compiled (not interpreted)."""
-    if scaled is None and not (all_gather and plain_dtype in (torch.bfloat16, torch.float16)):
-        return "it serves FP8 calls with precise accumulation (use_fast_accum=False), and bf16 or fp16 all-gathers, only"
+    serve scaled calls with precise accumulation and plain ones (plain_dtype: such a call's dtype,
+    bf16 or fp16); the all-gather's kernel (all_gather) also FP8 calls with fast accumulation. On
+    Hopper (sm_90), compiled (not interpreted)."""
+    if scaled is None and plain_dtype not in (torch.bfloat16, torch.float16):
+        return "it serves FP8 calls with precise accumulation (use_fast_accum=False), and bf16 or fp16 calls, only"
     if scaled is not None and not scaled.precise_acc and not all_gather:
         return "it serves FP8 calls with precise accumulation (use_fast_accum=False) only"
     device = torch.device(device)

@@ -10,20 +10,16 @@ from __future__ import annotations
 import torch
 
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, _Workspace, launch_kernel, partial_dtype, uses_reducer
-from fluxtp.kernels._matmul_reduce_scatter_reducer import own_slot_offset
 from fluxtp.symm import SymmBuffer
 from fluxtp.testing import SimulatedHandle
 
 
 def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
-    """One byte buffer per rank: partial slots (and the reducer's own slot) poisoned
-    (never-written data must not leak), flags 0."""
+    """One byte buffer per rank: partial slots poisoned (never-written data must not leak), flags 0."""
     buffers = []
     for _ in range(world):
         buf = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
         buf[: layout.flags_offset].view(dtype).fill_(poison)
-        if layout.own_offset:
-            buf[layout.own_offset + own_slot_offset(layout.tiles_m * layout.tiles_n) :].view(torch.float32).fill_(poison)
         buffers.append(buf)
     return buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
 
@@ -82,7 +78,7 @@ def peer_steps(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=
     for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins,
-                      None, *_scaling(scaled, rank_scales, r), layout.own_offset)  # fmt: skip
+                      None, *_scaling(scaled, rank_scales, r), layout.own_offset, buffers[r])  # fmt: skip
     if cfg.copy_engine:
         copy_engine(buffers, ptrs, layout, world, part)
     return layout, buffers, ptrs, outs
@@ -95,5 +91,5 @@ def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=Fa
     for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins,
-                      None, *_scaling(scaled, rank_scales, r), layout.own_offset)  # fmt: skip
+                      None, *_scaling(scaled, rank_scales, r), layout.own_offset, buffers[r])  # fmt: skip
     return outs, flag_views(buffers, layout)

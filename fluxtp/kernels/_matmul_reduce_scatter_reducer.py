@@ -1,28 +1,33 @@
 """Persistent GEMM+ReduceScatter for bf16 / fp16, warp-specialized, the owner's reduction beside the MMAs (Gluon, Hopper).
 
-The same op and transports as _matmul_reduce_scatter's kernel (push, pull, copy engine; the same
-partial slots and peer flags, a tile's flag counting two arrivals, one per consumer), arranged so
-that reading the peers' partials costs no tensor-core time:
+The op of _matmul_reduce_scatter's kernel with the copy engine's transport (the same workspace
+plus an own slot: every partial slot is in this rank's buffer, so TMA moves them all), arranged
+so that neither handing partials over nor summing them costs tensor-core time:
 - a loader warp TMA-loads each tile's K blocks of x (the owner's rows) and w into a ring of stages;
-- two consumer warpgroups each compute half of a tile's rows. A peer tile's half goes to its
-  holder's partial slot; an own tile's half is stored in float32 into this rank's own slot (in its
-  buffer at own_offset) and counted in its own-tile flag there (release);
+- two consumer warpgroups each compute half of a tile's rows and TMA-store it, rounded to the
+  input dtype, into its slot here: an outgoing slot (a peer's rows; the copy stream pushes each
+  finished band of them to its owner) or the own slot. Each half is counted (release) once its
+  store has completed, after the next tile's K loop: into its band's counter (peer rows) or its
+  tile's own flag (own rows);
 - a reducer warp sums this rank's rows while the consumers compute: units of UNIT_ROWS rows of
-  an own tile, unit u going to program u % NUM_PROGRAMS, in order; a unit waits (acquire,
-  bounded) for its tile's own flag and every peer's flag, then adds the peers' partials in rank
-  order to the own float32 partial (the Triton kernel's order: the same bits), adds the bias and
-  rounds once into out. The consumers do not join in after their tiles: the code made ptxas
-  serialize their MMAs for want of registers (docs/perf-log.md).
-Tiles are interleaved across owners: tile t is the (t // W)-th tile (grouped order) of owner
-(RANK + 1 + t % W) % W, so the partials of every owner's rows, own ones included, complete
-progressively and the reduction runs behind the GEMM instead of after it. A launch may run only
-the owner steps first_step..last_step (t % W in that range; the reducer only with the own step).
+  an own tile, unit u going to program u % NUM_PROGRAMS, in order. A unit waits (acquire,
+  bounded) for its tile's own flag and its band's flag from every peer, TMA-loads the W slots'
+  rows into shared memory (many bytes in flight for few registers), adds them in float32 (its own
+  partial, then the peers' in rank order: deterministic), adds the bias and rounds once into out.
+  The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
+  want of registers (docs/perf-log.md).
+Every partial, the own one too, is rounded to the input dtype before the sum (as NCCL-then-GEMM
+rounds them); the Triton kernel keeps its own partial in float32, so the two differ in the last
+bits. Tiles are interleaved across owners: tile t is the (t // W)-th tile (grouped order) of owner
+(RANK + 1 + t % W) % W, so every owner's rows complete progressively and the reduction runs
+behind the GEMM instead of after it. A launch may run only the owner steps first_step..last_step
+(t % W in that range; the reducer only with the own step).
 
-Own region (own_offset bytes into this rank's buffer): int32 own-tile flags [tiles of a segment],
-a done counter, then (16-byte aligned) the float32 own slot [m, N] (own_slot_offset). The last
-program out resets the flags and the counter for the next launch; they must read 0 before the
-first. The peer flags keep the Triton kernel's contract (0 before the launch: the launcher
-resets them).
+Workspace (fluxtp/backends/fused/_matmul_reduce_scatter.py's Layout with an own region): slots
+[2W-1, m, N] (W-1 incoming, W-1 outgoing, own), the copy engine's flags and band counters, then
+at own_offset the own-tile flags [tiles of a segment] and a done counter. The last program out
+resets the own-tile flags and the counter for the next launch (they must read 0 before the first);
+the others keep the Triton kernel's contract (0 before the launch: the launcher resets them).
 
 A wait that gives up writes (rank waited for, tile, this rank) to `report_ptr` (host-pinned) and
 traps; the reducers wait for tiles of other programs of this launch, so the launcher leaves one
@@ -31,6 +36,7 @@ SM free (a program that never got an SM would make them wait out their bound, no
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fluxtp.kernels._pingpong import (
     accumulate_plain,
@@ -39,31 +45,13 @@ from fluxtp.kernels._pingpong import (
     load_tile,
     partition_barrier,
     record_and_trap,
+    tma_load,
+    tma_store,
 )
 
 TILE_ARRIVALS = gl.constexpr(2)  # one release per consumer warpgroup
-UNIT_ROWS = gl.constexpr(8)  # rows of an own tile per reduction unit
-REDUCE_WIDTH = gl.constexpr(128)  # columns a reduction step covers at most: 4 per lane (few registers)
-
-
-def own_slot_offset(tiles_per_segment):
-    """Bytes from the own region's start to the float32 own slot (the launcher sizes the region by it)."""
-    return ((tiles_per_segment + 1) * 4 + 15) // 16 * 16
-
-
-@gluon.jit
-def _own_region(buffer_ptrs, own_offset, tiles_per_segment, RANK: gl.constexpr):
-    """(own-tile flags, then the done counter; the float32 own slot)."""
-    own = gl.load(buffer_ptrs + RANK) + own_offset
-    slot = own + ((tiles_per_segment + 1) * 4 + 15) // 16 * 16
-    return own.to(gl.pointer_type(gl.int32)), _aligned(slot, gl.float32)
-
-
-@gluon.jit
-def _aligned(address, dtype: gl.constexpr):
-    """A buffer address (loaded from memory: no known alignment) as a pointer the compiler knows
-    is 16-byte aligned (buffers and slots are), so rows with N % 8 == 0 move in 16-byte accesses."""
-    return gl.multiple_of(address.to(gl.pointer_type(dtype)), 16)
+UNIT_ROWS = gl.constexpr(4)  # rows of an own tile per reduction unit (W slots' rows in shared memory at once)
+REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
 
 
 @gluon.jit
@@ -72,6 +60,12 @@ def _tile(t, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M:
     step = t % WORLD
     pid_m, pid_n = grouped_tile(t // WORLD, tiles_m, tiles_n, GROUP_M)
     return step, (RANK + 1 + step) % WORLD, pid_m, pid_n
+
+
+@gluon.jit
+def _own_flags(buffer_ptrs, own_offset, RANK: gl.constexpr):
+    """This rank's own-tile flags (then the done counter)."""
+    return (gl.load(buffer_ptrs + RANK) + own_offset).to(gl.pointer_type(gl.int32))
 
 
 @gluon.jit
@@ -91,33 +85,68 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, f
 
 
 @gluon.jit
-def _wait_tile(buffer_ptrs, own_flags, report_ptr, tile, pid_m, tiles_per_segment, bands, flags_offset, max_spins,
-               RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, PUSH: gl.constexpr,
-               COPY_ENGINE: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """Until this rank's own partial of `tile` and every peer's have arrived (acquire; every
-    flag read at once, lane r for rank r); gives up after max_spins rounds (record and trap)."""
-    LANES: gl.constexpr = 32 * WARPS
-    gl.static_assert(WORLD <= LANES)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    srcs = gl.arange(0, LANES, layout=layout)
-    peer = (srcs < WORLD) & (srcs != RANK)
-    if PUSH:
-        holders = gl.full((LANES,), RANK, gl.int32, layout=layout)
-        slots = srcs - (srcs > RANK).to(gl.int32)
-    else:
-        holders = srcs
-        slots = gl.full((LANES,), RANK, gl.int32, layout=layout) - (srcs < RANK).to(gl.int32)
-    if COPY_ENGINE:
-        index = slots * bands + pid_m // GROUP_M
-        expected = gl.where(peer, 1, TILE_ARRIVALS)  # the copy stream sets a band's flag once
-    else:
-        index = slots * tiles_per_segment + tile
-        expected = gl.full((LANES,), TILE_ARRIVALS, gl.int32, layout=layout)
-    bases = gl.load(buffer_ptrs + holders, mask=peer, other=0) + flags_offset
-    # Lane RANK reads this rank's own-tile flag (a local one, scope gpu would do; sys is a superset).
-    flag_ptrs = gl.where(srcs == RANK, own_flags + (tile + srcs * 0), bases.to(gl.pointer_type(gl.int32)) + index)
+def _publish(counter, pending):
+    """Count a half in once its TMA store has completed: every thread of the partition is past the
+    wait, then one release (scope sys: the copy stream and the reducers read it)."""
+    if pending != 0:
+        tma.store_wait(pendings=0)
+        partition_barrier()
+        gl.atomic_add(counter, 1, sem="release", scope="sys")
+
+
+@gluon.jit
+def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset,
+              first_step, last_step, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
+              NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    HALF: gl.constexpr = BLOCK_M // 2
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    bands = gl.cdiv(tiles_m, GROUP_M)
+    own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
+    # Band counters: after the W-1 incoming flags, one per (outgoing slot, band).
+    counters = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32)) + (WORLD - 1) * bands
+    c_smem = c_bufs.index(C)
+    pending = 0
+    counter = own_flags
+    used = 0
+    for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
+        step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, GROUP_M)
+        if (step >= first_step) & (step <= last_step):
+            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
+            _publish(counter, pending)  # the previous half's store had this K loop's time to complete
+            if owner == RANK:
+                slot = owner * 0 + 2 * (WORLD - 1)
+                counter = own_flags + pid_m * tiles_n + pid_n
+            else:  # this rank's outgoing slots follow its W-1 incoming ones
+                slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
+                counter = counters + (slot - (WORLD - 1)) * bands + pid_m // GROUP_M
+            tma.store_wait(pendings=0)  # c_smem is free again (published halves waited already)
+            c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
+            fence_async_shared()
+            # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
+            tma_store(slots_desc, [slot, pid_m * BLOCK_M + C * HALF, pid_n * BLOCK_N], c_smem)
+            pending = 1
+    _publish(counter, pending)
+
+
+@gluon.jit
+def _wait_unit(buffer_ptrs, own_flags, report_ptr, tile, band, tiles_per_segment, bands, flags_offset, max_spins,
+               RANK: gl.constexpr, WORLD: gl.constexpr):  # fmt: skip
+    """Until this rank's own partial of `tile` and every peer's band of it have arrived (acquire;
+    every flag read at once, lane r for rank r); gives up after max_spins rounds (record and trap)."""
+    gl.static_assert(WORLD <= 32)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    srcs = gl.arange(0, 32, layout=layout)
     waited = srcs < WORLD
-    zero = gl.full((LANES,), 0, gl.int32, layout=layout)  # (Gluon 3.6: no scalar operand)
+    # Peer src's band of this rank's rows: incoming slot src - (src > RANK), flag set once by the copy stream.
+    flags = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32))
+    band_flags = flags + (srcs - (srcs > RANK).to(gl.int32)) * bands + band
+    flag_ptrs = gl.where(srcs == RANK, own_flags + (tile + srcs * 0), band_flags)
+    expected = gl.where(srcs == RANK, TILE_ARRIVALS, 1)
+    zero = gl.full((32,), 0, gl.int32, layout=layout)  # (Gluon 3.6: no scalar operand)
     values = gl.atomic_add(flag_ptrs, zero, mask=waited, sem="acquire", scope="sys")
     arrived = (values == expected) | ~waited
     spins = 0
@@ -126,124 +155,84 @@ def _wait_tile(buffer_ptrs, own_flags, report_ptr, tile, pid_m, tiles_per_segmen
         arrived = arrived | (waited & (values == expected))
         spins += 1
     if gl.min(arrived.to(gl.int32), 0) == 0:
-        record_and_trap(report_ptr, gl.min(gl.where(arrived, LANES, srcs), 0), tile, RANK)
-    partition_barrier()  # every thread of this partition loads after the acquire
+        record_and_trap(report_ptr, gl.min(gl.where(arrived, 32, srcs), 0), tile, RANK)
+    # Generic-proxy accesses before (the acquire) are ordered before the async proxy's after (TMA).
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [tile], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
-def _reduce(out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om, flags_offset, own_offset,
-            max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, PUSH: gl.constexpr,
-            COPY_ENGINE: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
-    """This program's reduction units, in order, each WARPS rows at a time."""
-    WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
-    gl.static_assert(BLOCK_M % UNIT_ROWS == 0)
-    gl.static_assert(BLOCK_N % WIDTH == 0)
-    gl.static_assert(UNIT_ROWS % WARPS == 0)
-    layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [WARPS, 1], [1, 0])
-    dtype = out_ptr.dtype.element_ty
-    tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    tiles_per_segment = tiles_m * tiles_n
-    bands = gl.cdiv(tiles_m, GROUP_M)
-    own_flags, own_slot = _own_region(buffer_ptrs, own_offset, tiles_per_segment, RANK)
+def _unit(unit, tiles_m, tiles_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(pid_m, pid_n, first row in the segment) of a reduction unit: own tiles in the consumers' order."""
     units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
-    for unit in range(gl.program_id(0), tiles_per_segment * units_per_tile, NUM_PROGRAMS):
-        pid_m, pid_n = grouped_tile(unit // units_per_tile, tiles_m, tiles_n, GROUP_M)
-        row0 = pid_m * BLOCK_M + (unit % units_per_tile) * UNIT_ROWS
-        if row0 < rows_per_rank:  # a ragged segment's last tile: its units past the end hold no rows
-            tile = pid_m * tiles_n + pid_n
-            _wait_tile(buffer_ptrs, own_flags, report_ptr, tile, pid_m, tiles_per_segment, bands, flags_offset, max_spins,
-                       RANK, WORLD, GROUP_M, PUSH, COPY_ENGINE, WARPS)  # fmt: skip
-            for r in range(0, UNIT_ROWS, WARPS):
-                rows = row0 + r + gl.arange(0, WARPS, layout=gl.SliceLayout(1, layout))
-                for c in gl.static_range(BLOCK_N // WIDTH):
-                    cols = pid_n * BLOCK_N + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-                    mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
-                    offs = gl.expand_dims(rows.to(gl.int64), 1) * N + gl.expand_dims(cols, 0)
-                    acc = gl.load(own_slot + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for i in gl.static_range(WORLD - 1):  # the peers' partials in rank order
-                        src = i + (i >= RANK)
-                        if PUSH:
-                            holder = RANK
-                            slot = i
-                        else:
-                            holder = src
-                            slot = RANK - (RANK > src)
-                        part_ptr = _aligned(gl.load(buffer_ptrs + holder), dtype)
-                        part = gl.load(part_ptr + slot * rows_per_rank.to(gl.int64) * N + offs, mask=mask, other=0.0,
-                                       cache_modifier=".cg")  # fmt: skip
-                        acc += part.to(gl.float32)
-                    if HAS_BIAS:
-                        bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
-                        acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
-                    out_offs = gl.expand_dims(rows.to(gl.int64), 1) * stride_om + gl.expand_dims(cols, 0)
-                    gl.store(out_ptr + out_offs, acc.to(dtype), mask=mask)
+    pid_m, pid_n = grouped_tile(unit // units_per_tile, tiles_m, tiles_n, GROUP_M)
+    return pid_m, pid_n, pid_m * BLOCK_M + (unit % units_per_tile) * UNIT_ROWS
 
 
 @gluon.jit
-def _reducer(out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om, flags_offset, own_offset, last_step,
-             max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, PUSH: gl.constexpr,
-             COPY_ENGINE: gl.constexpr):  # fmt: skip
+def _issue_unit(units_desc, unit_bufs, unit_bar, row0, col0, WORLD: gl.constexpr):
+    """TMA-load a unit's rows of the W slots: unit_bufs[0] the own slot's, [1 + i] the i-th peer's
+    (rank order; incoming slot i)."""
+    fence_async_shared()  # this warp's reads of the previous unit come before TMA overwrites them
+    mbarrier.expect(unit_bar.index(0), WORLD * units_desc.block_type.nbytes)
+    tma_load(units_desc, [2 * (WORLD - 1), row0, col0], unit_bar.index(0), unit_bufs.index(0))
+    for i in gl.static_range(WORLD - 1):
+        tma_load(units_desc, [i, row0, col0], unit_bar.index(0), unit_bufs.index(1 + i))
+
+
+@gluon.jit
+def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
+             flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
+             GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HAS_BIAS: gl.constexpr):  # fmt: skip
+    """This program's reduction units, in order (module docstring), a row at a time from shared memory."""
     if last_step == WORLD - 1:
-        _reduce(out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om, flags_offset, own_offset,
-                max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, BLOCK_M, BLOCK_N, HAS_BIAS, PUSH, COPY_ENGINE, 1)  # fmt: skip
-
-
-@gluon.jit
-def _consumer(out_ptr, bias_ptr, buffer_ptrs, report_ptr, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, stride_om,
-              flags_offset, own_offset, first_step, last_step, max_spins, C: gl.constexpr, RANK: gl.constexpr,
-              WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              PUSH: gl.constexpr, COPY_ENGINE: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
-    HALF: gl.constexpr = BLOCK_M // 2
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    # Halves are stored through pointers in rows of 16-byte runs (the MMA layout's 4-byte pieces
-    # would need a 64-bit address per pair of values: too many registers, uncoalesced stores).
-    LANES_N: gl.constexpr = 32 if BLOCK_N >= 256 else BLOCK_N // 8
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_N, LANES_N], [4, 1], [1, 0])
-    dtype = out_ptr.dtype.element_ty
-    tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    tiles_per_segment = tiles_m * tiles_n
-    bands = gl.cdiv(tiles_m, GROUP_M)
-    own_flags, own_slot = _own_region(buffer_ptrs, own_offset, tiles_per_segment, RANK)
-    used = 0
-    for t in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
-        step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, GROUP_M)
-        if (step >= first_step) & (step <= last_step):
-            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
-            rows = pid_m * BLOCK_M + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, store_layout))  # in the segment
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-            mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
-            tile = pid_m * tiles_n + pid_n
-            if owner == RANK:
-                offs = gl.expand_dims(rows.to(gl.int64), 1) * N + gl.expand_dims(cols, 0)
-                gl.store(own_slot + offs, gl.convert_layout(acc, store_layout), mask=mask)
-                partition_barrier()  # every thread's stores of the half came before the release
-                gl.atomic_add(own_flags + tile, 1, sem="release", scope="gpu")
-            else:
-                # The half goes where _matmul_reduce_scatter._handover says, then its arrival.
-                if COPY_ENGINE:  # this rank's outgoing slots follow its W-1 incoming ones
-                    holder = RANK
-                    slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
-                elif PUSH:
-                    holder = owner
-                    slot = RANK - (owner < RANK).to(gl.int32)
-                else:
-                    holder = RANK
-                    slot = owner - (owner > RANK).to(gl.int32)
-                base = gl.load(buffer_ptrs + holder)
-                offs = gl.expand_dims((slot * rows_per_rank + rows).to(gl.int64), 1) * N + gl.expand_dims(cols, 0)
-                gl.store(_aligned(base, dtype) + offs, gl.convert_layout(acc.to(dtype), store_layout), mask=mask)
-                partition_barrier()
-                flags = (base + flags_offset).to(gl.pointer_type(gl.int32))
-                if COPY_ENGINE:
-                    gl.atomic_add(flags + slot * bands + pid_m // GROUP_M, 1, sem="release", scope="sys")
-                else:
-                    gl.atomic_add(flags + slot * tiles_per_segment + tile, 1, sem="release", scope="sys")
+        WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
+        gl.static_assert(BLOCK_M % UNIT_ROWS == 0)
+        gl.static_assert(BLOCK_N % WIDTH == 0)
+        layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [1, 1], [1, 0])  # one row
+        dtype = out_ptr.dtype.element_ty
+        tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        tiles_per_segment = tiles_m * tiles_n
+        bands = gl.cdiv(tiles_m, GROUP_M)
+        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
+        units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
+        units = tiles_per_segment * units_per_tile
+        # Software-pipelined by one unit: the next unit's flags are waited for while this unit's
+        # rows are on their way (a wait is a round trip even when the flags are long set).
+        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, GROUP_M, BLOCK_M)
+        if (gl.program_id(0) < units) & (row0 < rows_per_rank):
+            _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m * tiles_n + pid_n, pid_m // GROUP_M, tiles_per_segment,
+                       bands, flags_offset, max_spins, RANK, WORLD)  # fmt: skip
+            _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD)
+        phase = 0
+        for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
+            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, GROUP_M, BLOCK_M)
+            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, GROUP_M, BLOCK_M)
+            # A ragged segment's last tile: its units past the end hold no rows.
+            next_valid = (unit + NUM_PROGRAMS < units) & (next_row0 < rows_per_rank)
+            if next_valid:
+                _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m * tiles_n + next_n, next_m // GROUP_M,
+                           tiles_per_segment, bands, flags_offset, max_spins, RANK, WORLD)  # fmt: skip
+            if row0 < rows_per_rank:
+                mbarrier.wait(unit_bar.index(0), phase)
+                phase ^= 1
+                col0 = pid_n * BLOCK_N
+                for r in gl.static_range(UNIT_ROWS):
+                    for c in gl.static_range(BLOCK_N // WIDTH):
+                        cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+                        acc = gl.zeros((1, WIDTH), gl.float32, layout=layout)
+                        for i in gl.static_range(WORLD):  # own, then the peers in rank order
+                            rows = unit_bufs.index(i).reshape([UNIT_ROWS, BLOCK_N])
+                            acc += rows.slice(r, 1).slice(c * WIDTH, WIDTH, dim=1).load(layout).to(gl.float32)
+                        if HAS_BIAS:
+                            acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+                        mask = gl.expand_dims((cols < N) & (row0 + r < rows_per_rank), 0)
+                        offs = gl.expand_dims((row0 + r).to(gl.int64) * stride_om + cols, 0)
+                        gl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+            if next_valid:
+                _issue_unit(units_desc, unit_bufs, unit_bar, next_row0, next_n * BLOCK_N, WORLD)
 
 
 @gluon.jit
@@ -257,12 +246,14 @@ def matmul_reduce_scatter_reducer_kernel(
     N,
     K,
     stride_om,
-    flags_offset,  # bytes from a buffer's base to its int32 peer flags
+    flags_offset,  # bytes from a buffer's base to its int32 flags (W-1 rows of band flags, then W-1 of counters)
     first_step,  # owner steps to run: first_step..last_step (a full call: 0..W-1)
     last_step,
     max_spins,
     report_ptr,  # int32 [3]: where a timed-out wait records (rank waited for, tile, this rank)
-    own_offset,  # bytes from this rank's buffer base to its own region (module docstring)
+    own_offset,  # bytes from this rank's buffer base to its own-tile flags (module docstring)
+    slots_desc,  # over this rank's slots [2W-1, m, N], block [1, BLOCK_M // 2, BLOCK_N] (the consumers' stores)
+    units_desc,  # over the same slots, block [1, UNIT_ROWS, BLOCK_N], unswizzled (the reducer's loads)
     scale_a_ptr,  # None: unscaled only (the launcher's argument order, shared with the scaled kernels)
     scale_b_ptr,
     RANK: gl.constexpr,
@@ -271,28 +262,28 @@ def matmul_reduce_scatter_reducer_kernel(
     NUM_PROGRAMS: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr,
-    PUSH: gl.constexpr,
-    COPY_ENGINE: gl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
+    c_bufs = gl.allocate_shared_memory(slots_desc.dtype, [2, 1, BLOCK_M // 2, BLOCK_N], slots_desc.layout)
+    unit_bufs = gl.allocate_shared_memory(units_desc.dtype, [WORLD, 1, UNIT_ROWS, BLOCK_N], units_desc.layout)
+    unit_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(unit_bar.index(0), count=1)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
-            (_consumer, (out_ptr, bias_ptr, buffer_ptrs, report_ptr, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K,
-                         stride_om, flags_offset, own_offset, first_step, last_step, max_spins, 0, RANK, WORLD, GROUP_M,
-                         NUM_PROGRAMS, HAS_BIAS, PUSH, COPY_ENGINE, B_KN)),
-            (_consumer, (out_ptr, bias_ptr, buffer_ptrs, report_ptr, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K,
-                         stride_om, flags_offset, own_offset, first_step, last_step, max_spins, 1, RANK, WORLD, GROUP_M,
-                         NUM_PROGRAMS, HAS_BIAS, PUSH, COPY_ENGINE, B_KN)),
+            (_consumer, (buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset,
+                         own_offset, first_step, last_step, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
+            (_consumer, (buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset,
+                         own_offset, first_step, last_step, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
                        WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
-            (_reducer, (out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om, flags_offset, own_offset,
-                        last_step, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, BLOCK_M, BLOCK_N, HAS_BIAS, PUSH,
-                        COPY_ENGINE)),
+            (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
+                        stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS,
+                        BLOCK_M, BLOCK_N, HAS_BIAS)),
         ],
         [4, 1, 1],
         # The loader and reducer warps share a warpgroup and its register count; what they take,
@@ -304,7 +295,7 @@ def matmul_reduce_scatter_reducer_kernel(
     # Every partition of this program is done: the last program out resets the own-tile flags
     # and the counter for the next launch.
     tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    own_flags, _ = _own_region(buffer_ptrs, own_offset, tiles_per_segment, RANK)
+    own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
     done = own_flags + tiles_per_segment
     if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
         offs = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))

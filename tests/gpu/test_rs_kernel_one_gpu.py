@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpus(1)
 WIDE = MatmulReduceScatterConfig()  # 128x256x64, 3 stages, 8 warps: the large-M heuristic
 NARROW = MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)  # the small-M heuristic
 DEEP = MatmulReduceScatterConfig(num_stages=4, group_m=4)  # the shipped table's deepest wide pipeline
-REDUCER = MatmulReduceScatterConfig(warp_specialized=True)  # the reducer kernel (bf16 / fp16, Hopper)
+REDUCER = MatmulReduceScatterConfig(warp_specialized=True)  # the reducer kernel (bf16 / fp16, Hopper; copy engine)
 GATE_DELAY_S = 0.003
 MAX_SPINS = 1 << 26  # deliveries a few milliseconds apart are far inside it
 
@@ -61,6 +61,7 @@ def _reference(x, w, b, rank, world):
     ],
 )
 def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n, k_local, base, dtype, with_bias):
+    _only_the_copy_engine_on_the_reducer(base, transport)
     seed = random.randrange(1 << 30)
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
     cfg = dataclasses.replace(base, transport=transport)
@@ -75,6 +76,25 @@ def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n
     again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0, max_spins=1 << 20)  # other poison
     for r in range(world):
         assert torch.equal(outs[r], again[r]), f"rank {r}: outputs differ between identical runs ({transport})"
+
+
+def _only_the_copy_engine_on_the_reducer(base, transport):
+    if base.warp_specialized and transport != "copy_engine":
+        pytest.skip("the reducer kernel hands partials over by the copy engine only (test_reducer_kernel_refuses_...)")
+
+
+def test_reducer_kernel_refuses_other_transports_and_ragged_rows_before_launching():
+    x, w, _ = _inputs(1, 2, 256, 512, 256, torch.bfloat16, False)
+    for cfg, n, why in ((dataclasses.replace(REDUCER, transport="pull"), 512, "copy_engine"),
+                        (dataclasses.replace(REDUCER, transport="push"), 512, "copy_engine"),
+                        (REDUCER, 500, "multiple of 8")):  # fmt: skip
+        layout = Layout.of(256, n, 2, 2, cfg, True)
+        buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
+        ptrs = torch.tensor([buffer.data_ptr()] * 2, dtype=torch.int64, device="cuda")
+        out = torch.empty(256, n, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match=why):
+            launch_kernel(x[:, :256].contiguous(), w[:n, :256].contiguous(), None, out, ptrs, layout.flags_offset, 0, 2, cfg,
+                          own_offset=layout.own_offset, buffer=buffer)  # fmt: skip
 
 
 def _complete(cfg, layout) -> int:
@@ -115,6 +135,7 @@ def _deliveries(layout, cfg, owner, world):
     ],
 )
 def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_local, base, dtype, with_bias):
+    _only_the_copy_engine_on_the_reducer(base, transport)
     seed = random.randrange(1 << 30)
     what = f"{transport} world={world} owner={owner} seed={seed}"
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
@@ -136,7 +157,7 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     finished = torch.cuda.Event()
     xr, wr = shards(x, w, owner, k_local)
     launch_kernel(xr, wr, b, outs[owner], ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS,
-                  own_offset=layout.own_offset)  # fmt: skip
+                  own_offset=layout.own_offset, buffer=buffers[owner])  # fmt: skip
     finished.record(compute)
     gates = HostGates(len(deliveries))
     with torch.cuda.stream(copy):  # last tile first: every program of the kernel waits for a while

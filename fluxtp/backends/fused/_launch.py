@@ -90,10 +90,12 @@ class DescriptorLayout:
 
     __slots__ = ("cls", "fields")
 
-    def __init__(self, example: torch.Tensor, block: list[int], gluon: bool = False):
-        if gluon:
+    def __init__(self, example: torch.Tensor, block: list[int], gluon: bool = False, swizzled: bool = True):
+        if gluon:  # swizzled=False: rows the kernel reads one at a time from shared memory
             self.cls = GluonTensorDescriptor
-            shared = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPES[example.dtype])
+            dtype = _GLUON_DTYPES[example.dtype]
+            shared = (gl.NVMMASharedLayout.get_default_for(block, dtype) if swizzled else
+                      gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=dtype.primitive_bitwidth, rank=len(block)))
             desc = GluonTensorDescriptor(example, list(example.shape), list(example.stride()), block, shared)
         else:
             self.cls, desc = TensorDescriptor, TensorDescriptor.from_tensor(example, block)  # checked once, here

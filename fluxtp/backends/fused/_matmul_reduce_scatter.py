@@ -52,7 +52,6 @@ from fluxtp.backends.fused._launch import (
 )
 from fluxtp.configs import MIN_COPY_ENGINE_TILES, TRANSPORTS, MatmulReduceScatterConfig, tuned_config  # noqa: F401
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
-from fluxtp.kernels._matmul_reduce_scatter_reducer import own_slot_offset
 
 MAX_SPINS = MAX_SPINS_PEER  # system-scope reads, of local memory (push) or a peer's (pull)
 _OP = "matmul_reduce_scatter"
@@ -70,8 +69,9 @@ class Layout:
     outgoing slots, a flag per (peer, band) and then a tile counter per (owner, band), a band
     being group_m rows of tiles. A tile's producer adds tile_arrivals to its flag or counter
     (the warp-specialized kernels release each half of a tile on its own: 2). With own_region
-    (the reducer kernel), the own region follows at own_offset: flags and counters the kernel
-    resets itself, and the own float32 partial (fluxtp/kernels/_matmul_reduce_scatter_reducer.py)."""
+    (the reducer kernel, copy engine only): a last slot for this rank's own partial, and at
+    own_offset a flag per own tile and a counter, which that kernel resets itself
+    (fluxtp/kernels/_matmul_reduce_scatter_reducer.py)."""
 
     rows_per_rank: int
     n: int
@@ -90,7 +90,7 @@ class Layout:
     def of(rows_per_rank: int, n: int, itemsize: int, world: int, config: MatmulReduceScatterConfig,
            own_region: bool = False) -> Layout:  # fmt: skip
         tiles_m, tiles_n = triton.cdiv(rows_per_rank, config.block_m), triton.cdiv(n, config.block_n)
-        slots = 2 * (world - 1) if config.copy_engine else world - 1
+        slots = 2 * (world - 1) + own_region if config.copy_engine else world - 1
         flags_offset = triton.cdiv(slots * rows_per_rank * n * itemsize, 16) * 16
         if config.copy_engine:
             num_flags = 2 * (world - 1) * triton.cdiv(tiles_m, config.group_m)
@@ -99,8 +99,8 @@ class Layout:
         nbytes = flags_offset + 4 * num_flags
         own_offset = 0
         if own_region:
-            own_offset = triton.cdiv(nbytes, 16) * 16
-            nbytes = own_offset + own_slot_offset(tiles_m * tiles_n) + 4 * rows_per_rank * n
+            own_offset = nbytes
+            nbytes = own_offset + 4 * (tiles_m * tiles_n + 1)
         return Layout(
             rows_per_rank, n, tiles_m, tiles_n, config.group_m, config.block_m,
             flags_offset, num_flags, nbytes, 2 if config.warp_specialized else 1, own_offset,
@@ -109,11 +109,9 @@ class Layout:
     @property
     def reset_words(self) -> int:
         """int32 words from flags_offset that a call zeroes: the flags, and with an own region its
-        flags and counters too (the kernel resets them after itself, but the buffer may have
-        served another layout since)."""
-        if not self.own_offset:
-            return self.num_flags
-        return (self.own_offset - self.flags_offset + own_slot_offset(self.tiles_m * self.tiles_n)) // 4
+        flags and counter too (the kernel resets them after itself, but the buffer may have served
+        another layout since)."""
+        return (self.nbytes - self.flags_offset) // 4
 
     @property
     def bands(self) -> int:
@@ -221,7 +219,7 @@ class _Kernel:
     tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor)."""
 
     def __init__(self, x, weight, bias, out_stride, buffer_flags_offset, rank, world, config, first_step, last_step,
-                 max_spins, report, scaled=None, own_offset=0):  # fmt: skip
+                 max_spins, report, scaled=None, own_offset=0, buffer=None):  # fmt: skip
         m_total, k = x.shape
         n = weight.shape[0]
         rows_per_rank = m_total // world
@@ -241,19 +239,7 @@ class _Kernel:
                 op = "matmul_reduce_scatter" if scaled is None else "scaled_matmul_reduce_scatter"
                 raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
             if scaled is None:
-                from fluxtp.kernels._matmul_reduce_scatter_reducer import matmul_reduce_scatter_reducer_kernel
-
-                # Every program's tiles (a launch of some owner steps skips the others'), one SM
-                # left free: the reducers wait for tiles of other programs, which all need an SM.
-                tiles_per_segment = triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
-                grid = max(1, min(sms - 1, world * tiles_per_segment))
-                self.scalars += (own_offset,)
-                self.launch = Launch(
-                    matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
-                    NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None,
-                    PUSH=config.transport != "pull", COPY_ENGINE=config.copy_engine, B_KN=self.weight.kn,
-                    **_scaled.PINGPONG_WARPS,
-                )  # fmt: skip
+                self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffer)
                 return
             from fluxtp.kernels._matmul_reduce_scatter_pingpong import matmul_reduce_scatter_pingpong_kernel
 
@@ -286,6 +272,34 @@ class _Kernel:
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
+
+    def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffer):
+        """The reducer kernel's launch (a warp-specialized config of an unscaled call): its
+        consumers TMA-store and its reducers TMA-load the partial slots of this rank's `buffer`
+        (uint8, laid out as Layout.of(..., own_region=True) says): copy engine only, rows of
+        16-byte multiples."""
+        from fluxtp.kernels._matmul_reduce_scatter_reducer import UNIT_ROWS, matmul_reduce_scatter_reducer_kernel
+
+        if not config.copy_engine:
+            raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, which hands "
+                             "partials over by the copy engine only: use transport copy_engine")  # fmt: skip
+        if (n * x.element_size()) % 16:
+            raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, which needs "
+                             f"the weight's rows n ({n}) to be a multiple of 8")  # fmt: skip
+        slot_count = 2 * world - 1
+        slots = buffer[: slot_count * rows_per_rank * n * x.element_size()].view(x.dtype).view(slot_count, rows_per_rank, n)
+        descriptors = (DescriptorLayout(slots, [1, config.block_m // 2, config.block_n], gluon=True).over(slots),
+                       DescriptorLayout(slots, [1, UNIT_ROWS.value, config.block_n], gluon=True, swizzled=False).over(slots))
+        # Every program's tiles (a launch of some owner steps skips the others'), one SM left
+        # free: the reducers wait for tiles of other programs, which all need an SM.
+        tiles_per_segment = triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
+        grid = max(1, min(sms - 1, world * tiles_per_segment))
+        self.scalars += (own_offset, *descriptors)
+        self.launch = Launch(
+            matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
+            NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None, B_KN=self.weight.kn,
+            **_scaled.PINGPONG_WARPS,
+        )  # fmt: skip
 
     def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):
         """scales: a scaled call's (x's, the weight's), _scaled.flat."""
@@ -338,6 +352,7 @@ def launch_kernel(
     scaled=None,
     scales=(None, None),
     own_offset: int = 0,
+    buffer: torch.Tensor | None = None,
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
@@ -347,11 +362,11 @@ def launch_kernel(
     rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
     (default: this process's record). A scaled call passes `scaled` (_scaled.Scaled) and `scales`
     (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials. The reducer
-    kernel (uses_reducer) takes its buffer's own region at own_offset (Layout's).
+    kernel (uses_reducer) takes this rank's buffer (uint8) and its own region's offset (Layout's).
     """
     last_step = world - 1 if last_step is None else last_step
     kernel = _Kernel(x, weight, bias, out.stride(0), flags_offset, rank, world, config, first_step, last_step, max_spins,
-                     report, scaled, own_offset)  # fmt: skip
+                     report, scaled, own_offset, buffer)  # fmt: skip
     kernel(x, weight, bias, out, buffer_ptrs, scales)
 
 
@@ -405,7 +420,8 @@ class Plan:
         self.flags = ws.flags(layout)
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
-                              MAX_SPINS, None, scaled, layout.own_offset)  # fmt: skip
+                              MAX_SPINS, None, scaled, layout.own_offset,
+                              ws.buffer.local(torch.uint8, (layout.nbytes,)) if layout.own_offset else None)  # fmt: skip
         # The copy stream records steps 1-2 (they address only the workspace) as one graph, and
         # carries the copy engine's band pushes; the CPU interpreter's plans issue steps 1-2 as they are.
         self.copy_stream = symm.copy_stream(x.device) if x.is_cuda else None
@@ -602,7 +618,7 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=x.device)
     out = torch.empty(m_total // world, n, dtype=x.dtype if scaled is None else out_dtype, device=x.device)
     kernel = _Kernel(x, weight, bias, out.stride(0), layout.flags_offset, rank, world, config, 0, world - 1, MAX_SPINS,
-                     None, scaled, layout.own_offset)  # fmt: skip
+                     None, scaled, layout.own_offset, own)  # fmt: skip
     kernel_scales = (None, None) if scales is None else tuple(_scaled.flat(s) for s in scales)
 
     def run():

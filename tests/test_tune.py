@@ -1014,3 +1014,31 @@ def test_info_configs_needs_no_gpu_and_rejects_options_without_it(cache, capsys)
         cli.main(["info", "--shapes", "64x64x64"])
     assert e.value.code == 2
     assert "go with --configs" in capsys.readouterr().err
+
+
+def test_reduce_scatter_runs_copy_engine_configs_at_tp8_on_the_reducer_kernel(cache, monkeypatch):
+    """From REDUCER_MIN_WORLD ranks on, an unscaled copy-engine config the caller did not pass
+    (a table entry or the heuristic) runs on the reducer kernel where it can (Hopper, rows of
+    16-byte multiples, its shared memory); push, fewer ranks and the caller's own config stay."""
+    from fluxtp.backends.fused import _matmul_reduce_scatter
+    from fluxtp.configs import MatmulReduceScatterConfig
+
+    runs = {"now": None}
+    monkeypatch.setattr(_matmul_reduce_scatter._scaled, "pingpong_unsupported", lambda *args: runs["now"])
+    x, w = torch.empty(8 * 2048, 32, dtype=torch.bfloat16), torch.empty(4096, 32, dtype=torch.bfloat16)
+    heuristic = MatmulReduceScatterConfig.heuristic(8 * 2048, 4096, 32, 8)
+    assert heuristic.copy_engine and not heuristic.warp_specialized
+    moved = _matmul_reduce_scatter._config_for(x, w, 8, None)
+    assert moved == dataclasses.replace(heuristic, num_stages=3, warp_specialized=True)
+    assert _matmul_reduce_scatter._config_for(x[: 4 * 2048], w, 4, None) == MatmulReduceScatterConfig.heuristic(
+        4 * 2048, 4096, 32, 4)  # fewer ranks
+    assert _matmul_reduce_scatter._config_for(x, w, 8, heuristic) == heuristic  # the caller's own
+    assert not _matmul_reduce_scatter._config_for(x, w[:4092], 8, None).warp_specialized  # rows of 8184 bytes
+    runs["now"] = "no Hopper here"
+    assert _matmul_reduce_scatter._config_for(x, w, 8, None) == heuristic
+    push = dataclasses.replace(heuristic, transport="push")
+    assert push.on_reducer_kernel(8) == push
+    assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 16, 2)  # 16 ranks' unit rows
+    assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(
+        dataclasses.replace(moved, num_stages=4), 1024, 8, 2)
+    assert _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 8, 2) is None

@@ -10,6 +10,7 @@ from fluxtp.configs._classes import (
     FUSED_OPS,
     HOPPER_SMS,
     MIN_COPY_ENGINE_TILES,
+    SMEM_LIMIT_BYTES,
     TRANSPORTS,
     AllGatherMatmulConfig,
     AllReduceConfig,
@@ -41,7 +42,8 @@ from fluxtp.configs._table import (
 )
 
 __all__ = [
-    "FUSED_OPS", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
+    "FUSED_OPS", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES",
+    "SMEM_LIMIT_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
     "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig", "MatmulReduceScatterConfig", "candidates", "cdiv",
     "choose", "config_class", "describe", "fits", "heuristic", "load", "m_bucket", "measured_verdict", "narrow_tiles_win", "reload",
     "search_space", "smem_bytes", "tuned_config", "weight_layout_of",

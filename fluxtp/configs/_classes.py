@@ -159,6 +159,11 @@ TRANSPORTS = ("push", "pull", "copy_engine")
 MIN_COPY_ENGINE_TILES = 256
 
 
+# From this many ranks on, copy-engine reduce-scatters of bf16 / fp16 run on the reducer kernel
+# (MatmulReduceScatterConfig.on_reducer_kernel).
+REDUCER_MIN_WORLD = 8
+
+
 @dataclass(frozen=True)
 class MatmulReduceScatterConfig(GemmTiling):
     """How one fused GEMM+ReduceScatter call is launched; every rank must use the same one."""
@@ -172,8 +177,10 @@ class MatmulReduceScatterConfig(GemmTiling):
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
     epilogue_split: int = 4
-    # The warp-specialized FP8 kernel (fluxtp/kernels/_matmul_reduce_scatter_pingpong.py; epilogue_split
-    # and num_warps ignored), opt-in through warp_specialized_fp8(): a tile's flag counts two arrivals.
+    # The warp-specialized kernels (epilogue_split and num_warps ignored; a tile's flag counts two
+    # arrivals): for FP8 calls _matmul_reduce_scatter_pingpong.py, opt-in through warp_specialized_fp8();
+    # for bf16 / fp16 the reducer kernel, _matmul_reduce_scatter_reducer.py (copy engine only), where
+    # on_reducer_kernel() says.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     def __post_init__(self):
@@ -207,6 +214,17 @@ class MatmulReduceScatterConfig(GemmTiling):
         docs/perf-log.md)."""
         config = MatmulReduceScatterConfig(**WARP_SPECIALIZED_FP8_TILING, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
+
+    def on_reducer_kernel(self, world: int) -> MatmulReduceScatterConfig:
+        """This config on the reducer kernel (warp-specialized, bf16 / fp16 on Hopper:
+        fluxtp/kernels/_matmul_reduce_scatter_reducer.py) where it measured faster than the Triton
+        kernel, else itself: from REDUCER_MIN_WORLD ranks on, with the copy engine's transport (on
+        one H100, GEMM-only, 0.89-0.95x the time of the Triton kernel's table entries at the four
+        models' 16384-token shapes at TP=8; level at TP=4; docs/perf-log.md), in 128x256x64 tiles
+        and 3 stages (its shared memory holds no more)."""
+        if self.warp_specialized or world < REDUCER_MIN_WORLD or not self.copy_engine:
+            return self
+        return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
 
     def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
         """This tiling with the heuristic's transport: the copy engine's where a segment of rows has

@@ -55,10 +55,18 @@ REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 p
 
 
 @gluon.jit
+def _local_tile(j, tiles_m, tiles_n, GROUP_M: gl.constexpr, WORLD: gl.constexpr):
+    """(pid_m, pid_n) of an owner's j-th tile: bands of GROUP_M / W tile rows (at least one), as the
+    W owners' tiles of one wave share the weight's columns but not x's rows."""
+    BAND: gl.constexpr = GROUP_M // WORLD if GROUP_M > WORLD else 1
+    return grouped_tile(j, tiles_m, tiles_n, BAND)
+
+
+@gluon.jit
 def _tile(t, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr):
-    """(owner step, owner, pid_m, pid_n) of tile t: owners interleaved, grouped order within each."""
+    """(owner step, owner, pid_m, pid_n) of tile t: owners interleaved tile by tile."""
     step = t % WORLD
-    pid_m, pid_n = grouped_tile(t // WORLD, tiles_m, tiles_n, GROUP_M)
+    pid_m, pid_n = _local_tile(t // WORLD, tiles_m, tiles_n, GROUP_M, WORLD)
     return step, (RANK + 1 + step) % WORLD, pid_m, pid_n
 
 
@@ -87,11 +95,15 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, f
 @gluon.jit
 def _publish(counter, pending):
     """Count a half in once its TMA store has completed: every thread of the partition is past the
-    wait, then one release (scope sys: the copy stream and the reducers read it)."""
+    wait, then one release: scope gpu for an own tile (this GPU's reducers read it), sys for a
+    band (the copy stream reads it; a sys fence cost 3-4% on every tile)."""
     if pending != 0:
         tma.store_wait(pendings=0)
         partition_barrier()
-        gl.atomic_add(counter, 1, sem="release", scope="sys")
+        if pending == 1:
+            gl.atomic_add(counter, 1, sem="release", scope="gpu")
+        else:
+            gl.atomic_add(counter, 1, sem="release", scope="sys")
 
 
 @gluon.jit
@@ -120,15 +132,17 @@ def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, row
             if owner == RANK:
                 slot = owner * 0 + 2 * (WORLD - 1)
                 counter = own_flags + pid_m * tiles_n + pid_n
+                kind = owner * 0 + 1
             else:  # this rank's outgoing slots follow its W-1 incoming ones
                 slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
                 counter = counters + (slot - (WORLD - 1)) * bands + pid_m // GROUP_M
+                kind = owner * 0 + 2
             tma.store_wait(pendings=0)  # c_smem is free again (published halves waited already)
             c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
             fence_async_shared()
             # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
             tma_store(slots_desc, [slot, pid_m * BLOCK_M + C * HALF, pid_n * BLOCK_N], c_smem)
-            pending = 1
+            pending = kind  # 1: an own tile's half, 2: a band's
     _publish(counter, pending)
 
 
@@ -162,10 +176,10 @@ def _wait_unit(buffer_ptrs, own_flags, report_ptr, tile, band, tiles_per_segment
 
 
 @gluon.jit
-def _unit(unit, tiles_m, tiles_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr):
+def _unit(unit, tiles_m, tiles_n, GROUP_M: gl.constexpr, WORLD: gl.constexpr, BLOCK_M: gl.constexpr):
     """(pid_m, pid_n, first row in the segment) of a reduction unit: own tiles in the consumers' order."""
     units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
-    pid_m, pid_n = grouped_tile(unit // units_per_tile, tiles_m, tiles_n, GROUP_M)
+    pid_m, pid_n = _local_tile(unit // units_per_tile, tiles_m, tiles_n, GROUP_M, WORLD)
     return pid_m, pid_n, pid_m * BLOCK_M + (unit % units_per_tile) * UNIT_ROWS
 
 
@@ -201,15 +215,15 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         units = tiles_per_segment * units_per_tile
         # Software-pipelined by one unit: the next unit's flags are waited for while this unit's
         # rows are on their way (a wait is a round trip even when the flags are long set).
-        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, GROUP_M, BLOCK_M)
+        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
         if (gl.program_id(0) < units) & (row0 < rows_per_rank):
             _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m * tiles_n + pid_n, pid_m // GROUP_M, tiles_per_segment,
                        bands, flags_offset, max_spins, RANK, WORLD)  # fmt: skip
             _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD)
         phase = 0
         for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
-            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, GROUP_M, BLOCK_M)
-            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, GROUP_M, BLOCK_M)
+            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
+            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
             # A ragged segment's last tile: its units past the end hold no rows.
             next_valid = (unit + NUM_PROGRAMS < units) & (next_row0 < rows_per_rank)
             if next_valid:

@@ -56,7 +56,7 @@ def _reference(x, w, b, rank, world):
         (4, 384, 1536, 1024, DEEP, torch.bfloat16, True),
         (8, 200, 1024, 512, WIDE, torch.bfloat16, False),  # the unrolled reduction (_matmul_reduce_scatter.REDUCE_UNROLL_MIN_WORLD)
         (2, 1000, 1000, 2048, REDUCER, torch.bfloat16, True),
-        (4, 384, 1536, 1024, dataclasses.replace(REDUCER, group_m=2, num_stages=4), torch.float16, False),
+        (4, 384, 1536, 1024, dataclasses.replace(REDUCER, group_m=2), torch.float16, False),
         (8, 200, 1024, 512, REDUCER, torch.bfloat16, True),
     ],
 )
@@ -83,11 +83,12 @@ def _only_the_copy_engine_on_the_reducer(base, transport):
         pytest.skip("the reducer kernel hands partials over by the copy engine only (test_reducer_kernel_refuses_...)")
 
 
-def test_reducer_kernel_refuses_other_transports_and_ragged_rows_before_launching():
+def test_reducer_kernel_refuses_what_it_cannot_run_before_launching():
     x, w, _ = _inputs(1, 2, 256, 512, 256, torch.bfloat16, False)
     for cfg, n, why in ((dataclasses.replace(REDUCER, transport="pull"), 512, "copy_engine"),
                         (dataclasses.replace(REDUCER, transport="push"), 512, "copy_engine"),
-                        (REDUCER, 500, "multiple of 8")):  # fmt: skip
+                        (REDUCER, 500, "multiple of 8"),
+                        (dataclasses.replace(REDUCER, num_stages=4), 512, "shared memory")):  # fmt: skip
         layout = Layout.of(256, n, 2, 2, cfg, True)
         buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
         ptrs = torch.tensor([buffer.data_ptr()] * 2, dtype=torch.int64, device="cuda")

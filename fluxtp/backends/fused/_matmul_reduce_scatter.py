@@ -50,7 +50,13 @@ from fluxtp.backends.fused._launch import (
     num_sms,
     tma_ready,
 )
-from fluxtp.configs import MIN_COPY_ENGINE_TILES, TRANSPORTS, MatmulReduceScatterConfig, tuned_config  # noqa: F401
+from fluxtp.configs import (  # noqa: F401
+    MIN_COPY_ENGINE_TILES,
+    SMEM_LIMIT_BYTES,
+    TRANSPORTS,
+    MatmulReduceScatterConfig,
+    tuned_config,
+)
 from fluxtp.kernels._matmul_reduce_scatter import matmul_reduce_scatter_kernel
 
 MAX_SPINS = MAX_SPINS_PEER  # system-scope reads, of local memory (push) or a peer's (pull)
@@ -280,12 +286,9 @@ class _Kernel:
         16-byte multiples."""
         from fluxtp.kernels._matmul_reduce_scatter_reducer import UNIT_ROWS, matmul_reduce_scatter_reducer_kernel
 
-        if not config.copy_engine:
-            raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, which hands "
-                             "partials over by the copy engine only: use transport copy_engine")  # fmt: skip
-        if (n * x.element_size()) % 16:
-            raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, which needs "
-                             f"the weight's rows n ({n}) to be a multiple of 8")  # fmt: skip
+        why = reducer_unsupported(config, n, world, x.element_size())
+        if why:
+            raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
         slot_count = 2 * world - 1
         slots = buffer[: slot_count * rows_per_rank * n * x.element_size()].view(x.dtype).view(slot_count, rows_per_rank, n)
         descriptors = (DescriptorLayout(slots, [1, config.block_m // 2, config.block_n], gluon=True).over(slots),
@@ -372,13 +375,34 @@ def launch_kernel(
 
 def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None, scaled=None) -> MatmulReduceScatterConfig:
     """The caller's config, else the tuned table's for this shape, else the heuristic (FP8: its
-    own, nothing tuned yet)."""
+    own, nothing tuned yet); unscaled ones not the caller's on the reducer kernel where
+    on_reducer_kernel says and it runs here."""
     m_total, k = x.shape
+    n = weight.shape[0]
     if scaled is not None:
-        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, weight.shape[0], k, world, scaled.precise_acc)
-    return config or tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(
-        m_total, weight.shape[0], k, world
-    )
+        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
+    if config is not None:
+        return config
+    config = tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(m_total, n, k, world)
+    reducer = config.on_reducer_kernel(world)
+    runs = reducer is not config and _scaled.pingpong_unsupported(x.device, None, x.dtype) is None
+    return reducer if runs and reducer_unsupported(reducer, n, world, x.element_size()) is None else config
+
+
+def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, itemsize: int) -> str | None:
+    """Why the reducer kernel cannot run `config` for rows of n elements at this world size, or None."""
+    from fluxtp.kernels._matmul_reduce_scatter_reducer import UNIT_ROWS
+
+    if not config.copy_engine:
+        return "it hands partials over by the copy engine only: use transport copy_engine"
+    if (n * itemsize) % 16:
+        return f"it needs the weight's rows n ({n}) to be a multiple of {16 // itemsize}"
+    # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots.
+    smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k + config.block_m * config.block_n
+            + world * UNIT_ROWS.value * config.block_n) * itemsize  # fmt: skip
+    if smem > SMEM_LIMIT_BYTES:
+        return f"it needs {smem} bytes of shared memory there, more than {SMEM_LIMIT_BYTES}: fewer stages"
+    return None
 
 
 def uses_reducer(config: MatmulReduceScatterConfig, scaled) -> bool:

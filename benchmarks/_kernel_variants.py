@@ -10,6 +10,7 @@ the shipped kernel under another name (tests/test_kernel_variants.py checks them
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 import tempfile
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from fluxtp._dist import GroupInfo
-from fluxtp.bench.gemm_grid import model_cases
+from fluxtp.bench.gemm_grid import expected_rows, launched_config, model_cases, relative_error
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 
@@ -75,13 +76,29 @@ def graphed_runs(launcher_module, kernel_name: str, kernels: dict, case, x, weig
 
 def gemm_only(launcher_module, kernel_name: str, kernel, case, x, weight):
     """The launcher's GEMM-only mode for rank 0 of the case, launching `kernel` in place of its
-    shipped `kernel_name` (bound now: the returned callable keeps launching `kernel`)."""
+    shipped Triton `kernel_name` (bound now: the returned callable keeps launching `kernel`), with
+    the config a call launches on the Triton kernel (never a warp-specialized one, which would
+    not run `kernel`)."""
+    config = dataclasses.replace(launched_config(case, x, weight), warp_specialized=False)
     shipped = getattr(launcher_module, kernel_name)
     setattr(launcher_module, kernel_name, kernel)
     try:
-        return launcher_module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world))
+        return launcher_module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config)
     finally:
         setattr(launcher_module, kernel_name, shipped)
+
+
+def checked_triton_reduce_scatter(case, x, weight):
+    """(the shipped Triton reduce-scatter kernel's GEMM-only mode for the case, F.linear's result)
+    once its rows match F.linear's."""
+    from fluxtp.backends.fused import _matmul_reduce_scatter
+
+    full = F.linear(x, weight)
+    run = gemm_only(_matmul_reduce_scatter, "matmul_reduce_scatter_kernel",
+                    _matmul_reduce_scatter.matmul_reduce_scatter_kernel, case, x, weight)  # fmt: skip
+    if not relative_error(run(), expected_rows(case, full)) < 1e-2:
+        raise AssertionError(f"{case.label()}: the fused kernel computes a wrong result")
+    return run, full
 
 
 def case_parser(doc: str, models: str, worlds: str, tokens: str, variants: dict) -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ from fluxtp.kernels._pingpong import (
     load_tile,
     partition_barrier,
     record_and_trap,
+    wait_flags,
 )
 
 TILE_ARRIVALS = gl.constexpr(2)  # one release per consumer warpgroup
@@ -105,14 +106,8 @@ def _consumer(out_ptr, bias_ptr, buffer_ptrs, report_ptr, scale_a_ptr, scale_b_p
                 expected = TILE_ARRIVALS
             bases = gl.load(buffer_ptrs + holders, mask=peer, other=0) + flags_offset
             flag_ptrs = bases.to(gl.pointer_type(gl.int32)) + index
-            zero = gl.full((FLAG_LANES,), 0, gl.int32, layout=flag_layout)  # (Gluon 3.6: no scalar operand)
-            values = gl.atomic_add(flag_ptrs, zero, mask=peer, sem="acquire", scope="sys")
-            arrived = (values == expected) | ~peer
-            spins = 0
-            while (gl.min(arrived.to(gl.int32), 0) == 0) & (spins < max_spins):
-                values = gl.atomic_add(flag_ptrs, zero, mask=peer & ~arrived, sem="acquire", scope="sys")
-                arrived = arrived | (peer & (values == expected))
-                spins += 1
+            expected = gl.full((FLAG_LANES,), expected, gl.int32, layout=flag_layout)
+            arrived = wait_flags(flag_ptrs, peer, expected, max_spins)
             if gl.min(arrived.to(gl.int32), 0) == 0:
                 record_and_trap(report_ptr, gl.min(gl.where(arrived, FLAG_LANES, srcs), 0), tile, RANK)
             partition_barrier()  # every thread of this warpgroup loads after the acquire

@@ -47,6 +47,7 @@ from fluxtp.kernels._pingpong import (
     record_and_trap,
     tma_load,
     tma_store,
+    wait_flags,
 )
 
 TILE_ARRIVALS = gl.constexpr(2)  # one release per consumer warpgroup
@@ -160,14 +161,7 @@ def _wait_unit(buffer_ptrs, own_flags, report_ptr, tile, band, tiles_per_segment
     band_flags = flags + (srcs - (srcs > RANK).to(gl.int32)) * bands + band
     flag_ptrs = gl.where(srcs == RANK, own_flags + (tile + srcs * 0), band_flags)
     expected = gl.where(srcs == RANK, TILE_ARRIVALS, 1)
-    zero = gl.full((32,), 0, gl.int32, layout=layout)  # (Gluon 3.6: no scalar operand)
-    values = gl.atomic_add(flag_ptrs, zero, mask=waited, sem="acquire", scope="sys")
-    arrived = (values == expected) | ~waited
-    spins = 0
-    while (gl.min(arrived.to(gl.int32), 0) == 0) & (spins < max_spins):
-        values = gl.atomic_add(flag_ptrs, zero, mask=waited & ~arrived, sem="acquire", scope="sys")
-        arrived = arrived | (waited & (values == expected))
-        spins += 1
+    arrived = wait_flags(flag_ptrs, waited, expected, max_spins)
     if gl.min(arrived.to(gl.int32), 0) == 0:
         record_and_trap(report_ptr, gl.min(gl.where(arrived, 32, srcs), 0), tile, RANK)
     # Generic-proxy accesses before (the acquire) are ordered before the async proxy's after (TMA).

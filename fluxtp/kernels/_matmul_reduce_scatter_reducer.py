@@ -18,9 +18,9 @@ so that neither handing partials over nor summing them costs tensor-core time:
   want of registers (docs/perf-log.md).
 Every partial, the own one too, is rounded to the input dtype before the sum (as NCCL-then-GEMM
 rounds them); the Triton kernel keeps its own partial in float32, so the two differ in the last
-bits. Tiles are interleaved across owners: tile t is the (t // W)-th tile (grouped order) of owner
-(RANK + 1 + t % W) % W, so every owner's rows complete progressively and the reduction runs
-behind the GEMM instead of after it. A launch may run only the owner steps first_step..last_step
+bits. Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
+(RANK + 1 + t % W) % W (grouped order in bands of GROUP_M / W rows), so every owner's rows
+complete progressively on every rank and the reduction runs behind the GEMM instead of after it. A launch may run only the owner steps first_step..last_step
 (t % W in that range; the reducer only with the own step).
 
 Workspace (fluxtp/backends/fused/_matmul_reduce_scatter.py's Layout with an own region): slots

@@ -287,6 +287,8 @@ class _Kernel:
         from fluxtp.kernels._matmul_reduce_scatter_reducer import UNIT_ROWS, matmul_reduce_scatter_reducer_kernel
 
         why = reducer_unsupported(config, n, world, x.element_size())
+        if why is None and buffer is None:
+            why = "it reads and writes this rank's buffer through TMA descriptors: pass the buffer (uint8)"
         if why:
             raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
         slot_count = 2 * world - 1

@@ -23,7 +23,7 @@ from fluxtp.backends import fused
 from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, check_matmul_reduce, draw, rel_error
-from tests.gpu import WORLD, run_until_trap
+from tests.gpu import WORLD, run_until_trap, skip_unless_hopper
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,7 +86,8 @@ def _poison_workspace(x_local, w_local, config, group=None):
     torch.cuda.synchronize()
     dist.barrier(group=group)
     layout = _matmul_reduce_scatter.Layout.of(
-        x_local.shape[0] // info.world_size, w_local.shape[0], x_local.element_size(), info.world_size, config
+        x_local.shape[0] // info.world_size, w_local.shape[0], x_local.element_size(), info.world_size, config,
+        _matmul_reduce_scatter.uses_reducer(config, None),
     )
     buf = _matmul_reduce_scatter._workspaces[(info.name, x_local.device.index)].buffer.tensor
     buf[: layout.flags_offset].view(x_local.dtype).fill_(NAN)
@@ -236,6 +237,54 @@ def _graph_body(rank, world, seed):
 
 def test_cuda_graph_replay():
     run_on_ranks(_graph_body, WORLD, random.randrange(1 << 30), backend="nccl")
+
+
+REDUCER = dataclasses.replace(_matmul_reduce_scatter.MatmulReduceScatterConfig(), transport="copy_engine",
+                              warp_specialized=True)  # the reducer kernel (on_reducer_kernel's config)
+
+
+def _reducer_body(rank, world, seed):
+    """The reducer kernel through whole calls: poisoned workspace (its own slot and own-tile flags
+    too: the call's reset must clear them) and output, ragged rows, bias, calls back to back with
+    no host sync, a producer delayed between the barrier and the kernel, graph replays."""
+    info = resolve_group(None)
+    shapes = [(1024, 1024, 512), (300, 1000, 256), (2048, 5120, 520)]  # rows per rank, N, k per rank
+    for s, (rows, n, k_local) in enumerate(shapes):
+        x, w, b, xl, wl = _inputs(seed + s, world, rank, rows * world, n, k_local, torch.bfloat16, s % 2 == 0)
+        _matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, REDUCER)  # workspace for this shape
+        _poison_workspace(xl, wl, REDUCER)
+        _poison_output_pool(rows, n, torch.bfloat16)
+        _check(_matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, REDUCER), x, w, b, rank, world, f"shape {s}")
+        call = _matmul_reduce_scatter.prepare(xl, wl, info, REDUCER)
+        if rank == s % world:
+            torch.cuda._sleep(SLEEP_CYCLES)  # the peers' own rows wait in the kernel for this rank's bands
+        _check(_matmul_reduce_scatter.launch(call, xl, wl, b), x, w, b, rank, world, f"shape {s} delayed rank {s % world}")
+    cases = [_inputs(seed + 100 + i, world, rank, shapes[i % 2][0] * world, *shapes[i % 2][1:], torch.bfloat16, i % 3 == 0)
+             for i in range(20)]  # fmt: skip
+    torch.cuda.synchronize()
+    outputs = [_matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, REDUCER) for _, _, b, xl, wl in cases]
+    for i, ((x, w, b, _, _), out) in enumerate(zip(cases, outputs)):
+        _check(out, x, w, b, rank, world, f"back-to-back call {i}")
+    x, w, b, xl, wl = _inputs(seed + 200, world, rank, 1024 * world, 1024, 512, torch.bfloat16, True)
+    static_x, static_w = xl.clone(), wl.clone()
+    for _ in range(2):
+        _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, REDUCER)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, REDUCER)
+    for i in range(5):
+        x, w, _, xl, wl = _inputs(seed + 300 + i, world, rank, 1024 * world, 1024, 512, torch.bfloat16, False)
+        static_x.copy_(xl)
+        static_w.copy_(wl)
+        static_out.fill_(NAN)
+        graph.replay()
+        _check(static_out, x, w, b, rank, world, f"replay {i}")
+
+
+def test_reducer_kernel_whole_calls():
+    skip_unless_hopper()
+    run_on_ranks(_reducer_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=400)
 
 
 def _two_groups_body(rank, world, seed):

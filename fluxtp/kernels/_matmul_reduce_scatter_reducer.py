@@ -148,7 +148,7 @@ def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, row
 
 
 @gluon.jit
-def _wait_unit(buffer_ptrs, own_flags, report_ptr, tile, band, tiles_per_segment, bands, flags_offset, max_spins,
+def _wait_unit(buffer_ptrs, own_flags, report_ptr, tile, band, bands, flags_offset, max_spins,
                RANK: gl.constexpr, WORLD: gl.constexpr):  # fmt: skip
     """Until this rank's own partial of `tile` and every peer's band of it have arrived (acquire;
     every flag read at once, lane r for rank r); gives up after max_spins rounds (record and trap)."""
@@ -211,8 +211,8 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         # rows are on their way (a wait is a round trip even when the flags are long set).
         pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
         if (gl.program_id(0) < units) & (row0 < rows_per_rank):
-            _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m * tiles_n + pid_n, pid_m // GROUP_M, tiles_per_segment,
-                       bands, flags_offset, max_spins, RANK, WORLD)  # fmt: skip
+            _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m * tiles_n + pid_n, pid_m // GROUP_M, bands, flags_offset,
+                       max_spins, RANK, WORLD)  # fmt: skip
             _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD)
         phase = 0
         for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
@@ -221,8 +221,8 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
             # A ragged segment's last tile: its units past the end hold no rows.
             next_valid = (unit + NUM_PROGRAMS < units) & (next_row0 < rows_per_rank)
             if next_valid:
-                _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m * tiles_n + next_n, next_m // GROUP_M,
-                           tiles_per_segment, bands, flags_offset, max_spins, RANK, WORLD)  # fmt: skip
+                _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m * tiles_n + next_n, next_m // GROUP_M, bands,
+                           flags_offset, max_spins, RANK, WORLD)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(0), phase)
                 phase ^= 1

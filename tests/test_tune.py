@@ -1042,3 +1042,23 @@ def test_reduce_scatter_runs_copy_engine_configs_at_tp8_on_the_reducer_kernel(ca
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(
         dataclasses.replace(moved, num_stages=4), 1024, 8, 2)
     assert _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 8, 2) is None
+
+
+def test_the_reducer_kernels_workspace_adds_an_own_slot_and_own_tile_flags_the_call_resets():
+    """Layout.of(..., own_region=True): the copy engine's 2(W-1) slots plus the own slot, its
+    flags and counters, then a flag per own tile and a done counter, all inside what a call zeroes
+    (reset_words); a layout without the region keeps exactly the Triton kernel's bytes."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import Layout
+    from fluxtp.configs import MatmulReduceScatterConfig
+
+    config = MatmulReduceScatterConfig(transport="copy_engine", warp_specialized=True)
+    m, n, world = 300, 1000, 8  # ragged rows: 3 x 4 tiles of 128 x 256
+    plain = Layout.of(m, n, 2, world, dataclasses.replace(config, warp_specialized=False))
+    own = Layout.of(m, n, 2, world, config, True)
+    assert plain.own_offset == 0 and plain.reset_words == plain.num_flags
+    assert plain.nbytes == plain.flags_offset + 4 * plain.num_flags
+    assert own.flags_offset == -(-(2 * world - 1) * m * n * 2 // 16) * 16  # one more slot
+    assert own.num_flags == plain.num_flags and own.tile_arrivals == 2
+    assert own.own_offset == own.flags_offset + 4 * own.num_flags
+    assert own.nbytes == own.own_offset + 4 * (own.tiles_m * own.tiles_n + 1)
+    assert own.reset_words * 4 == own.nbytes - own.flags_offset

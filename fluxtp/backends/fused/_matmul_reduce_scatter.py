@@ -53,6 +53,7 @@ from fluxtp.backends.fused._launch import (
 from fluxtp.configs import (  # noqa: F401
     MIN_COPY_ENGINE_TILES,
     SMEM_LIMIT_BYTES,
+    SMEM_RESERVE_BYTES,
     TRANSPORTS,
     MatmulReduceScatterConfig,
     tuned_config,
@@ -399,9 +400,10 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
         return "it hands partials over by the copy engine only: use transport copy_engine"
     if (n * itemsize) % 16:
         return f"it needs the weight's rows n ({n}) to be a multiple of {16 // itemsize}"
-    # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots.
+    # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots, and the
+    # reserve the configs' model keeps for barriers and alignment (fits()).
     smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k + config.block_m * config.block_n
-            + world * UNIT_ROWS.value * config.block_n) * itemsize  # fmt: skip
+            + world * UNIT_ROWS.value * config.block_n) * itemsize + SMEM_RESERVE_BYTES  # fmt: skip
     if smem > SMEM_LIMIT_BYTES:
         return f"it needs {smem} bytes of shared memory there, more than {SMEM_LIMIT_BYTES}: fewer stages"
     return None

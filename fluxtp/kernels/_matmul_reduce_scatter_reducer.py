@@ -7,8 +7,9 @@ so that neither handing partials over nor summing them costs tensor-core time:
 - two consumer warpgroups each compute half of a tile's rows and TMA-store it, rounded to the
   input dtype, into its slot here: an outgoing slot (a peer's rows; the copy stream pushes each
   finished band of them to its owner) or the own slot. Each half is counted (release) once its
-  store has completed, after the next tile's K loop: into its band's counter (peer rows) or its
-  tile's own flag (own rows);
+  store has completed: a peer's into its band's counter after the next tile's K loop (the store
+  is long done by then), an own one into its tile's own flag at once (this rank's reducers wait
+  for it: deferred, it held them back a whole K loop, docs/perf-log.md);
 - a reducer warp sums this rank's rows while the consumers compute: units of UNIT_ROWS rows of
   an own tile, unit u going to program u % NUM_PROGRAMS, in order. A unit waits (acquire,
   bounded) for its tile's own flag and its band's flag from every peer, TMA-loads the W slots'
@@ -143,7 +144,11 @@ def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, row
             fence_async_shared()
             # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
             tma_store(slots_desc, [slot, pid_m * BLOCK_M + C * HALF, pid_n * BLOCK_N], c_smem)
-            pending = kind  # 1: an own tile's half, 2: a band's
+            if owner == RANK:  # the reducers wait for it now, not after the next K loop
+                _publish(counter, kind)
+                pending = 0
+            else:
+                pending = kind  # 2: a band's
     _publish(counter, pending)
 
 

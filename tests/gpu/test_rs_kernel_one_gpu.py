@@ -58,6 +58,8 @@ def _reference(x, w, b, rank, world):
         (2, 1000, 1000, 2048, REDUCER, torch.bfloat16, True),
         (4, 384, 1536, 1024, dataclasses.replace(REDUCER, group_m=2), torch.float16, False),
         (8, 200, 1024, 512, REDUCER, torch.bfloat16, True),
+        # 7 x 7 tiles a rank, ragged: ~12 reduction units a program, each taken in turn
+        (8, 880, 1792, 256, REDUCER, torch.bfloat16, True),
     ],
 )
 def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n, k_local, base, dtype, with_bias):
@@ -133,6 +135,7 @@ def _deliveries(layout, cfg, owner, world):
         (4, 2, 256, 512, 1024, dataclasses.replace(NARROW, group_m=1), torch.float16, False),  # 2 bands per peer
         (2, 1, 500, 600, 2048, REDUCER, torch.bfloat16, True),
         (4, 2, 256, 512, 1024, dataclasses.replace(REDUCER, group_m=1), torch.float16, False),
+        (8, 3, 880, 1792, 256, REDUCER, torch.bfloat16, False),  # ~12 reduction units a program
     ],
 )
 def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_local, base, dtype, with_bias):

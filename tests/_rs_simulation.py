@@ -78,7 +78,7 @@ def peer_steps(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=
     for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, 0, world - 2, max_spins,
-                      None, *_scaling(scaled, rank_scales, r), layout.own_offset, buffers[r])  # fmt: skip
+                      None, *_scaling(scaled, rank_scales, r), layout.own_offset, buffers)  # fmt: skip
     if cfg.copy_engine:
         copy_engine(buffers, ptrs, layout, world, part)
     return layout, buffers, ptrs, outs
@@ -91,5 +91,5 @@ def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=Fa
     for r in range(world):
         xr, wr = shards(x, w, r, k_local, transposed)
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins,
-                      None, *_scaling(scaled, rank_scales, r), layout.own_offset, buffers[r])  # fmt: skip
+                      None, *_scaling(scaled, rank_scales, r), layout.own_offset, buffers)  # fmt: skip
     return outs, flag_views(buffers, layout)

@@ -1016,12 +1016,13 @@ def test_info_configs_needs_no_gpu_and_rejects_options_without_it(cache, capsys)
     assert "go with --configs" in capsys.readouterr().err
 
 
-def test_reduce_scatter_runs_copy_engine_configs_at_tp8_on_the_reducer_kernel(cache, monkeypatch):
-    """From REDUCER_MIN_WORLD ranks on, an unscaled copy-engine config the caller did not pass
+def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_by_world_and_work(cache, monkeypatch):
+    """From REDUCER_WORLD ranks on, an unscaled push or copy-engine config the caller did not pass
     (a table entry or the heuristic) runs on the reducer kernel where it can (Hopper, rows of
-    16-byte multiples, its shared memory); push, fewer ranks and the caller's own config stay."""
+    16-byte multiples, its shared memory, push to at most 8 ranks); from REDUCER_MIN_WORLD on only
+    GEMMs of REDUCER_MIN_WORK tile K-blocks; pull, fewer ranks and the caller's own config stay."""
     from fluxtp.backends.fused import _matmul_reduce_scatter
-    from fluxtp.configs import MatmulReduceScatterConfig
+    from fluxtp.configs import REDUCER_MIN_WORK, MatmulReduceScatterConfig
 
     runs = {"now": None}
     monkeypatch.setattr(_matmul_reduce_scatter._scaled, "pingpong_unsupported", lambda *args: runs["now"])
@@ -1031,13 +1032,25 @@ def test_reduce_scatter_runs_copy_engine_configs_at_tp8_on_the_reducer_kernel(ca
     moved = _matmul_reduce_scatter._config_for(x, w, 8, None)
     assert moved == dataclasses.replace(heuristic, num_stages=3, warp_specialized=True)
     assert _matmul_reduce_scatter._config_for(x[: 4 * 2048], w, 4, None) == MatmulReduceScatterConfig.heuristic(
-        4 * 2048, 4096, 32, 4)  # fewer ranks
+        4 * 2048, 4096, 32, 4)  # TP=4, little work (8192 x 4096 x 32)
+    assert _matmul_reduce_scatter._config_for(x[: 2 * 2048], w, 2, None) == MatmulReduceScatterConfig.heuristic(
+        2 * 2048, 4096, 32, 2)  # fewer ranks
     assert _matmul_reduce_scatter._config_for(x, w, 8, heuristic) == heuristic  # the caller's own
     assert not _matmul_reduce_scatter._config_for(x, w[:4092], 8, None).warp_specialized  # rows of 8184 bytes
     runs["now"] = "no Hopper here"
     assert _matmul_reduce_scatter._config_for(x, w, 8, None) == heuristic
     push = dataclasses.replace(heuristic, transport="push")
-    assert push.on_reducer_kernel(8) == push
+    on_reducer = dataclasses.replace(heuristic, transport="push", num_stages=3, warp_specialized=True)
+    assert push.on_reducer_kernel(8, 1024, 4096, 1792) == on_reducer  # TP=8: any work
+    pull = dataclasses.replace(heuristic, transport="pull")
+    assert pull.on_reducer_kernel(8, 8 * 2048, 4096, 1792) == pull
+    # TP=4: llama3-70b's reduce-scatter at 2048 tokens has 16 x 32 x 112 = 57344 tile K-blocks, at 1024 half that
+    assert 28672 < REDUCER_MIN_WORK <= 57344
+    assert push.on_reducer_kernel(4, 2048, 8192, 7168) == on_reducer
+    assert push.on_reducer_kernel(4, 1024, 8192, 7168) == push
+    assert push.on_reducer_kernel(2, 16384, 8192, 14336) == push
+    assert "push" in _matmul_reduce_scatter.reducer_unsupported(on_reducer, 1024, 16, 2)  # a descriptor per rank
+    assert "pull" in _matmul_reduce_scatter.reducer_unsupported(dataclasses.replace(on_reducer, transport="pull"), 1024, 8, 2)
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 16, 2)  # 16 ranks' unit rows
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(
         dataclasses.replace(moved, num_stages=4), 1024, 8, 2)
@@ -1061,4 +1074,26 @@ def test_the_reducer_kernels_workspace_adds_an_own_slot_and_own_tile_flags_the_c
     assert own.num_flags == plain.num_flags and own.tile_arrivals == 2
     assert own.own_offset == own.flags_offset + 4 * own.num_flags
     assert own.nbytes == own.own_offset + 4 * (own.tiles_m * own.tiles_n + 1)
+    assert own.reset_words * 4 == own.nbytes - own.flags_offset
+    assert own.slots == 2 * world - 1 and not own.counts_bands
+    assert bool((own.complete_flags(True) == 1).all())
+
+
+def test_the_reducer_kernels_push_counts_each_peers_band_in_its_owners_buffer():
+    """Push on the reducer kernel: W-1 incoming slots and the own slot, a counter per (peer, band)
+    that reads 2 per tile of its band once every half arrived (a ragged last band fewer), then the
+    own region; the Triton kernel's push layout is unchanged (a flag per (peer, tile))."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import Layout
+    from fluxtp.configs import MatmulReduceScatterConfig
+
+    config = MatmulReduceScatterConfig(transport="push", warp_specialized=True, group_m=2)
+    m, n, world = 300, 1000, 8  # 3 x 4 tiles: bands of 2 and 1 tile rows
+    plain = Layout.of(m, n, 2, world, dataclasses.replace(config, warp_specialized=False))
+    own = Layout.of(m, n, 2, world, config, True)
+    assert plain.num_flags == (world - 1) * 3 * 4 and not plain.counts_bands and plain.slots == world - 1
+    assert own.slots == world and own.counts_bands and own.bands == 2
+    assert own.flags_offset == -(-world * m * n * 2 // 16) * 16
+    assert own.num_flags == (world - 1) * 2
+    assert own.complete_flags(False).tolist() == [2 * 8, 2 * 4] * (world - 1)
+    assert own.own_offset == own.flags_offset + 4 * own.num_flags
     assert own.reset_words * 4 == own.nbytes - own.flags_offset

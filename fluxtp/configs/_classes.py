@@ -159,9 +159,13 @@ TRANSPORTS = ("push", "pull", "copy_engine")
 MIN_COPY_ENGINE_TILES = 256
 
 
-# From this many ranks on, copy-engine reduce-scatters of bf16 / fp16 run on the reducer kernel
+# Push and copy-engine reduce-scatters of bf16 / fp16 run on the reducer kernel from
+# REDUCER_WORLD ranks on, and from REDUCER_MIN_WORLD on where the GEMM has REDUCER_MIN_WORK tile
+# K-blocks (128x256x64) or more: below that at TP=4 its reduction's tail outweighs what it saves
 # (MatmulReduceScatterConfig.on_reducer_kernel).
-REDUCER_MIN_WORLD = 8
+REDUCER_WORLD = 8
+REDUCER_MIN_WORLD = 4
+REDUCER_MIN_WORK = 40_000
 
 
 @dataclass(frozen=True)
@@ -179,8 +183,8 @@ class MatmulReduceScatterConfig(GemmTiling):
     epilogue_split: int = 4
     # The warp-specialized kernels (epilogue_split and num_warps ignored; a tile's flag counts two
     # arrivals): for FP8 calls _matmul_reduce_scatter_pingpong.py, opt-in through warp_specialized_fp8();
-    # for bf16 / fp16 the reducer kernel, _matmul_reduce_scatter_reducer.py (copy engine only), where
-    # on_reducer_kernel() says.
+    # for bf16 / fp16 the reducer kernel, _matmul_reduce_scatter_reducer.py (push or copy engine),
+    # where on_reducer_kernel() says.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     def __post_init__(self):
@@ -215,14 +219,18 @@ class MatmulReduceScatterConfig(GemmTiling):
         config = MatmulReduceScatterConfig(**WARP_SPECIALIZED_FP8_TILING, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
 
-    def on_reducer_kernel(self, world: int) -> MatmulReduceScatterConfig:
+    def on_reducer_kernel(self, world: int, m_total: int, n: int, k: int) -> MatmulReduceScatterConfig:
         """This config on the reducer kernel (warp-specialized, bf16 / fp16 on Hopper:
         fluxtp/kernels/_matmul_reduce_scatter_reducer.py) where it measured faster than the Triton
-        kernel, else itself: from REDUCER_MIN_WORLD ranks on, with the copy engine's transport (on
-        one H100, GEMM-only, 0.89-0.95x the time of the Triton kernel's table entries at the four
-        models' 16384-token shapes at TP=8; level at TP=4; docs/perf-log.md), in 128x256x64 tiles
-        and 3 stages (its shared memory holds no more)."""
-        if self.warp_specialized or world < REDUCER_MIN_WORLD or not self.copy_engine:
+        kernel, else itself: push or copy engine, from REDUCER_WORLD ranks on, and from
+        REDUCER_MIN_WORLD on for GEMMs of REDUCER_MIN_WORK tile K-blocks or more (one H100,
+        GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
+        TP=8, 0.90-1.02x at TP=4 above the work bound, 1.04-1.22x below it; docs/perf-log.md), in
+        128x256x64 tiles and 3 stages (its shared memory holds no more)."""
+        if self.warp_specialized or world < REDUCER_MIN_WORLD or self.transport == "pull":
+            return self
+        work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
+        if world < REDUCER_WORLD and work < REDUCER_MIN_WORK:
             return self
         return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
 

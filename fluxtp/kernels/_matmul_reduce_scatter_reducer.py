@@ -1,19 +1,22 @@
 """Persistent GEMM+ReduceScatter for bf16 / fp16, warp-specialized, the owner's reduction beside the MMAs (Gluon, Hopper).
 
-The op of _matmul_reduce_scatter's kernel with the copy engine's transport (the same workspace
-plus an own slot: every partial slot is in this rank's buffer, so TMA moves them all), arranged
-so that neither handing partials over nor summing them costs tensor-core time:
+The op of _matmul_reduce_scatter's kernel with the copy engine's transport or push (the same
+workspace plus an own slot and, for push, a counter per band in place of a flag per tile; every
+partial moves by TMA), arranged so that neither handing partials over nor summing them costs
+tensor-core time:
 - a loader warp TMA-loads each tile's K blocks of x (the owner's rows) and w into a ring of stages;
 - two consumer warpgroups each compute half of a tile's rows and TMA-store it, rounded to the
-  input dtype, into its slot here: an outgoing slot (a peer's rows; the copy stream pushes each
-  finished band of them to its owner) or the own slot. Each half is counted (release) once its
-  store has completed: a peer's into its band's counter after the next tile's K loop (the store
-  is long done by then), an own one into its tile's own flag at once (this rank's reducers wait
-  for it: deferred, it held them back a whole K loop, docs/perf-log.md);
+  input dtype, into its slot: a peer's rows into an outgoing slot here (copy engine: the copy
+  stream pushes each finished band of them to its owner) or into this rank's incoming slot in the
+  owner's buffer (push: over NVLink, a descriptor per rank), its own rows into the own slot. Each
+  half is counted (release) once its store has completed: a peer's into its band's counter
+  (here, or push: the owner's) after the next tile's K loop (the store is long done by then), an
+  own one into its tile's own flag at once (this rank's reducers wait for it: deferred, it held
+  them back a whole K loop, docs/perf-log.md);
 - a reducer warp sums this rank's rows while the consumers compute: units of UNIT_ROWS rows of
   an own tile, unit u going to program u % NUM_PROGRAMS, in order. A unit waits (acquire,
-  bounded) for its tile's own flag and its band's flag from every peer, TMA-loads the W slots'
-  rows into shared memory (many bytes in flight for few registers), adds them in float32 (its own
+  bounded) for its tile's own flag and its band from every peer (copy engine: the band's flag;
+  push: the band's counter at all its tiles' halves), TMA-loads the W slots' rows into shared memory (many bytes in flight for few registers), adds them in float32 (its own
   partial, then the peers' in rank order: deterministic), adds the bias and rounds once into out.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
@@ -25,8 +28,9 @@ complete progressively on every rank and the reduction runs behind the GEMM inst
 (t % W in that range; the reducer only with the own step).
 
 Workspace (fluxtp/backends/fused/_matmul_reduce_scatter.py's Layout with an own region): slots
-[2W-1, m, N] (W-1 incoming, W-1 outgoing, own), the copy engine's flags and band counters, then
-at own_offset the own-tile flags [tiles of a segment] and a done counter. The last program out
+[2W-1, m, N] (W-1 incoming, W-1 outgoing, own) with the copy engine's flags and band counters, or
+(push) [W, m, N] (W-1 incoming, own) with a counter per (incoming slot, band); then at own_offset
+the own-tile flags [tiles of a segment] and a done counter. The last program out
 resets the own-tile flags and the counter for the next launch (they must read 0 before the first);
 the others keep the Triton kernel's contract (0 before the launch: the launcher resets them).
 
@@ -52,6 +56,7 @@ from fluxtp.kernels._pingpong import (
 )
 
 TILE_ARRIVALS = gl.constexpr(2)  # one release per consumer warpgroup
+MAX_PUSH_WORLD = gl.constexpr(8)  # push stores through a descriptor per rank, passed one by one
 UNIT_ROWS = gl.constexpr(4)  # rows of an own tile per reduction unit (W slots' rows in shared memory at once)
 REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
 
@@ -95,10 +100,16 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, f
 
 
 @gluon.jit
+def _own_slot(PUSH: gl.constexpr, WORLD: gl.constexpr):
+    """The own slot's index: after the W-1 incoming slots (push), or after the outgoing ones too."""
+    return WORLD - 1 if PUSH else 2 * (WORLD - 1)
+
+
+@gluon.jit
 def _publish(counter, pending):
     """Count a half in once its TMA store has completed: every thread of the partition is past the
     wait, then one release: scope gpu for an own tile (this GPU's reducers read it), sys for a
-    band (the copy stream reads it; a sys fence cost 3-4% on every tile)."""
+    band (the copy stream or the owner reads it; a sys fence cost 3-4% on every tile)."""
     if pending != 0:
         tma.store_wait(pendings=0)
         partition_barrier()
@@ -109,9 +120,35 @@ def _publish(counter, pending):
 
 
 @gluon.jit
-def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset,
-              first_step, last_step, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
+def _store_half(owner, coord, c_smem, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7,
+                WORLD: gl.constexpr):  # fmt: skip
+    """TMA-store a half into owner's slots (push): slotsR is the descriptor over rank R's (Triton
+    3.6 takes no tuple of descriptors)."""
+    gl.static_assert(WORLD <= MAX_PUSH_WORLD)
+    if owner == 0:
+        tma_store(slots0, coord, c_smem)
+    if owner == 1:
+        tma_store(slots1, coord, c_smem)
+    if WORLD > 2:
+        if owner == 2:
+            tma_store(slots2, coord, c_smem)
+        if owner == 3:
+            tma_store(slots3, coord, c_smem)
+    if WORLD > 4:
+        if owner == 4:
+            tma_store(slots4, coord, c_smem)
+        if owner == 5:
+            tma_store(slots5, coord, c_smem)
+        if owner == 6:
+            tma_store(slots6, coord, c_smem)
+        if owner == 7:
+            tma_store(slots7, coord, c_smem)
+
+
+@gluon.jit
+def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset,
+              own_offset, first_step, last_step, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
+              GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
@@ -120,7 +157,7 @@ def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, row
     tiles_n = gl.cdiv(N, BLOCK_N)
     bands = gl.cdiv(tiles_m, GROUP_M)
     own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
-    # Band counters: after the W-1 incoming flags, one per (outgoing slot, band).
+    # Copy engine: band counters after the W-1 incoming flags, one per (outgoing slot, band).
     counters = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32)) + (WORLD - 1) * bands
     c_smem = c_bufs.index(C)
     pending = 0
@@ -131,10 +168,15 @@ def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, row
         if (step >= first_step) & (step <= last_step):
             acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
             _publish(counter, pending)  # the previous half's store had this K loop's time to complete
+            row = pid_m * BLOCK_M + C * HALF
             if owner == RANK:
-                slot = owner * 0 + 2 * (WORLD - 1)
+                slot = owner * 0 + _own_slot(PUSH, WORLD)
                 counter = own_flags + pid_m * tiles_n + pid_n
                 kind = owner * 0 + 1
+            elif PUSH:  # this rank's incoming slot at the owner, and the owner's counter of its band there
+                slot = RANK - (owner < RANK).to(gl.int32)
+                counter = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32)) + slot * bands + pid_m // GROUP_M
+                kind = owner * 0 + 2
             else:  # this rank's outgoing slots follow its W-1 incoming ones
                 slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
                 counter = counters + (slot - (WORLD - 1)) * bands + pid_m // GROUP_M
@@ -143,7 +185,11 @@ def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, row
             c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
             fence_async_shared()
             # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
-            tma_store(slots_desc, [slot, pid_m * BLOCK_M + C * HALF, pid_n * BLOCK_N], c_smem)
+            if PUSH and owner != RANK:
+                _store_half(owner, [slot, row, pid_n * BLOCK_N], c_smem, slots0, slots1, slots2, slots3, slots4, slots5,
+                            slots6, slots7, WORLD)  # fmt: skip
+            else:
+                tma_store(slots_desc, [slot, row, pid_n * BLOCK_N], c_smem)
             if owner == RANK:  # the reducers wait for it now, not after the next K loop
                 _publish(counter, kind)
                 pending = 0
@@ -153,19 +199,26 @@ def _consumer(buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, row
 
 
 @gluon.jit
-def _wait_unit(buffer_ptrs, own_flags, report_ptr, tile, band, bands, flags_offset, max_spins,
-               RANK: gl.constexpr, WORLD: gl.constexpr):  # fmt: skip
-    """Until this rank's own partial of `tile` and every peer's band of it have arrived (acquire;
-    every flag read at once, lane r for rank r); gives up after max_spins rounds (record and trap)."""
+def _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins,
+               RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+    """Until this rank's own partial of tile (pid_m, pid_n) and every peer's band of it have
+    arrived (acquire; every flag read at once, lane r for rank r); gives up after max_spins rounds
+    (record and trap)."""
     gl.static_assert(WORLD <= 32)
+    tile = pid_m * tiles_n + pid_n
+    band = pid_m // GROUP_M
+    bands = gl.cdiv(tiles_m, GROUP_M)
+    band_tiles = gl.minimum(tiles_m - band * GROUP_M, GROUP_M) * tiles_n
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     srcs = gl.arange(0, 32, layout=layout)
     waited = srcs < WORLD
-    # Peer src's band of this rank's rows: incoming slot src - (src > RANK), flag set once by the copy stream.
+    # Peer src's band of this rank's rows: incoming slot src - (src > RANK), its flag set once by
+    # the copy stream, or (push) its counter at every half of the band's tiles.
     flags = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32))
     band_flags = flags + (srcs - (srcs > RANK).to(gl.int32)) * bands + band
     flag_ptrs = gl.where(srcs == RANK, own_flags + (tile + srcs * 0), band_flags)
-    expected = gl.where(srcs == RANK, TILE_ARRIVALS, 1)
+    band_complete = band_tiles * TILE_ARRIVALS if PUSH else 1
+    expected = gl.where(srcs == RANK, TILE_ARRIVALS, band_complete)
     arrived = wait_flags(flag_ptrs, waited, expected, max_spins)
     if gl.min(arrived.to(gl.int32), 0) == 0:
         record_and_trap(report_ptr, gl.min(gl.where(arrived, 32, srcs), 0), tile, RANK)
@@ -183,12 +236,12 @@ def _unit(unit, tiles_m, tiles_n, GROUP_M: gl.constexpr, WORLD: gl.constexpr, BL
 
 
 @gluon.jit
-def _issue_unit(units_desc, unit_bufs, unit_bar, row0, col0, WORLD: gl.constexpr):
+def _issue_unit(units_desc, unit_bufs, unit_bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
     """TMA-load a unit's rows of the W slots: unit_bufs[0] the own slot's, [1 + i] the i-th peer's
     (rank order; incoming slot i)."""
     fence_async_shared()  # this warp's reads of the previous unit come before TMA overwrites them
     mbarrier.expect(unit_bar.index(0), WORLD * units_desc.block_type.nbytes)
-    tma_load(units_desc, [2 * (WORLD - 1), row0, col0], unit_bar.index(0), unit_bufs.index(0))
+    tma_load(units_desc, [_own_slot(PUSH, WORLD), row0, col0], unit_bar.index(0), unit_bufs.index(0))
     for i in gl.static_range(WORLD - 1):
         tma_load(units_desc, [i, row0, col0], unit_bar.index(0), unit_bufs.index(1 + i))
 
@@ -197,7 +250,7 @@ def _issue_unit(units_desc, unit_bufs, unit_bar, row0, col0, WORLD: gl.constexpr
 def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
              flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
              GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HAS_BIAS: gl.constexpr):  # fmt: skip
+             HAS_BIAS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """This program's reduction units, in order (module docstring), a row at a time from shared memory."""
     if last_step == WORLD - 1:
         WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
@@ -208,7 +261,6 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
         tiles_n = gl.cdiv(N, BLOCK_N)
         tiles_per_segment = tiles_m * tiles_n
-        bands = gl.cdiv(tiles_m, GROUP_M)
         own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
         units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
         units = tiles_per_segment * units_per_tile
@@ -216,9 +268,9 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         # rows are on their way (a wait is a round trip even when the flags are long set).
         pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
         if (gl.program_id(0) < units) & (row0 < rows_per_rank):
-            _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m * tiles_n + pid_n, pid_m // GROUP_M, bands, flags_offset,
-                       max_spins, RANK, WORLD)  # fmt: skip
-            _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD)
+            _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins, RANK,
+                       WORLD, GROUP_M, PUSH)  # fmt: skip
+            _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD, PUSH)
         phase = 0
         for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
@@ -226,8 +278,8 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
             # A ragged segment's last tile: its units past the end hold no rows.
             next_valid = (unit + NUM_PROGRAMS < units) & (next_row0 < rows_per_rank)
             if next_valid:
-                _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m * tiles_n + next_n, next_m // GROUP_M, bands,
-                           flags_offset, max_spins, RANK, WORLD)  # fmt: skip
+                _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset, max_spins,
+                           RANK, WORLD, GROUP_M, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(0), phase)
                 phase ^= 1
@@ -245,7 +297,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
                         offs = gl.expand_dims((row0 + r).to(gl.int64) * stride_om + cols, 0)
                         gl.store(out_ptr + offs, acc.to(dtype), mask=mask)
             if next_valid:
-                _issue_unit(units_desc, unit_bufs, unit_bar, next_row0, next_n * BLOCK_N, WORLD)
+                _issue_unit(units_desc, unit_bufs, unit_bar, next_row0, next_n * BLOCK_N, WORLD, PUSH)
 
 
 @gluon.jit
@@ -259,14 +311,22 @@ def matmul_reduce_scatter_reducer_kernel(
     N,
     K,
     stride_om,
-    flags_offset,  # bytes from a buffer's base to its int32 flags (W-1 rows of band flags, then W-1 of counters)
+    flags_offset,  # bytes from a buffer's base to its int32 flags (module docstring)
     first_step,  # owner steps to run: first_step..last_step (a full call: 0..W-1)
     last_step,
     max_spins,
     report_ptr,  # int32 [3]: where a timed-out wait records (rank waited for, tile, this rank)
     own_offset,  # bytes from this rank's buffer base to its own-tile flags (module docstring)
-    slots_desc,  # over this rank's slots [2W-1, m, N], block [1, BLOCK_M // 2, BLOCK_N] (the consumers' stores)
+    slots_desc,  # over this rank's slots [S, m, N] (S: 2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the consumers' stores)
     units_desc,  # over the same slots, block [1, UNIT_ROWS, BLOCK_N], unswizzled (the reducer's loads)
+    slots0,  # push: as slots_desc over rank 0's slots as this GPU sees them, ... (unused past W: any descriptor)
+    slots1,
+    slots2,
+    slots3,
+    slots4,
+    slots5,
+    slots6,
+    slots7,
     scale_a_ptr,  # None: unscaled only (the launcher's argument order, shared with the scaled kernels)
     scale_b_ptr,
     RANK: gl.constexpr,
@@ -276,6 +336,7 @@ def matmul_reduce_scatter_reducer_kernel(
     NUM_STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
+    PUSH: gl.constexpr,  # peers' rows into their owners' buffers (else the copy engine's outgoing slots here)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -288,15 +349,17 @@ def matmul_reduce_scatter_reducer_kernel(
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
-            (_consumer, (buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset,
-                         own_offset, first_step, last_step, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
-            (_consumer, (buffer_ptrs, slots_desc, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset,
-                         own_offset, first_step, last_step, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
+            (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
+                         b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
+                         0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH)),
+            (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
+                         b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
+                         1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
                        WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
                         stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS,
-                        BLOCK_M, BLOCK_N, HAS_BIAS)),
+                        BLOCK_M, BLOCK_N, HAS_BIAS, PUSH)),
         ],
         [4, 1, 1],
         # The loader and reducer warps share a warpgroup and its register count; what they take,

@@ -243,36 +243,38 @@ REDUCER = dataclasses.replace(_matmul_reduce_scatter.MatmulReduceScatterConfig()
                               warp_specialized=True)  # the reducer kernel (on_reducer_kernel's config)
 
 
-def _reducer_body(rank, world, seed):
+def _reducer_body(rank, world, seed, transport):
     """The reducer kernel through whole calls: poisoned workspace (its own slot and own-tile flags
     too: the call's reset must clear them) and output, ragged rows, bias, calls back to back with
-    no host sync, a producer delayed between the barrier and the kernel, graph replays."""
+    no host sync, a producer delayed between the barrier and the kernel, graph replays. Push
+    stores into the peers' buffers through TMA descriptors over their mapped memory."""
     info = resolve_group(None)
+    config = dataclasses.replace(REDUCER, transport=transport)
     shapes = [(1024, 1024, 512), (300, 1000, 256), (2048, 5120, 520)]  # rows per rank, N, k per rank
     for s, (rows, n, k_local) in enumerate(shapes):
         x, w, b, xl, wl = _inputs(seed + s, world, rank, rows * world, n, k_local, torch.bfloat16, s % 2 == 0)
-        _matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, REDUCER)  # workspace for this shape
-        _poison_workspace(xl, wl, REDUCER)
+        _matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, config)  # workspace for this shape
+        _poison_workspace(xl, wl, config)
         _poison_output_pool(rows, n, torch.bfloat16)
-        _check(_matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, REDUCER), x, w, b, rank, world, f"shape {s}")
-        call = _matmul_reduce_scatter.prepare(xl, wl, info, REDUCER)
+        _check(_matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, config), x, w, b, rank, world, f"shape {s}")
+        call = _matmul_reduce_scatter.prepare(xl, wl, info, config)
         if rank == s % world:
             torch.cuda._sleep(SLEEP_CYCLES)  # the peers' own rows wait in the kernel for this rank's bands
         _check(_matmul_reduce_scatter.launch(call, xl, wl, b), x, w, b, rank, world, f"shape {s} delayed rank {s % world}")
     cases = [_inputs(seed + 100 + i, world, rank, shapes[i % 2][0] * world, *shapes[i % 2][1:], torch.bfloat16, i % 3 == 0)
              for i in range(20)]  # fmt: skip
     torch.cuda.synchronize()
-    outputs = [_matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, REDUCER) for _, _, b, xl, wl in cases]
+    outputs = [_matmul_reduce_scatter.matmul_reduce_scatter(xl, wl, b, info, config) for _, _, b, xl, wl in cases]
     for i, ((x, w, b, _, _), out) in enumerate(zip(cases, outputs)):
         _check(out, x, w, b, rank, world, f"back-to-back call {i}")
     x, w, b, xl, wl = _inputs(seed + 200, world, rank, 1024 * world, 1024, 512, torch.bfloat16, True)
     static_x, static_w = xl.clone(), wl.clone()
     for _ in range(2):
-        _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, REDUCER)
+        _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, config)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, REDUCER)
+        static_out = _matmul_reduce_scatter.matmul_reduce_scatter(static_x, static_w, b, info, config)
     for i in range(5):
         x, w, _, xl, wl = _inputs(seed + 300 + i, world, rank, 1024 * world, 1024, 512, torch.bfloat16, False)
         static_x.copy_(xl)
@@ -282,9 +284,10 @@ def _reducer_body(rank, world, seed):
         _check(static_out, x, w, b, rank, world, f"replay {i}")
 
 
-def test_reducer_kernel_whole_calls():
+@pytest.mark.parametrize("transport", ["copy_engine", "push"])
+def test_reducer_kernel_whole_calls(transport):
     skip_unless_hopper()
-    run_on_ranks(_reducer_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=400)
+    run_on_ranks(_reducer_body, WORLD, random.randrange(1 << 30), transport, backend="nccl", timeout_s=400)
 
 
 def _two_groups_body(rank, world, seed):

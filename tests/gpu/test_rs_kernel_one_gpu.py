@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fluxtp.backends.fused import _matmul_reduce_scatter
-from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel
+from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel, uses_reducer
 from tests._cases import TOLERANCE, draw, rel_error
 from tests._gates import HostGates
 from tests._rs_simulation import flag_views, peer_steps, shards, simulate
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpus(1)
 WIDE = MatmulReduceScatterConfig()  # 128x256x64, 3 stages, 8 warps: the large-M heuristic
 NARROW = MatmulReduceScatterConfig(block_n=128, num_stages=4, epilogue_split=2)  # the small-M heuristic
 DEEP = MatmulReduceScatterConfig(num_stages=4, group_m=4)  # the shipped table's deepest wide pipeline
-REDUCER = MatmulReduceScatterConfig(warp_specialized=True)  # the reducer kernel (bf16 / fp16, Hopper; copy engine)
+REDUCER = MatmulReduceScatterConfig(warp_specialized=True)  # the reducer kernel (bf16 / fp16, Hopper; push, copy engine)
 GATE_DELAY_S = 0.003
 MAX_SPINS = 1 << 26  # deliveries a few milliseconds apart are far inside it
 
@@ -63,32 +63,32 @@ def _reference(x, w, b, rank, world):
     ],
 )
 def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n, k_local, base, dtype, with_bias):
-    _only_the_copy_engine_on_the_reducer(base, transport)
+    _no_pull_on_the_reducer(base, transport)
     seed = random.randrange(1 << 30)
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
     cfg = dataclasses.replace(base, transport=transport)
-    layout = Layout.of(m, n, x.element_size(), world, cfg)
+    layout = Layout.of(m, n, x.element_size(), world, cfg, uses_reducer(cfg, None))
     outs, flags = simulate(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
     for r in range(world):
         what = f"{transport} world={world} rank={r} seed={seed}"
         err = rel_error(outs[r], _reference(x, w, b, r, world))
         assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"
-        set_by_peers = flags[r][: layout.num_flags // 2] if cfg.copy_engine else flags[r]
-        assert bool((set_by_peers == _complete(cfg, layout)).all()), f"{what}: flags never set"
+        complete = layout.complete_flags(cfg.copy_engine).to(flags[r].device)
+        set_by_peers = slice(0, layout.num_flags // 2 if cfg.copy_engine else layout.num_flags)
+        assert bool((flags[r][set_by_peers] == complete[set_by_peers]).all()), f"{what}: flags never set"
     again, _ = simulate(x, w, b, world, k_local, cfg, 12345.0, max_spins=1 << 20)  # other poison
     for r in range(world):
         assert torch.equal(outs[r], again[r]), f"rank {r}: outputs differ between identical runs ({transport})"
 
 
-def _only_the_copy_engine_on_the_reducer(base, transport):
-    if base.warp_specialized and transport != "copy_engine":
-        pytest.skip("the reducer kernel hands partials over by the copy engine only (test_reducer_kernel_refuses_...)")
+def _no_pull_on_the_reducer(base, transport):
+    if base.warp_specialized and transport == "pull":
+        pytest.skip("the reducer kernel hands partials over by push or the copy engine (test_reducer_kernel_refuses_...)")
 
 
 def test_reducer_kernel_refuses_what_it_cannot_run_before_launching():
     x, w, _ = _inputs(1, 2, 256, 512, 256, torch.bfloat16, False)
-    for cfg, n, why in ((dataclasses.replace(REDUCER, transport="pull"), 512, "copy_engine"),
-                        (dataclasses.replace(REDUCER, transport="push"), 512, "copy_engine"),
+    for cfg, n, why in ((dataclasses.replace(REDUCER, transport="pull"), 512, "not pull"),
                         (REDUCER, 500, "multiple of 8"),
                         (dataclasses.replace(REDUCER, num_stages=4), 512, "shared memory")):  # fmt: skip
         layout = Layout.of(256, n, 2, 2, cfg, True)
@@ -97,23 +97,19 @@ def test_reducer_kernel_refuses_what_it_cannot_run_before_launching():
         out = torch.empty(256, n, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match=why):
             launch_kernel(x[:, :256].contiguous(), w[:n, :256].contiguous(), None, out, ptrs, layout.flags_offset, 0, 2, cfg,
-                          own_offset=layout.own_offset, buffer=buffer)  # fmt: skip
-
-
-def _complete(cfg, layout) -> int:
-    """A delivered flag's value: a band's 1 (the copy stream's), else its tile's arrivals."""
-    return 1 if cfg.copy_engine else layout.tile_arrivals
+                          own_offset=layout.own_offset, buffers=[buffer, buffer])  # fmt: skip
 
 
 def _deliveries(layout, cfg, owner, world):
     """What the owner's own-rows step waits for: (holder, slot, flag index, rows, cols) per
-    (peer, tile), or per (peer, band) with the copy engine; rows and cols within the slot."""
+    (peer, tile), or per (peer, band) with the copy engine and the reducer kernel's push; rows
+    and cols within the slot."""
     out = []
     for src in range(world):
         if src == owner:
             continue
         holder, slot = (src, owner - (owner > src)) if cfg.transport == "pull" else (owner, src - (src > owner))
-        if cfg.copy_engine:
+        if cfg.copy_engine or layout.counts_bands:
             for band in range(layout.bands):
                 first, end, _ = layout.band(band)
                 out.append((holder, slot, slot * layout.bands + band, slice(first, end), slice(0, layout.n)))
@@ -139,20 +135,20 @@ def _deliveries(layout, cfg, owner, world):
     ],
 )
 def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_local, base, dtype, with_bias):
-    _only_the_copy_engine_on_the_reducer(base, transport)
+    _no_pull_on_the_reducer(base, transport)
     seed = random.randrange(1 << 30)
     what = f"{transport} world={world} owner={owner} seed={seed}"
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
     cfg = dataclasses.replace(base, transport=transport)
     # Every rank's peer steps (and the copy plan): the partials the owner will read.
     layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
-    slots = 2 * (world - 1) if cfg.copy_engine else world - 1
-    parts = [buf[: slots * m * n * x.element_size()].view(dtype).view(slots, m, n) for buf in buffers]
+    parts = [buf[: layout.slots * m * n * x.element_size()].view(dtype).view(layout.slots, m, n) for buf in buffers]
     flags = flag_views(buffers, layout)
+    complete = layout.complete_flags(cfg.copy_engine).tolist()
     deliveries = _deliveries(layout, cfg, owner, world)
     saved = []
     for holder, slot, flag, rows, cols in deliveries:  # take them back: NaN and flag 0 until delivered again
-        assert flags[holder][flag].item() == _complete(cfg, layout), f"{what}: flag {flag} of rank {holder} was never set"
+        assert flags[holder][flag].item() == complete[flag], f"{what}: flag {flag} of rank {holder} was never set"
         saved.append(parts[holder][slot, rows, cols].clone())
         parts[holder][slot, rows, cols] = float("nan")
         flags[holder][flag] = 0
@@ -161,14 +157,14 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     finished = torch.cuda.Event()
     xr, wr = shards(x, w, owner, k_local)
     launch_kernel(xr, wr, b, outs[owner], ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS,
-                  own_offset=layout.own_offset, buffer=buffers[owner])  # fmt: skip
+                  own_offset=layout.own_offset, buffers=buffers)  # fmt: skip
     finished.record(compute)
     gates = HostGates(len(deliveries))
     with torch.cuda.stream(copy):  # last tile first: every program of the kernel waits for a while
         for (holder, slot, flag, rows, cols), data in reversed(list(zip(deliveries, saved))):
             gates.hold()
             parts[holder][slot, rows, cols].copy_(data)
-            torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, _complete(cfg, layout))
+            torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, complete[flag])
     gates.open_slowly(finished, GATE_DELAY_S, what)
     torch.cuda.synchronize()
     err = rel_error(outs[owner], _reference(x, w, b, owner, world))

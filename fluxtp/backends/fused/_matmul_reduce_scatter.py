@@ -76,8 +76,9 @@ class Layout:
     outgoing slots, a flag per (peer, band) and then a tile counter per (owner, band), a band
     being group_m rows of tiles. A tile's producer adds tile_arrivals to its flag or counter
     (the warp-specialized kernels release each half of a tile on its own: 2). With own_region
-    (the reducer kernel, copy engine only): a last slot for this rank's own partial, and at
-    own_offset a flag per own tile and a counter, which that kernel resets itself
+    (the reducer kernel, push or copy engine): a last slot for this rank's own partial, push
+    counting each peer's tiles per band (a counter per (peer, band) in place of a flag per tile),
+    and at own_offset a flag per own tile and a counter, which that kernel resets itself
     (fluxtp/kernels/_matmul_reduce_scatter_reducer.py)."""
 
     rows_per_rank: int
@@ -91,16 +92,20 @@ class Layout:
     nbytes: int
     tile_arrivals: int
     own_offset: int = 0  # 0: no own region
+    slots: int = 0  # partial slots [slots, rows_per_rank, n] from the buffer's start
+    counts_bands: bool = False  # push on the reducer kernel: a counter per (peer, band)
 
     @staticmethod
     @functools.lru_cache(maxsize=256)  # on every call's path; 8 us to build on the H200 hosts
     def of(rows_per_rank: int, n: int, itemsize: int, world: int, config: MatmulReduceScatterConfig,
            own_region: bool = False) -> Layout:  # fmt: skip
         tiles_m, tiles_n = triton.cdiv(rows_per_rank, config.block_m), triton.cdiv(n, config.block_n)
-        slots = 2 * (world - 1) + own_region if config.copy_engine else world - 1
+        slots = (2 * (world - 1) if config.copy_engine else world - 1) + own_region
         flags_offset = triton.cdiv(slots * rows_per_rank * n * itemsize, 16) * 16
         if config.copy_engine:
             num_flags = 2 * (world - 1) * triton.cdiv(tiles_m, config.group_m)
+        elif own_region:
+            num_flags = (world - 1) * triton.cdiv(tiles_m, config.group_m)
         else:
             num_flags = (world - 1) * tiles_m * tiles_n
         nbytes = flags_offset + 4 * num_flags
@@ -111,6 +116,7 @@ class Layout:
         return Layout(
             rows_per_rank, n, tiles_m, tiles_n, config.group_m, config.block_m,
             flags_offset, num_flags, nbytes, 2 if config.warp_specialized else 1, own_offset,
+            slots, own_region and not config.copy_engine,
         )
 
     @property
@@ -123,6 +129,17 @@ class Layout:
     @property
     def bands(self) -> int:
         return triton.cdiv(self.tiles_m, self.group_m)
+
+    def complete_flags(self, copy_engine: bool) -> torch.Tensor:
+        """int32 [num_flags]: what each flag (or counter) reads once its partials have all arrived:
+        a copy-engine band's 1 (set by the copy stream), a tile's tile_arrivals, and a counted
+        band's (the reducer kernel's push) tile_arrivals per tile of the band."""
+        if copy_engine:
+            return torch.ones(self.num_flags, dtype=torch.int32)
+        if self.counts_bands:
+            per_band = [self.band(b)[2] * self.tile_arrivals for b in range(self.bands)]
+            return torch.tensor(per_band * (self.num_flags // self.bands), dtype=torch.int32)
+        return torch.full((self.num_flags,), self.tile_arrivals, dtype=torch.int32)
 
     def band(self, index: int) -> tuple[int, int, int]:
         """(first row, end row, tiles) of band `index` of a segment (the kernel's pid_m // GROUP_M)."""
@@ -226,7 +243,7 @@ class _Kernel:
     tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor)."""
 
     def __init__(self, x, weight, bias, out_stride, buffer_flags_offset, rank, world, config, first_step, last_step,
-                 max_spins, report, scaled=None, own_offset=0, buffer=None):  # fmt: skip
+                 max_spins, report, scaled=None, own_offset=0, buffers=None):  # fmt: skip
         m_total, k = x.shape
         n = weight.shape[0]
         rows_per_rank = m_total // world
@@ -246,7 +263,7 @@ class _Kernel:
                 op = "matmul_reduce_scatter" if scaled is None else "scaled_matmul_reduce_scatter"
                 raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
             if scaled is None:
-                self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffer)
+                self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers)
                 return
             from fluxtp.kernels._matmul_reduce_scatter_pingpong import matmul_reduce_scatter_pingpong_kernel
 
@@ -280,22 +297,27 @@ class _Kernel:
             num_stages=config.num_stages,
         )
 
-    def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffer):
+    def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers):
         """The reducer kernel's launch (a warp-specialized config of an unscaled call): its
-        consumers TMA-store and its reducers TMA-load the partial slots of this rank's `buffer`
-        (uint8, laid out as Layout.of(..., own_region=True) says): copy engine only, rows of
+        consumers TMA-store and its reducers TMA-load the partial slots of the group's `buffers`
+        (uint8, every rank's as this GPU sees it, laid out as Layout.of(..., own_region=True)
+        says; the copy engine's transport touches only this rank's): push or copy engine, rows of
         16-byte multiples."""
-        from fluxtp.kernels._matmul_reduce_scatter_reducer import UNIT_ROWS, matmul_reduce_scatter_reducer_kernel
+        from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, UNIT_ROWS, matmul_reduce_scatter_reducer_kernel
 
         why = reducer_unsupported(config, n, world, x.element_size())
-        if why is None and buffer is None:
-            why = "it reads and writes this rank's buffer through TMA descriptors: pass the buffer (uint8)"
+        if why is None and (buffers is None or len(buffers) != world):
+            why = f"it reads and writes the buffers through TMA descriptors: pass all {world} (uint8)"
         if why:
             raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
-        slot_count = 2 * world - 1
-        slots = buffer[: slot_count * rows_per_rank * n * x.element_size()].view(x.dtype).view(slot_count, rows_per_rank, n)
-        descriptors = (DescriptorLayout(slots, [1, config.block_m // 2, config.block_n], gluon=True).over(slots),
-                       DescriptorLayout(slots, [1, UNIT_ROWS.value, config.block_n], gluon=True, swizzled=False).over(slots))
+        slot_count = (2 * (world - 1) if config.copy_engine else world - 1) + 1
+        slot_bytes = slot_count * rows_per_rank * n * x.element_size()
+        slots = [b[:slot_bytes].view(x.dtype).view(slot_count, rows_per_rank, n) for b in buffers]
+        stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
+        loads = DescriptorLayout(slots[rank], [1, UNIT_ROWS.value, config.block_n], gluon=True, swizzled=False)
+        # Push: a store descriptor over every rank's slots (the copy engine's never reads them).
+        peers = [stores.over(slots[r] if config.transport == "push" else slots[rank]) for r in range(world)]
+        descriptors = (stores.over(slots[rank]), loads.over(slots[rank]), *peers, *peers[:1] * (MAX_PUSH_WORLD.value - world))
         # Every program's tiles (a launch of some owner steps skips the others'), one SM left
         # free: the reducers wait for tiles of other programs, which all need an SM.
         tiles_per_segment = triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
@@ -304,7 +326,7 @@ class _Kernel:
         self.launch = Launch(
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None, B_KN=self.weight.kn,
-            **_scaled.PINGPONG_WARPS,
+            PUSH=config.transport == "push", **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):
@@ -358,7 +380,7 @@ def launch_kernel(
     scaled=None,
     scales=(None, None),
     own_offset: int = 0,
-    buffer: torch.Tensor | None = None,
+    buffers: list[torch.Tensor] | None = None,
 ):
     """The persistent kernel alone (CPU tensors run it under TRITON_INTERPRET=1).
 
@@ -368,11 +390,12 @@ def launch_kernel(
     rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
     (default: this process's record). A scaled call passes `scaled` (_scaled.Scaled) and `scales`
     (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials. The reducer
-    kernel (uses_reducer) takes this rank's buffer (uint8) and its own region's offset (Layout's).
+    kernel (uses_reducer) takes the buffers themselves (uint8, every rank's as this GPU sees it)
+    and the own region's offset (Layout's).
     """
     last_step = world - 1 if last_step is None else last_step
     kernel = _Kernel(x, weight, bias, out.stride(0), flags_offset, rank, world, config, first_step, last_step, max_spins,
-                     report, scaled, own_offset, buffer)  # fmt: skip
+                     report, scaled, own_offset, buffers)  # fmt: skip
     kernel(x, weight, bias, out, buffer_ptrs, scales)
 
 
@@ -386,18 +409,27 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
         return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
     if config is not None:
         return config
-    config = tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(m_total, n, k, world)
-    reducer = config.on_reducer_kernel(world)
+    config = table_config(x, weight, world)
+    reducer = config.on_reducer_kernel(world, m_total, n, k)
     runs = reducer is not config and _scaled.pingpong_unsupported(x.device, None, x.dtype) is None
     return reducer if runs and reducer_unsupported(reducer, n, world, x.element_size()) is None else config
 
 
+def table_config(x, weight, world: int) -> MatmulReduceScatterConfig:
+    """An unscaled call's tuned table entry for this shape, else the heuristic's config (before
+    the reducer kernel's rule moves it)."""
+    return tuned_config(_OP, x, weight, world) or MatmulReduceScatterConfig.heuristic(x.shape[0], weight.shape[0],
+                                                                                      x.shape[1], world)  # fmt: skip
+
+
 def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, itemsize: int) -> str | None:
     """Why the reducer kernel cannot run `config` for rows of n elements at this world size, or None."""
-    from fluxtp.kernels._matmul_reduce_scatter_reducer import UNIT_ROWS
+    from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, UNIT_ROWS
 
-    if not config.copy_engine:
-        return "it hands partials over by the copy engine only: use transport copy_engine"
+    if config.transport == "pull":
+        return "it hands partials over by push or the copy engine, not pull"
+    if config.transport == "push" and world > MAX_PUSH_WORLD.value:
+        return f"its push takes a descriptor per rank, at most {MAX_PUSH_WORLD.value} ranks, not {world}: use transport copy_engine"
     if (n * itemsize) % 16:
         return f"it needs the weight's rows n ({n}) to be a multiple of {16 // itemsize}"
     # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots, and the
@@ -449,7 +481,8 @@ class Plan:
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
                               MAX_SPINS, None, scaled, layout.own_offset,
-                              ws.buffer.local(torch.uint8, (layout.nbytes,)) if layout.own_offset else None)  # fmt: skip
+                              [ws.buffer.peer(r, torch.uint8, (layout.nbytes,)) for r in range(world)]
+                              if layout.own_offset else None)  # fmt: skip
         # The copy stream records steps 1-2 (they address only the workspace) as one graph, and
         # carries the copy engine's band pushes; the CPU interpreter's plans issue steps 1-2 as they are.
         self.copy_stream = symm.copy_stream(x.device) if x.is_cuda else None
@@ -638,7 +671,7 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     # Every peer's flag preset to its complete value: a band's 1 (set by the copy stream), a tile's
     # arrivals. The own region stays zero: the reducer kernel waits for its own tiles as in a call.
     flags = read[layout.flags_offset : layout.flags_offset + 4 * layout.num_flags].view(torch.int32)
-    flags.fill_(1 if config.copy_engine else layout.tile_arrivals)
+    flags.copy_(layout.complete_flags(config.copy_engine))
     scratch = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
     # push: the owner (this rank) reads its own buffer, producers write the peers'; pull: reversed.
     own, peers = (scratch, read) if config.transport == "pull" else (read, scratch)
@@ -646,7 +679,7 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=x.device)
     out = torch.empty(m_total // world, n, dtype=x.dtype if scaled is None else out_dtype, device=x.device)
     kernel = _Kernel(x, weight, bias, out.stride(0), layout.flags_offset, rank, world, config, 0, world - 1, MAX_SPINS,
-                     None, scaled, layout.own_offset, own)  # fmt: skip
+                     None, scaled, layout.own_offset, [own if r == rank else peers for r in range(world)])  # fmt: skip
     kernel_scales = (None, None) if scales is None else tuple(_scaled.flat(s) for s in scales)
 
     def run():

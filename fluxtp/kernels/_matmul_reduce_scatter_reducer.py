@@ -16,8 +16,9 @@ tensor-core time:
 - a reducer warp sums this rank's rows while the consumers compute: units of UNIT_ROWS rows of
   an own tile, unit u going to program u % NUM_PROGRAMS, in order. A unit waits (acquire,
   bounded) for its tile's own flag and its band from every peer (copy engine: the band's flag;
-  push: the band's counter at all its tiles' halves), TMA-loads the W slots' rows into shared memory (many bytes in flight for few registers), adds them in float32 (its own
-  partial, then the peers' in rank order: deterministic), adds the bias and rounds once into out.
+  push: the band's counter at all its tiles' halves), TMA-loads the W slots' rows into shared
+  memory (many bytes in flight for few registers), adds them in float32 (its own partial, then
+  the peers' in rank order: deterministic), adds the bias and rounds once into out.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
 Every partial, the own one too, is rounded to the input dtype before the sum (as NCCL-then-GEMM
@@ -146,9 +147,10 @@ def _store_half(owner, coord, c_smem, slots0, slots1, slots2, slots3, slots4, sl
 
 
 @gluon.jit
-def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset,
-              own_offset, first_step, last_step, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs,
+              c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
+              C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              B_KN: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
@@ -175,7 +177,8 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
                 kind = owner * 0 + 1
             elif PUSH:  # this rank's incoming slot at the owner, and the owner's counter of its band there
                 slot = RANK - (owner < RANK).to(gl.int32)
-                counter = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32)) + slot * bands + pid_m // GROUP_M
+                owner_flags = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32))
+                counter = owner_flags + slot * bands + pid_m // GROUP_M
                 kind = owner * 0 + 2
             else:  # this rank's outgoing slots follow its W-1 incoming ones
                 slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
@@ -185,9 +188,12 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
             c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
             fence_async_shared()
             # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
-            if PUSH and owner != RANK:
-                _store_half(owner, [slot, row, pid_n * BLOCK_N], c_smem, slots0, slots1, slots2, slots3, slots4, slots5,
-                            slots6, slots7, WORLD)  # fmt: skip
+            if PUSH:
+                if owner == RANK:
+                    tma_store(slots_desc, [slot, row, pid_n * BLOCK_N], c_smem)
+                else:
+                    _store_half(owner, [slot, row, pid_n * BLOCK_N], c_smem, slots0, slots1, slots2, slots3, slots4,
+                                slots5, slots6, slots7, WORLD)  # fmt: skip
             else:
                 tma_store(slots_desc, [slot, row, pid_n * BLOCK_N], c_smem)
             if owner == RANK:  # the reducers wait for it now, not after the next K loop
@@ -317,7 +323,7 @@ def matmul_reduce_scatter_reducer_kernel(
     max_spins,
     report_ptr,  # int32 [3]: where a timed-out wait records (rank waited for, tile, this rank)
     own_offset,  # bytes from this rank's buffer base to its own-tile flags (module docstring)
-    slots_desc,  # over this rank's slots [S, m, N] (S: 2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the consumers' stores)
+    slots_desc,  # over this rank's slots [S, m, N] (2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the stores)
     units_desc,  # over the same slots, block [1, UNIT_ROWS, BLOCK_N], unswizzled (the reducer's loads)
     slots0,  # push: as slots_desc over rank 0's slots as this GPU sees them, ... (unused past W: any descriptor)
     slots1,

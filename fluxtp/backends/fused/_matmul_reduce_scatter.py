@@ -303,7 +303,11 @@ class _Kernel:
         (uint8, every rank's as this GPU sees it, laid out as Layout.of(..., own_region=True)
         says; the copy engine's transport touches only this rank's): push or copy engine, rows of
         16-byte multiples."""
-        from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, UNIT_ROWS, matmul_reduce_scatter_reducer_kernel
+        from fluxtp.kernels._matmul_reduce_scatter_reducer import (
+            MAX_PUSH_WORLD,
+            UNIT_ROWS,
+            matmul_reduce_scatter_reducer_kernel,
+        )
 
         why = reducer_unsupported(config, n, world, x.element_size())
         if why is None and (buffers is None or len(buffers) != world):
@@ -317,7 +321,8 @@ class _Kernel:
         loads = DescriptorLayout(slots[rank], [1, UNIT_ROWS.value, config.block_n], gluon=True, swizzled=False)
         # Push: a store descriptor over every rank's slots (the copy engine's never reads them).
         peers = [stores.over(slots[r] if config.transport == "push" else slots[rank]) for r in range(world)]
-        descriptors = (stores.over(slots[rank]), loads.over(slots[rank]), *peers, *peers[:1] * (MAX_PUSH_WORLD.value - world))
+        unused = peers[:1] * (MAX_PUSH_WORLD.value - world)
+        descriptors = (stores.over(slots[rank]), loads.over(slots[rank]), *peers, *unused)
         # Every program's tiles (a launch of some owner steps skips the others'), one SM left
         # free: the reducers wait for tiles of other programs, which all need an SM.
         tiles_per_segment = triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
@@ -429,7 +434,8 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
     if config.transport == "pull":
         return "it hands partials over by push or the copy engine, not pull"
     if config.transport == "push" and world > MAX_PUSH_WORLD.value:
-        return f"its push takes a descriptor per rank, at most {MAX_PUSH_WORLD.value} ranks, not {world}: use transport copy_engine"
+        return (f"its push takes a descriptor per rank, at most {MAX_PUSH_WORLD.value} ranks, not {world}: "
+                "use transport copy_engine")
     if (n * itemsize) % 16:
         return f"it needs the weight's rows n ({n}) to be a multiple of {16 // itemsize}"
     # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots, and the

@@ -72,7 +72,7 @@ def peer_steps(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=
     m, n = x.shape[0] // world, w.shape[0]
     part = partial_dtype(x, scaled)
     out_dtype = x.dtype if scaled is None else scaled.out_dtype
-    layout = Layout.of(m, n, part.itemsize, world, cfg, uses_reducer(cfg, scaled))
+    layout = Layout.of(m, n, part.itemsize, world, cfg, uses_reducer(cfg))
     buffers, ptrs = make_buffers(world, layout, poison, part, x.device)
     outs = [torch.full((m, n), float("nan"), dtype=out_dtype, device=x.device) for _ in range(world)]
     for r in range(world):

@@ -94,8 +94,7 @@ def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
     assert not AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True).warp_specialized
 
     precise, fast = Scaled(torch.bfloat16, True, True), Scaled(torch.bfloat16, True, False)
-    assert "precise accumulation" in pingpong_unsupported("cuda", fast)  # the reduce-scatter's kernel
-    assert "CUDA GPU" in pingpong_unsupported("cpu", fast, all_gather=True)  # the all-gather's serves it
+    assert "CUDA GPU" in pingpong_unsupported("cpu", fast)
     assert "CUDA GPU" in pingpong_unsupported("cpu", precise)
     x = torch.zeros(256, 64).to(torch.float8_e4m3fn)
     w = torch.zeros(128, 64).to(torch.float8_e4m3fn)

@@ -11,6 +11,7 @@ from fluxtp.configs._classes import (
     HOPPER_SMS,
     MIN_COPY_ENGINE_TILES,
     REDUCER_MIN_WORK,
+    REDUCER_MIN_WORK_FP8,
     SMEM_LIMIT_BYTES,
     SMEM_RESERVE_BYTES,
     TRANSPORTS,
@@ -44,7 +45,7 @@ from fluxtp.configs._table import (
 )
 
 __all__ = [
-    "FUSED_OPS", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK",
+    "FUSED_OPS", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK", "REDUCER_MIN_WORK_FP8",
     "SMEM_LIMIT_BYTES", "SMEM_RESERVE_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
     "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig", "MatmulReduceScatterConfig", "candidates", "cdiv",
     "choose", "config_class", "describe", "fits", "heuristic", "load", "m_bucket", "measured_verdict", "narrow_tiles_win", "reload",

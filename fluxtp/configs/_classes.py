@@ -159,13 +159,14 @@ TRANSPORTS = ("push", "pull", "copy_engine")
 MIN_COPY_ENGINE_TILES = 256
 
 
-# Push and copy-engine reduce-scatters of bf16 / fp16 run on the reducer kernel from
-# REDUCER_WORLD ranks on, and from REDUCER_MIN_WORLD on where the GEMM has REDUCER_MIN_WORK tile
-# K-blocks (128x256x64) or more: below that at TP=4 its reduction's tail outweighs what it saves
-# (MatmulReduceScatterConfig.on_reducer_kernel).
+# Push and copy-engine reduce-scatters run on the reducer kernel from REDUCER_WORLD ranks on, and
+# from REDUCER_MIN_WORLD on where the GEMM has REDUCER_MIN_WORK (bf16 / fp16) or
+# REDUCER_MIN_WORK_FP8 (FP8, precise accumulation) units of 128x256x64 multiply-adds or more: below
+# that at TP=4 its reduction's tail outweighs what it saves (MatmulReduceScatterConfig.on_reducer_kernel).
 REDUCER_WORLD = 8
 REDUCER_MIN_WORLD = 4
 REDUCER_MIN_WORK = 40_000
+REDUCER_MIN_WORK_FP8 = 20_000
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,9 @@ class MatmulReduceScatterConfig(GemmTiling):
     # The epilogue handles the tile in 1, 2 or 4 column slices: fewer live registers (ptxas for
     # sm_90, 8 warps: 128x256 spills at 1 slice, 208 registers at 4; 128x128: 128 at 2).
     epilogue_split: int = 4
-    # The warp-specialized kernels (epilogue_split and num_warps ignored; a tile's flag counts two
-    # arrivals): for FP8 calls _matmul_reduce_scatter_pingpong.py, opt-in through warp_specialized_fp8();
-    # for bf16 / fp16 the reducer kernel, _matmul_reduce_scatter_reducer.py (push or copy engine),
-    # where on_reducer_kernel() says.
+    # The warp-specialized kernel (epilogue_split and num_warps ignored; a tile's flag counts two
+    # arrivals): the reducer kernel, _matmul_reduce_scatter_reducer.py (push or copy engine), where
+    # on_reducer_kernel() says.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     def __post_init__(self):
@@ -205,31 +205,38 @@ class MatmulReduceScatterConfig(GemmTiling):
     @staticmethod
     def heuristic_fp8(m_total: int, n: int, k: int, world: int, precise_acc: bool) -> MatmulReduceScatterConfig:
         """The scaled (FP8) ops' tiling (fp8_tiling; the narrow one's epilogue in 2 slices), the
-        same transport rule as heuristic(). Never the warp-specialized kernel: it is slower (below)."""
+        same transport rule as heuristic(): the Triton kernel's, which on_reducer_kernel moves to the
+        reducer kernel where that measured faster."""
         tiling = fp8_tiling(precise_acc, narrow=False)
         config = MatmulReduceScatterConfig(**tiling, epilogue_split=2 if tiling["block_n"] == 128 else 4)
         return config.with_communication_heuristic(m_total, n, world)
 
     @staticmethod
     def warp_specialized_fp8(m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
-        """The warp-specialized kernel's config (precise FP8 on Hopper), with heuristic()'s transport
-        rule. Opt-in only: on one H100 the Triton kernel took 0.59-0.78x its time at TP=8 and
-        0.89-1.09x at TP=2 (its epilogue, both halves of a tile at once, is not overlapped;
-        docs/perf-log.md)."""
+        """The warp-specialized (reducer) kernel's FP8 config, with heuristic()'s transport rule (a
+        call takes it by itself where on_reducer_kernel says)."""
         config = MatmulReduceScatterConfig(**WARP_SPECIALIZED_FP8_TILING, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
 
-    def on_reducer_kernel(self, world: int, m_total: int, n: int, k: int) -> MatmulReduceScatterConfig:
+    def on_reducer_kernel(self, world: int, m_total: int, n: int, k: int,
+                          fp8_precise: bool | None = None) -> MatmulReduceScatterConfig:  # fmt: skip
         """This config on the reducer kernel (warp-specialized, bf16 / fp16 on Hopper:
         fluxtp/kernels/_matmul_reduce_scatter_reducer.py) where it measured faster than the Triton
         kernel, else itself: push or copy engine, from REDUCER_WORLD ranks on, and from
         REDUCER_MIN_WORLD on for GEMMs of REDUCER_MIN_WORK tile K-blocks or more (one H100,
         GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
         TP=8, 0.90-1.02x at TP=4 above the work bound, 1.04-1.22x below it; docs/perf-log.md), in
-        128x256x64 tiles and 3 stages (its shared memory holds no more)."""
+        128x256x64 tiles and 3 stages (its shared memory holds no more). A scaled call (fp8_precise:
+        its accumulation) in WARP_SPECIALIZED_FP8_TILING (float32 slots): at TP>=8, and at TP=4 with
+        precise accumulation from REDUCER_MIN_WORK_FP8 (one H100: 0.62-0.89x the Triton kernel's
+        time at TP=8 precise, 0.74-1.04 fast; 0.85-0.95 at TP=4 above the bound, 1.07-1.14 below)."""
         if self.warp_specialized or world < REDUCER_MIN_WORLD or self.transport == "pull":
             return self
         work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
+        if fp8_precise is not None:
+            if world < REDUCER_WORLD and (not fp8_precise or work < REDUCER_MIN_WORK_FP8):
+                return self
+            return dataclasses.replace(self, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
         if world < REDUCER_WORLD and work < REDUCER_MIN_WORK:
             return self
         return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)

@@ -45,6 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fluxtp.kernels._pingpong import (
+    accumulate,
     accumulate_plain,
     allocate_stages,
     grouped_tile,
@@ -147,14 +148,32 @@ def _store_half(owner, coord, c_smem, slots0, slots1, slots2, slots3, slots4, sl
 
 
 @gluon.jit
+def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout: gl.constexpr,
+           C: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
+    """A scaled call's half tile times its scales: x's (per tensor, or of each row of the whole x)
+    and the weight's (per tensor, or of each output column)."""
+    HALF: gl.constexpr = acc.shape[0]
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    if SCALING == 1:
+        return acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
+    rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    scale_a = gl.load(scale_a_ptr + owner * rows_per_rank + rows, mask=rows < rows_per_rank, other=0.0)
+    scale_b = gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
+    return acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+
+
+@gluon.jit
 def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs,
-              c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
-              C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              B_KN: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+              c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step, scale_a_ptr,
+              scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
+              NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr, SCALING: gl.constexpr,
+              PRECISE_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    K_INSTR: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 16 (bf16, fp16), 32 (FP8)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, K_INSTR])
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     bands = gl.cdiv(tiles_m, GROUP_M)
@@ -168,7 +187,12 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
     for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
         step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, GROUP_M)
         if (step >= first_step) & (step <= last_step):
-            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
+            if PRECISE_ACC:  # FP8 products promoted to float32 every two K blocks, off the MMAs' path
+                acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+            else:
+                acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
+            if SCALING != 0:
+                acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout, C, SCALING)
             _publish(counter, pending)  # the previous half's store had this K loop's time to complete
             row = pid_m * BLOCK_M + C * HALF
             if owner == RANK:
@@ -333,8 +357,8 @@ def matmul_reduce_scatter_reducer_kernel(
     slots5,
     slots6,
     slots7,
-    scale_a_ptr,  # None: unscaled only (the launcher's argument order, shared with the scaled kernels)
-    scale_b_ptr,
+    scale_a_ptr,  # scaled calls: float32 scales of x's rows [M] (row-wise) or of x (per tensor); else None
+    scale_b_ptr,  # scaled calls: float32 scales of w's rows [N] (row-wise) or of w; else None
     RANK: gl.constexpr,
     WORLD: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -343,6 +367,8 @@ def matmul_reduce_scatter_reducer_kernel(
     HAS_BIAS: gl.constexpr,
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     PUSH: gl.constexpr,  # peers' rows into their owners' buffers (else the copy engine's outgoing slots here)
+    SCALING: gl.constexpr,  # 0 unscaled (bf16 / fp16), 1 per tensor, 2 row-wise (FP8 operands, float32 slots)
+    PRECISE_ACC: gl.constexpr,  # FP8 products promoted to float32 after each two K blocks (not use_fast_accum)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -357,10 +383,12 @@ def matmul_reduce_scatter_reducer_kernel(
         [
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
                          b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
-                         0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH)),
+                         scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH, SCALING,
+                         PRECISE_ACC)),
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
                          b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
-                         1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH)),
+                         scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH, SCALING,
+                         PRECISE_ACC)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
                        WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,

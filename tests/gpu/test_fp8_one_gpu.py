@@ -11,6 +11,7 @@ precise and fast accumulation, the heuristic's FP8 tilings.
 """
 
 import random
+import re
 
 import pytest
 import torch
@@ -129,8 +130,8 @@ def test_all_gather_fp8_waits_for_rows_and_scales(warp_specialized, world, rank,
 
 def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_here():
     """On this Hopper GPU, scaled all-gathers go to the warp-specialized kernel, precise ones and
-    fast ones whose wide tiles fill the waves; the reduce-scatter's serves precise calls only,
-    and only when asked."""
+    fast ones whose wide tiles fill the waves; the reduce-scatter's (the reducer kernel) only
+    when asked."""
     from fluxtp.backends.fused._all_gather_matmul import _config_for
     from fluxtp.backends.fused._matmul_reduce_scatter import _config_for as rs_config_for
 
@@ -141,9 +142,9 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
     wide = torch.zeros(7168, 1024, device="cuda").to(torch.float8_e4m3fn)  # fast: where 128x256 tiles fill the waves
     assert _config_for(x, wide, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
     assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
-    # The reduce-scatter's is opt-in (slower than its Triton kernel: docs/perf-log.md), precise only.
+    # The reduce-scatter's is opt-in (docs/perf-log.md), either accumulation.
     assert not rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
-    assert "precise accumulation" in pingpong_unsupported(x.device, Scaled(torch.bfloat16, True, False))
+    assert pingpong_unsupported(x.device, Scaled(torch.bfloat16, True, False)) is None
 
 
 # One process (a trap poisons its CUDA context): the warp-specialized kernel as rank 1 of 4, chunk 1
@@ -169,29 +170,32 @@ launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk
 """
 
 
-# The warp-specialized reduce-scatter as rank 2 of 4 running its own step: rank 0's partial of tile
-# 3 (flags hold each tile's two arrivals) has one half only. The owner's wait must give up and name it.
+# The warp-specialized reduce-scatter (the reducer kernel, push) as rank 2 of 4 running its own
+# step: rank 0's second band of rows (one tile row of 4 tiles, 2 arrivals each) counts one half
+# short. A reducer's wait must give up and name rank 0 and a tile of that band (4-7).
 _RS_PINGPONG_TIMEOUT_SCRIPT = """
+import dataclasses
 import torch
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel
 from fluxtp.backends.fused._scaled import Scaled
 
 world, rank, m, n, k = 4, 2, 256, 512, 1024
 config = MatmulReduceScatterConfig.warp_specialized_fp8(world * m, n, world)
-config = MatmulReduceScatterConfig(**{**config.__dict__, "transport": "push"})
-layout = Layout.of(m, n, 4, world, config)
-assert layout.tile_arrivals == 2
+config = dataclasses.replace(config, transport="push", group_m=1)
+layout = Layout.of(m, n, 4, world, config, True)
+assert layout.counts_bands and layout.bands == 2 and layout.tiles_n == 4
 x = torch.randn(world * m, k, device="cuda").to(torch.float8_e4m3fn)
 w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
 buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
-flags = buffer[layout.flags_offset :].view(torch.int32)
-flags.fill_(2)
-flags[0 * layout.tiles_m * layout.tiles_n + 3] = 1  # slot 0 holds rank 0's partials here (push)
+flags = buffer[layout.flags_offset : layout.flags_offset + 4 * layout.num_flags].view(torch.int32)
+flags.copy_(layout.complete_flags(False))
+flags[0 * layout.bands + 1] -= 1  # slot 0 holds rank 0's partials here (push)
 ptrs = torch.tensor([buffer.data_ptr()] * world, dtype=torch.int64, device="cuda")
 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 one = torch.ones(1, device="cuda")
 launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, world - 1, world - 1, max_spins=100_000,
-              scaled=Scaled(torch.bfloat16, False, True), scales=(one, one))
+              scaled=Scaled(torch.bfloat16, False, True), scales=(one, one), own_offset=layout.own_offset,
+              buffers=[buffer] * world)
 """
 
 
@@ -199,14 +203,14 @@ launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, w
     "script, module, expected",
     [
         (_AG_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul", "rank 1 timed out waiting for chunk 1 of rank 3's rows"),
-        (_RS_PINGPONG_TIMEOUT_SCRIPT, "_matmul_reduce_scatter", "rank 2 timed out waiting for rank 0's partial of tile 3"),
+        (_RS_PINGPONG_TIMEOUT_SCRIPT, "_matmul_reduce_scatter", r"rank 2 timed out waiting for rank 0's partial of tile [4-7]\b"),
     ],
     ids=["all_gather", "reduce_scatter"],
 )
 def test_the_warp_specialized_kernels_name_what_never_arrives(script, module, expected):
     skip_unless_hopper()
     proc = run_until_trap(script, module)
-    assert expected in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(expected, proc.stdout), proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 REDUCE_SCATTER_CASES = [
@@ -224,8 +228,8 @@ REDUCE_SCATTER_CASES = [
 def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, m, n, k_local, row_wise, out_dtype, precise):
     """W ranks one after another (peer steps, copy plan, own steps): float64 reference, poisoned
     slots, bitwise repeatable over reused buffers, and the GEMM-only mode; both kernels."""
-    if warp_specialized and not precise:
-        pytest.skip("the warp-specialized kernel serves precise accumulation only")
+    if warp_specialized and transport == "pull":
+        pytest.skip("the reducer kernel hands partials over by push or the copy engine")
     if warp_specialized:
         skip_unless_hopper()
     seed = random.randrange(1 << 30)

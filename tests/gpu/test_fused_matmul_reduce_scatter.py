@@ -87,7 +87,7 @@ def _poison_workspace(x_local, w_local, config, group=None):
     dist.barrier(group=group)
     layout = _matmul_reduce_scatter.Layout.of(
         x_local.shape[0] // info.world_size, w_local.shape[0], x_local.element_size(), info.world_size, config,
-        _matmul_reduce_scatter.uses_reducer(config, None),
+        _matmul_reduce_scatter.uses_reducer(config),
     )
     buf = _matmul_reduce_scatter._workspaces[(info.name, x_local.device.index)].buffer.tensor
     buf[: layout.flags_offset].view(x_local.dtype).fill_(NAN)

@@ -67,7 +67,7 @@ def test_simulated_ranks_match_float64_and_repeat_bitwise(transport, world, m, n
     seed = random.randrange(1 << 30)
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
     cfg = dataclasses.replace(base, transport=transport)
-    layout = Layout.of(m, n, x.element_size(), world, cfg, uses_reducer(cfg, None))
+    layout = Layout.of(m, n, x.element_size(), world, cfg, uses_reducer(cfg))
     outs, flags = simulate(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
     for r in range(world):
         what = f"{transport} world={world} rank={r} seed={seed}"

@@ -136,7 +136,7 @@ class _Gemm:
         self.config = config
         self.pingpong = None
         if config.warp_specialized:
-            why = _scaled.pingpong_unsupported(device, scaled, weight.dtype, all_gather=True)
+            why = _scaled.pingpong_unsupported(device, scaled, weight.dtype)
             if config.block_m != 128:  # two consumer warpgroups of 64 rows (one wgmma's M)
                 why = f"its tiles have 128 rows, not {config.block_m}"
             if why:
@@ -288,7 +288,7 @@ def _write_value32(flags_u32, index, value):
 
 def warp_specialized_runs(device, dtype: torch.dtype) -> bool:
     """Whether a bf16 / fp16 call may take the warp-specialized kernel (on Hopper, compiled)."""
-    return _scaled.pingpong_unsupported(device, None, dtype, all_gather=True) is None
+    return _scaled.pingpong_unsupported(device, None, dtype) is None
 
 
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
@@ -300,7 +300,7 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     rows_per_rank, k = x_shard.shape
     device = x_shard.device
     if scaled is not None:
-        warp_specialized = _scaled.pingpong_unsupported(device, scaled, all_gather=True) is None
+        warp_specialized = _scaled.pingpong_unsupported(device, scaled) is None
         return AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
                                                    num_sms(device), warp_specialized, scaled.out_dtype.itemsize)  # fmt: skip
     warp_specialized = warp_specialized_runs(device, weight.dtype)

@@ -262,17 +262,7 @@ class _Kernel:
             if why:
                 op = "matmul_reduce_scatter" if scaled is None else "scaled_matmul_reduce_scatter"
                 raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
-            if scaled is None:
-                self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers)
-                return
-            from fluxtp.kernels._matmul_reduce_scatter_pingpong import matmul_reduce_scatter_pingpong_kernel
-
-            self.launch = Launch(
-                matmul_reduce_scatter_pingpong_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
-                NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None,
-                PUSH=config.transport != "pull", COPY_ENGINE=config.copy_engine, SCALING=scaled.scaling,
-                **_scaled.PINGPONG_WARPS,
-            )  # fmt: skip
+            self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled)
             return
         self.launch = Launch(
             matmul_reduce_scatter_kernel,
@@ -297,9 +287,9 @@ class _Kernel:
             num_stages=config.num_stages,
         )
 
-    def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers):
-        """The reducer kernel's launch (a warp-specialized config of an unscaled call): its
-        consumers TMA-store and its reducers TMA-load the partial slots of the group's `buffers`
+    def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled):
+        """The reducer kernel's launch (a warp-specialized config): its consumers TMA-store and its
+        reducers TMA-load the partial slots (float32 for a scaled call) of the group's `buffers`
         (uint8, every rank's as this GPU sees it, laid out as Layout.of(..., own_region=True)
         says; the copy engine's transport touches only this rank's): push or copy engine, rows of
         16-byte multiples."""
@@ -309,14 +299,15 @@ class _Kernel:
             matmul_reduce_scatter_reducer_kernel,
         )
 
-        why = reducer_unsupported(config, n, world, x.element_size())
+        part = partial_dtype(x, scaled)
+        why = reducer_unsupported(config, n, world, x.element_size(), part.itemsize)
         if why is None and (buffers is None or len(buffers) != world):
             why = f"it reads and writes the buffers through TMA descriptors: pass all {world} (uint8)"
         if why:
             raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
         slot_count = (2 * (world - 1) if config.copy_engine else world - 1) + 1
-        slot_bytes = slot_count * rows_per_rank * n * x.element_size()
-        slots = [b[:slot_bytes].view(x.dtype).view(slot_count, rows_per_rank, n) for b in buffers]
+        slot_bytes = slot_count * rows_per_rank * n * part.itemsize
+        slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
         stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
         loads = DescriptorLayout(slots[rank], [1, UNIT_ROWS.value, config.block_n], gluon=True, swizzled=False)
         # Push: a store descriptor over every rank's slots (the copy engine's never reads them).
@@ -331,7 +322,7 @@ class _Kernel:
         self.launch = Launch(
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None, B_KN=self.weight.kn,
-            PUSH=config.transport == "push", **_scaled.PINGPONG_WARPS,
+            PUSH=config.transport == "push", **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):
@@ -406,18 +397,21 @@ def launch_kernel(
 
 def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None, scaled=None) -> MatmulReduceScatterConfig:
     """The caller's config, else the tuned table's for this shape, else the heuristic (FP8: its
-    own, nothing tuned yet); unscaled ones not the caller's on the reducer kernel where
+    own, nothing tuned yet); those (not the caller's) on the reducer kernel where
     on_reducer_kernel says and it runs here."""
     m_total, k = x.shape
     n = weight.shape[0]
-    if scaled is not None:
-        return config or MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
     if config is not None:
         return config
-    config = table_config(x, weight, world)
-    reducer = config.on_reducer_kernel(world, m_total, n, k)
-    runs = reducer is not config and _scaled.pingpong_unsupported(x.device, None, x.dtype) is None
-    return reducer if runs and reducer_unsupported(reducer, n, world, x.element_size()) is None else config
+    if scaled is None:
+        config = table_config(x, weight, world)
+        reducer = config.on_reducer_kernel(world, m_total, n, k)
+    else:
+        config = MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
+        reducer = config.on_reducer_kernel(world, m_total, n, k, scaled.precise_acc)
+    runs = reducer is not config and _scaled.pingpong_unsupported(x.device, scaled, x.dtype) is None
+    fits = runs and reducer_unsupported(reducer, n, world, x.element_size(), partial_dtype(x, scaled).itemsize) is None
+    return reducer if fits else config
 
 
 def table_config(x, weight, world: int) -> MatmulReduceScatterConfig:
@@ -427,8 +421,11 @@ def table_config(x, weight, world: int) -> MatmulReduceScatterConfig:
                                                                                       x.shape[1], world)  # fmt: skip
 
 
-def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, itemsize: int) -> str | None:
-    """Why the reducer kernel cannot run `config` for rows of n elements at this world size, or None."""
+def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, itemsize: int,
+                        partial_size: int | None = None) -> str | None:  # fmt: skip
+    """Why the reducer kernel cannot run `config` for rows of n elements at this world size, or None
+    (itemsize: the operands', partial_size: the partial slots' (default the operands'))."""
+    partial_size = partial_size or itemsize
     from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, UNIT_ROWS
 
     if config.transport == "pull":
@@ -436,21 +433,22 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
     if config.transport == "push" and world > MAX_PUSH_WORLD.value:
         return (f"its push takes a descriptor per rank, at most {MAX_PUSH_WORLD.value} ranks, not {world}: "
                 "use transport copy_engine")
-    if (n * itemsize) % 16:
-        return f"it needs the weight's rows n ({n}) to be a multiple of {16 // itemsize}"
+    if (n * partial_size) % 16:
+        return f"it needs the weight's rows n ({n}) to be a multiple of {16 // partial_size}"
     # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots, and the
     # reserve the configs' model keeps for barriers and alignment (fits()).
-    smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k + config.block_m * config.block_n
-            + world * UNIT_ROWS.value * config.block_n) * itemsize + SMEM_RESERVE_BYTES  # fmt: skip
+    smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
+            + (config.block_m * config.block_n + world * UNIT_ROWS.value * config.block_n) * partial_size
+            + SMEM_RESERVE_BYTES)  # fmt: skip
     if smem > SMEM_LIMIT_BYTES:
         return f"it needs {smem} bytes of shared memory there, more than {SMEM_LIMIT_BYTES}: fewer stages"
     return None
 
 
-def uses_reducer(config: MatmulReduceScatterConfig, scaled) -> bool:
-    """Whether the call runs the reducer kernel (a warp-specialized config of an unscaled call),
-    whose buffer carries the own region."""
-    return config.warp_specialized and scaled is None
+def uses_reducer(config: MatmulReduceScatterConfig) -> bool:
+    """Whether the call runs the reducer kernel (a warp-specialized config), whose buffer carries
+    the own region."""
+    return config.warp_specialized
 
 
 def partial_dtype(x, scaled) -> torch.dtype:
@@ -478,7 +476,7 @@ class Plan:
         self.config = config = _config_for(x, weight, world, config, scaled)
         part = partial_dtype(x, scaled)
         self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], part.itemsize, world, config,
-                                         uses_reducer(config, scaled))  # fmt: skip
+                                         uses_reducer(config))  # fmt: skip
         self.ws = ws = _workspace(info, x.device, layout.nbytes)
         self.device, self.dtype = x.device, x.dtype if scaled is None else scaled.out_dtype
         self.scaled = scaled
@@ -672,7 +670,7 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     world, rank = info.world_size, info.rank
     scaled = None if scales is None else _scaled.Scaled.of(*scales, out_dtype, use_fast_accum)
     config = _config_for(x, weight, world, config, scaled)  # the same config as matmul_reduce_scatter
-    layout = Layout.of(m_total // world, n, partial_dtype(x, scaled).itemsize, world, config, uses_reducer(config, scaled))
+    layout = Layout.of(m_total // world, n, partial_dtype(x, scaled).itemsize, world, config, uses_reducer(config))
     read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
     # Every peer's flag preset to its complete value: a band's 1 (set by the copy stream), a tile's
     # arrivals. The own region stays zero: the reducer kernel waits for its own tiles as in a call.

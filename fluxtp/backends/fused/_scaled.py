@@ -67,16 +67,12 @@ def _pingpong_kernels_available() -> bool:
     return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 
 
-def pingpong_unsupported(device, scaled: Scaled | None, plain_dtype: torch.dtype | None = None,
-                         all_gather: bool = False) -> str | None:  # fmt: skip
+def pingpong_unsupported(device, scaled: Scaled | None, plain_dtype: torch.dtype | None = None) -> str | None:
     """Why a call cannot take a warp-specialized kernel (fluxtp.kernels._pingpong), or None. They
-    serve scaled calls with precise accumulation and plain ones (plain_dtype: such a call's dtype,
-    bf16 or fp16); the all-gather's kernel (all_gather) also FP8 calls with fast accumulation. On
-    Hopper (sm_90), compiled (not interpreted)."""
+    serve scaled calls (either accumulation) and plain ones (plain_dtype: such a call's dtype, bf16
+    or fp16), on Hopper (sm_90), compiled (not interpreted)."""
     if scaled is None and plain_dtype not in (torch.bfloat16, torch.float16):
-        return "it serves FP8 calls with precise accumulation (use_fast_accum=False), and bf16 or fp16 calls, only"
-    if scaled is not None and not scaled.precise_acc and not all_gather:
-        return "it serves FP8 calls with precise accumulation (use_fast_accum=False) only"
+        return "it serves FP8 calls, and bf16 or fp16 calls, only"
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return "it runs on a CUDA GPU only, not under the Triton interpreter"

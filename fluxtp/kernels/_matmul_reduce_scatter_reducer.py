@@ -1,4 +1,4 @@
-"""Persistent GEMM+ReduceScatter for bf16 / fp16, warp-specialized, the owner's reduction beside the MMAs (Gluon, Hopper).
+"""Persistent GEMM+ReduceScatter, warp-specialized, the owner's reduction beside the MMAs (Gluon, Hopper).
 
 The op of _matmul_reduce_scatter's kernel with the copy engine's transport or push (the same
 workspace plus an own slot and, for push, a counter per band in place of a flag per tile; every
@@ -21,9 +21,11 @@ tensor-core time:
   the peers' in rank order: deterministic), adds the bias and rounds once into out.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
-Every partial, the own one too, is rounded to the input dtype before the sum (as NCCL-then-GEMM
-rounds them); the Triton kernel keeps its own partial in float32, so the two differ in the last
-bits. Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
+Every partial of a bf16 / fp16 call, the own one too, is rounded to the input dtype before the
+sum (as NCCL-then-GEMM rounds them); the Triton kernel keeps its own partial in float32, so the two
+differ in the last bits. A scaled (FP8) call's consumers multiply each half by its scales (x's
+rows', the weight's columns', or per tensor) and its slots hold float32 (SCALING, PRECISE_ACC as
+in the Triton kernel). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
 (RANK + 1 + t % W) % W (grouped order in bands of GROUP_M / W rows), so every owner's rows
 complete progressively on every rank and the reduction runs behind the GEMM instead of after it. A launch may run only the owner steps first_step..last_step
 (t % W in that range; the reducer only with the own step).

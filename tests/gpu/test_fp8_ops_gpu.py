@@ -53,6 +53,35 @@ def test_fp8_ops_every_backend():
     run_on_ranks(_ops_body, WORLD, random.randrange(1 << 30))
 
 
+def _reducer_body(rank, world, seed):
+    """The FP8 reduce-scatter through whole calls on the reducer kernel: its rule (TP>=4) moved
+    to this world size; push at the small shapes, the copy engine at the large one."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import _config_for
+    from fluxtp.backends.fused._scaled import Scaled
+    from fluxtp.configs import MatmulReduceScatterConfig
+
+    route = MatmulReduceScatterConfig.on_reducer_kernel
+    MatmulReduceScatterConfig.on_reducer_kernel = lambda self, _world, *shape: route(self, 8, *shape)
+    device = torch.device("cuda", rank)
+    transports = set()
+    for i, (m, n, k) in enumerate(CASES):
+        x = torch.zeros(m * world, k, device=device).to(torch.float8_e4m3fn)
+        w = torch.zeros(n, k, device=device).to(torch.float8_e4m3fn)
+        for row_wise, out_dtype, fast in ((True, torch.bfloat16, False), (False, torch.float32, True)):
+            config = _config_for(x, w, world, None, Scaled(out_dtype, row_wise, not fast))
+            assert config.warp_specialized, config
+            transports.add(config.transport)
+            check_scaled_reduce_scatter(rank, world, seed + 10 * i, m, n, k, device, "fused", row_wise, out_dtype,
+                                        torch.float32 if i % 2 else None, fast=fast)  # fmt: skip
+    assert transports == {"push", "copy_engine"}, transports
+
+
+def test_fp8_reduce_scatter_on_the_reducer_kernel():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the reducer kernel needs a Hopper GPU")
+    run_on_ranks(_reducer_body, WORLD, random.randrange(1 << 30))
+
+
 def _layers_body(rank, world, seed):
     from torch import nn
 

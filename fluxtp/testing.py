@@ -108,8 +108,9 @@ class SimulatedHandle:
 
     def barrier(self, channel=0, timeout_ms=0):
         # One small kernel, as the real barrier is; it marks every word of this rank's buffer 1,
-        # so the reduce-scatter's flags read "delivered" and its kernel never waits (its sums are
-        # then garbage). The all-gather reads only the peers' buffers: its result stays exact.
+        # so the reduce-scatter's flags read "delivered" (simulated_world sets them to the values
+        # its kernels wait for) and its kernel never waits (its sums are then garbage). The
+        # all-gather reads only the peers' buffers: its result stays exact.
         if self.mark_delivered:
             self.buffers[self.rank].view(torch.int32).fill_(1)
 
@@ -122,6 +123,34 @@ class SimulatedGroup:
 
 
 SIMULATED_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter")
+
+
+def _deliver_reduce_scatter_flags(stack: ExitStack) -> None:
+    """After a reduce-scatter plan's reset and stand-in barrier: every flag or counter its peers
+    (or their copy streams) set reads the value its kernel waits for (Layout.complete_flags: a
+    tile's arrivals, a band's count), and what this rank's own kernel counts (the copy engine's
+    tile counters, the reducer kernel's own region) reads 0, as after a real barrier. Each plan's
+    values are put on its device once, when it is made (its reset is recorded as a graph, where
+    no host copy may run)."""
+    from fluxtp.backends.fused import _matmul_reduce_scatter as rs
+
+    make, reset = rs.Plan.__init__, rs.Plan._reset_and_barrier
+    complete = {}
+
+    def made(plan, *args, **kwargs):
+        make(plan, *args, **kwargs)
+        layout, copy_engine = plan.layout, plan.config.copy_engine
+        by_peers = layout.num_flags // 2 if copy_engine else layout.num_flags  # then the tile counters
+        complete[id(plan)] = (layout.complete_flags(copy_engine)[:by_peers].to(plan.flags.device), by_peers)
+
+    def reset_and_barrier(plan):
+        reset(plan)
+        values, count = complete[id(plan)]
+        plan.flags[:count].copy_(values)
+        plan.flags[count:].zero_()
+
+    stack.enter_context(mock.patch.object(rs.Plan, "__init__", made))
+    stack.enter_context(mock.patch.object(rs.Plan, "_reset_and_barrier", reset_and_barrier))
 
 
 @contextmanager
@@ -150,6 +179,7 @@ def simulated_world(world: int, rank: int = 0):
 
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(symm, "_symm_mem", lambda: fake))
+        _deliver_reduce_scatter_flags(stack)
         for op in SIMULATED_OPS:
             module = importlib.import_module(f"fluxtp.ops.{op}")  # fluxtp.ops.<op> is the function
             stack.enter_context(mock.patch.object(module, "resolve_group", resolve))

@@ -5,8 +5,8 @@ workspace plus an own slot and, for push, a counter per band in place of a flag 
 partial moves by TMA), arranged so that neither handing partials over nor summing them costs
 tensor-core time:
 - a loader warp TMA-loads each tile's K blocks of x (the owner's rows) and w into a ring of stages;
-- two consumer warpgroups each compute half of a tile's rows and TMA-store it, rounded to the
-  input dtype, into its slot: a peer's rows into an outgoing slot here (copy engine: the copy
+- two consumer warpgroups each compute half of a tile's rows and TMA-store it (below: its dtype)
+  into its slot: a peer's rows into an outgoing slot here (copy engine: the copy
   stream pushes each finished band of them to its owner) or into this rank's incoming slot in the
   owner's buffer (push: over NVLink, a descriptor per rank), its own rows into the own slot. Each
   half is counted (release) once its store has completed: a peer's into its band's counter
@@ -27,15 +27,16 @@ differ in the last bits. A scaled (FP8) call's consumers multiply each half by i
 rows', the weight's columns', or per tensor) and its slots hold float32 (SCALING, PRECISE_ACC as
 in the Triton kernel). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
 (RANK + 1 + t % W) % W (grouped order in bands of GROUP_M / W rows), so every owner's rows
-complete progressively on every rank and the reduction runs behind the GEMM instead of after it. A launch may run only the owner steps first_step..last_step
-(t % W in that range; the reducer only with the own step).
+complete progressively on every rank and the reduction runs behind the GEMM instead of after it.
+A launch may run only the owner steps first_step..last_step (t % W in that range; the reducer
+only with the own step).
 
 Workspace (fluxtp/backends/fused/_matmul_reduce_scatter.py's Layout with an own region): slots
 [2W-1, m, N] (W-1 incoming, W-1 outgoing, own) with the copy engine's flags and band counters, or
 (push) [W, m, N] (W-1 incoming, own) with a counter per (incoming slot, band); then at own_offset
-the own-tile flags [tiles of a segment] and a done counter. The last program out
-resets the own-tile flags and the counter for the next launch (they must read 0 before the first);
-the others keep the Triton kernel's contract (0 before the launch: the launcher resets them).
+the own-tile flags [tiles of a segment] and a done counter. The last program out resets the
+own-tile flags and the counter for the next launch (they must read 0 before the first); the
+others keep the Triton kernel's contract (0 before the launch: the launcher resets them).
 
 A wait that gives up writes (rank waited for, tile, this rank) to `report_ptr` (host-pinned) and
 traps; the reducers wait for tiles of other programs of this launch, so the launcher leaves one

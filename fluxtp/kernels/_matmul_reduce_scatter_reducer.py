@@ -335,7 +335,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
 
 @gluon.jit
 def matmul_reduce_scatter_reducer_kernel(
-    a_desc,  # Gluon TensorDescriptor over x [M, K] (bf16 / fp16), block [BLOCK_M, BLOCK_K]
+    a_desc,  # Gluon TensorDescriptor over x [M, K] (bf16 / fp16 / FP8), block [BLOCK_M, BLOCK_K]
     b_desc,  # over w [N, K], block [BLOCK_N, BLOCK_K]; with B_KN over w^T [K, N], block [BLOCK_K, BLOCK_N]
     out_ptr,  # out [m, N], this rank's rows of the sum
     bias_ptr,  # [N] or a dummy when HAS_BIAS is False

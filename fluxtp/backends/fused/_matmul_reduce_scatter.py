@@ -425,9 +425,9 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
                         partial_size: int | None = None) -> str | None:  # fmt: skip
     """Why the reducer kernel cannot run `config` for rows of n elements at this world size, or None
     (itemsize: the operands', partial_size: the partial slots' (default the operands'))."""
-    partial_size = partial_size or itemsize
     from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, UNIT_ROWS
 
+    partial_size = partial_size or itemsize
     if config.transport == "pull":
         return "it hands partials over by push or the copy engine, not pull"
     if config.transport == "push" and world > MAX_PUSH_WORLD.value:

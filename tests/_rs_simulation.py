@@ -27,7 +27,7 @@ def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
 def workspace(buffers, ptrs, rank) -> _Workspace:
     """Rank `rank`'s workspace over the simulated buffers, as the launcher builds it."""
     handle = SimulatedHandle(buffers, rank, mark_delivered=False)  # ranks run one after another
-    return _Workspace(SymmBuffer(buffers[rank], handle, buffers[rank].numel()), ptrs)
+    return _Workspace(SymmBuffer(buffers[rank], handle, buffers[rank].numel()), buffers, ptrs)
 
 
 def flag_views(buffers, layout):

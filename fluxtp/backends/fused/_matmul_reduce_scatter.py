@@ -176,7 +176,8 @@ class _BandCopy:
 @dataclass
 class _Workspace:
     buffer: symm.SymmBuffer
-    buffer_ptrs: torch.Tensor  # int64 [W], every rank's buffer base as this GPU addresses it
+    peers: list[torch.Tensor]  # uint8 [nbytes], every rank's buffer as this GPU addresses it
+    buffer_ptrs: torch.Tensor  # int64 [W], their base addresses
     flag_views: dict = field(default_factory=dict)  # Layout -> this rank's flags as an int32 tensor
     band_copies: dict = field(default_factory=dict)  # (Layout, dtype) -> (counters, [_BandCopy])
 
@@ -226,8 +227,8 @@ def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace
     key = (info.name, torch.device(device).index or 0)
     ws = _workspaces.get(key)
     if ws is None or ws.buffer is not buf:
-        ptrs = [buf.peer(r, torch.uint8, (buf.nbytes,)).data_ptr() for r in range(info.world_size)]
-        ws = _Workspace(buf, torch.tensor(ptrs, dtype=torch.int64, device=device))
+        peers = [buf.peer(r, torch.uint8, (buf.nbytes,)) for r in range(info.world_size)]
+        ws = _Workspace(buf, peers, torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device))
         _workspaces[key] = ws
     return ws
 
@@ -235,6 +236,10 @@ def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace
 def timeout_report() -> str | None:
     """Which in-kernel wait of this op gave up in this process, if one did (readable after the trap)."""
     return _launch.timeout_report(_OP)
+
+
+def _op_name(scaled) -> str:
+    return "matmul_reduce_scatter" if scaled is None else "scaled_matmul_reduce_scatter"
 
 
 class _Kernel:
@@ -260,8 +265,7 @@ class _Kernel:
         if self.gluon:
             why = _scaled.pingpong_unsupported(x.device, scaled, x.dtype if scaled is None else None)
             if why:
-                op = "matmul_reduce_scatter" if scaled is None else "scaled_matmul_reduce_scatter"
-                raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
+                raise ValueError(f"{_op_name(scaled)}: config {config} asks for the warp-specialized kernel, but {why}")
             self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled)
             return
         self.launch = Launch(
@@ -304,8 +308,8 @@ class _Kernel:
         if why is None and (buffers is None or len(buffers) != world):
             why = f"it reads and writes the buffers through TMA descriptors: pass all {world} (uint8)"
         if why:
-            raise ValueError(f"matmul_reduce_scatter: config {config} asks for the warp-specialized kernel, but {why}")
-        slot_count = (2 * (world - 1) if config.copy_engine else world - 1) + 1
+            raise ValueError(f"{_op_name(scaled)}: config {config} asks for the warp-specialized kernel, but {why}")
+        slot_count = Layout.of(rows_per_rank, n, part.itemsize, world, config, own_region=True).slots
         slot_bytes = slot_count * rows_per_rank * n * part.itemsize
         slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
         stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
@@ -484,9 +488,7 @@ class Plan:
         self.flags = ws.flags(layout)
         self.barrier = ws.buffer.handle.barrier
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
-                              MAX_SPINS, None, scaled, layout.own_offset,
-                              [ws.buffer.peer(r, torch.uint8, (layout.nbytes,)) for r in range(world)]
-                              if layout.own_offset else None)  # fmt: skip
+                              MAX_SPINS, None, scaled, layout.own_offset, ws.peers if layout.own_offset else None)  # fmt: skip
         # The copy stream records steps 1-2 (they address only the workspace) as one graph, and
         # carries the copy engine's band pushes; the CPU interpreter's plans issue steps 1-2 as they are.
         self.copy_stream = symm.copy_stream(x.device) if x.is_cuda else None

@@ -269,6 +269,59 @@ def test_bench_times_the_backward_weight_layout(tmp_path):
     assert all(r["weight_layout"] == "transposed" and r["calls_per_sample"] == 3 for r in data["rows"])
 
 
+@pytest.mark.parametrize("scaling, fast", [("row-wise", False), ("tensor", True)])
+def test_bench_times_the_scaled_ops_with_fp8(tmp_path, scaling, fast):
+    """--fp8: both scaled ops verified (the nccl reference, the gemm is torch._scaled_mm's
+    stand-in on CPU) and timed; the rows say which op, scaling and accumulation they timed."""
+    out = tmp_path / "bench.json"
+    args = ("--fp8", scaling, *(("--fast-accum",) if fast else ()), "--shapes", "64x48x32", "--rounds", "2")
+    done = fluxtp_cli("bench", *args, "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all_gather_scaled_matmul (float8_e4m3fn, " + scaling in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["scaled_op"]) for r in rows] == list(ops_scenario.SCALED_OPS.items())
+    assert all(r["dtype"] == "float8_e4m3fn" and r["fp8_scaling"] == scaling and r["use_fast_accum"] == fast for r in rows)
+    assert all(r["ms"]["gemm"] > 0 and r["ms"]["nccl"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("scaling", ops_scenario.FP8_SCALINGS)
+def test_fp8_operands_are_the_scaled_ops_inputs(scaling):
+    """Quantized from fresh random data, close to it, with the scales' shapes the ops take; a
+    per-tensor scale is the same on every rank (it does not depend on the rank's data)."""
+    config = ops_scenario.OpsConfig((), torch.bfloat16, None, ops_scenario.CPU_PROTOCOL, fp8=scaling)
+    scales = []
+    for seed in (1, 2):
+        x8, w8, sx, sw = ops_scenario.operands(config, (16, 64), (24, 64), "cpu", torch.Generator().manual_seed(seed))
+        # x was the first draw: dequantized, each element within e4m3's rounding of it
+        x = torch.randn(16, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(seed)).float()
+        assert bool(((x8.float() * sx - x).abs() <= x.abs() * 2**-4 + sx * 2**-9).all())
+        assert x8.dtype == w8.dtype == torch.float8_e4m3fn and sx.dtype == sw.dtype == torch.float32
+        assert x8.float().abs().amax() > 0 and bool(torch.isfinite(x8.float()).all())
+        if scaling == "row-wise":
+            assert sx.shape == (16, 1) and sw.shape == (1, 24)
+        else:
+            assert sx.numel() == sw.numel() == 1
+        scales.append((sx.reshape(-1)[0].item(), sw.reshape(-1)[0].item()))
+    if scaling == "tensor":
+        assert scales[0] == scales[1]
+
+
+def test_bench_fp8_options_are_checked():
+    def config(*args):
+        return ops_scenario.make_config(cli.build_parser().parse_args(["bench", *args]), 2, "cpu")
+
+    fp8 = config("--fp8", "tensor")
+    assert [c.op for c in fp8.cases] == ["all_gather_matmul"] * 3 + ["matmul_reduce_scatter"] * 3  # no all-reduce
+    assert [fp8.op_name(c.op) for c in fp8.cases[::3]] == list(ops_scenario.SCALED_OPS.values())
+    assert config("--fp8", "row-wise", "--fast-accum").use_fast_accum and not fp8.use_fast_accum
+    with pytest.raises(ValueError, match="needs --fp8"):
+        config("--fast-accum")
+    with pytest.raises(ValueError, match="matmul_all_reduce has no scaled op"):
+        config("--fp8", "row-wise", "--op", "matmul_all_reduce")
+    with pytest.raises(ValueError, match="leave --dtype and --weight-layout"):
+        config("--fp8", "row-wise", "--weight-layout", "transposed")
+
+
 def test_bench_protocol_options_are_checked():
     from fluxtp import cli
     from fluxtp.bench import ops
@@ -367,13 +420,13 @@ WORLD_OF_ONE = GroupInfo(None, 0, 1)
 @pytest.mark.parametrize("op", OPS)
 def test_verify_passes_backends_that_agree(op):
     x, w = torch.randn(16, 32), torch.randn(24, 32)
-    ops_scenario.verify(ops_scenario.Case(op, ops_scenario.Shape(16, 24, 32)), ["nccl", "auto"], x, w, WORLD_OF_ONE)
+    ops_scenario.verify(ops_scenario.Case(op, ops_scenario.Shape(16, 24, 32)), ["nccl", "auto"], (x, w), WORLD_OF_ONE)
 
 
 CORRUPTIONS = {
     "scaled": (lambda y, g: (y * 1.1, g), "relative error 0.1"),
     "nan": (lambda y, g: (y.index_fill(0, torch.tensor([3]), float("nan")), g), "NaN or Inf"),
-    "gathered": (lambda y, g: (y, g.index_fill(1, torch.tensor([0]), 0.0)), "gathered input"),
+    "gathered": (lambda y, g: (y, (g[0].index_fill(1, torch.tensor([0]), 0.0), *g[1:])), "gathered input"),
     "shape": (lambda y, g: (y[:-1], g), "returned shape"),
 }
 
@@ -386,15 +439,15 @@ def test_verify_stops_on_a_backend_that_disagrees(monkeypatch, op, corruption):
     corrupt, message = CORRUPTIONS[corruption]
     real_call = ops_scenario._call
 
-    def broken(op_, x, w, backend, info):
-        y, g = real_call(op_, x, w, backend, info)
+    def broken(config, op_, args, backend, info):
+        y, g = real_call(config, op_, args, backend, info)
         return corrupt(y, g) if backend == "torch" else (y, g)
 
     monkeypatch.setattr(ops_scenario, "_call", broken)
     x, w = torch.randn(16, 32), torch.randn(24, 32)
     case = ops_scenario.Case(op, ops_scenario.Shape(16, 24, 32))
     with pytest.raises(BenchError, match=r"verification failed: backend 'torch' on " + op) as e:
-        ops_scenario.verify(case, ["nccl", "torch"], x, w, WORLD_OF_ONE)
+        ops_scenario.verify(case, ["nccl", "torch"], (x, w), WORLD_OF_ONE)
     assert message in str(e.value) and "nothing was timed" in str(e.value)
 
 
@@ -403,8 +456,8 @@ def test_verify_catches_one_wrong_tile_in_a_large_output(monkeypatch):
     # sqrt(256 / 524288) = 0.022, under bfloat16's tolerance 0.031; the max-norm error is ~0.5.
     real_call = ops_scenario._call
 
-    def one_bad_tile(op_, x, w, backend, info):
-        y, g = real_call(op_, x, w, backend, info)
+    def one_bad_tile(config, op_, args, backend, info):
+        y, g = real_call(config, op_, args, backend, info)
         if backend == "torch":
             y = y.clone()
             y[16:32, 16:32] = 0
@@ -414,7 +467,7 @@ def test_verify_catches_one_wrong_tile_in_a_large_output(monkeypatch):
     x, w = torch.randn(1024, 64, dtype=torch.bfloat16), (torch.randn(512, 64) / 8).bfloat16()
     case = ops_scenario.Case("matmul_all_reduce", ops_scenario.Shape(1024, 512, 64))
     with pytest.raises(BenchError, match="max-norm relative error"):
-        ops_scenario.verify(case, ["nccl", "torch"], x, w, WORLD_OF_ONE)
+        ops_scenario.verify(case, ["nccl", "torch"], (x, w), WORLD_OF_ONE)
 
 
 # ------------------------------------------------------------- harness arithmetic

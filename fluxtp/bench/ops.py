@@ -36,6 +36,7 @@ from fluxtp.bench.progress import describe as describe_bar
 from fluxtp.bench.progress import progress_bar
 from fluxtp.ops import BACKENDS, OPS
 from fluxtp.configs import WEIGHT_LAYOUTS
+from fluxtp.fp8 import fp8_max, quantize_rows, scaled_linear
 
 COLUMN_PARALLEL = "all_gather_matmul"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -51,6 +52,14 @@ BASELINE = "nccl"
 # for W = 2 and 8), so 8u; a zeroed or misplaced tile is off by O(1) of the largest element.
 # float32 runs without TF32; cuBLAS's error is about sqrt(K) u (1e-5 at K = 28672): 1e-4.
 VERIFY_TOLERANCE = {torch.bfloat16: 8 * 2**-8, torch.float16: 8 * 2**-11, torch.float32: 1e-4, torch.float64: 1e-10}
+
+# --fp8: the scaled op of each op, float8_e4m3fn operands quantized from --dtype's random data
+# (bfloat16), outputs and the gemm baseline (torch._scaled_mm) in bfloat16. Row-wise scales as
+# fluxtp.nn's FP8 layers take them; per tensor, a power of two 8 standard deviations above the data.
+SCALED_OPS = {"all_gather_matmul": "all_gather_scaled_matmul", "matmul_reduce_scatter": "scaled_matmul_reduce_scatter"}
+FP8_SCALINGS = ("row-wise", "tensor")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_OUT_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,12 @@ class OpsConfig:
     protocol: Protocol
     cuda_graphs: bool = False
     weight_layout: str = "linear"  # or "transposed": the weight as the backward passes it
+    fp8: str | None = None  # None, or the scaled ops' scaling (FP8_SCALINGS)
+    use_fast_accum: bool = False  # the scaled ops' and torch._scaled_mm's
+
+    def op_name(self, op: str) -> str:
+        """The op a case of `op` calls: itself, or with --fp8 its scaled op."""
+        return op if self.fp8 is None else SCALED_OPS[op]
 
 
 def add_arguments(group) -> None:
@@ -134,6 +149,17 @@ def add_arguments(group) -> None:
         default="linear",
         help="linear: the weight [N, K] row-major, as nn.Linear holds it (default); transposed: a view [N, K] "
         "with strides (1, N), the W^T of a [K, N] weight that fluxtp.nn's backward passes",
+    )
+    group.add_argument(
+        "--fp8",
+        choices=FP8_SCALINGS,
+        help="time the scaled (FP8) all-gather and reduce-scatter ops instead: float8_e4m3fn operands with "
+        "row-wise or per-tensor scales, bfloat16 outputs, torch._scaled_mm as the gemm",
+    )
+    group.add_argument(
+        "--fast-accum",
+        action="store_true",
+        help="with --fp8: use_fast_accum in the scaled ops and torch._scaled_mm (fluxtp.nn's FP8 forward)",
     )
 
 
@@ -212,7 +238,20 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> OpsCo
     weight_layout = getattr(args, "weight_layout", "linear") or "linear"
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"--weight-layout: {weight_layout!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
-    return OpsConfig(cases, DTYPES[dtype_name], parse_backends(args.backends), protocol, cuda_graphs, weight_layout)
+    fp8, fast_accum = getattr(args, "fp8", None), bool(getattr(args, "fast_accum", False))
+    if fast_accum and fp8 is None:
+        raise ValueError("--fast-accum needs --fp8 (it is the scaled ops' use_fast_accum)")
+    if fp8 is not None:
+        unscaled = sorted({c.op for c in cases} - set(SCALED_OPS))
+        if args.op != "all" and unscaled:
+            raise ValueError(f"--fp8: {unscaled[0]} has no scaled op; choose {' or '.join(SCALED_OPS)}")
+        cases = tuple(c for c in cases if c.op in SCALED_OPS)
+        if args.dtype not in (None, "bfloat16") or weight_layout != "linear":
+            raise ValueError("--fp8 quantizes bfloat16 data with the weight in its linear layout: "
+                             "leave --dtype and --weight-layout at their defaults")  # fmt: skip
+        dtype_name = "bfloat16"
+    return OpsConfig(cases, DTYPES[dtype_name], parse_backends(args.backends), protocol, cuda_graphs, weight_layout,
+                     fp8, fast_accum)  # fmt: skip
 
 
 def _random(shape, dtype, device, generator, scale=1.0) -> torch.Tensor:
@@ -227,11 +266,12 @@ def random_weight(shape, dtype, device, generator, scale, layout: str) -> torch.
 
 
 def select_backends(
-    requested: tuple[str, ...] | None, probes, info: GroupInfo, what: str
+    requested: tuple[str, ...] | None, probes, info: GroupInfo, what: str, **details
 ) -> tuple[list[str], dict[str, str]]:
     """Backends to time (baseline first) and why the others were left out.
 
-    probes: (op, x, weight) calls a backend must be able to run to be timed. Without a request
+    probes: (op, x, weight) calls a backend must be able to run to be timed (a scaled op's
+    `details`: row_wise, out_dtype, use_fast_accum). Without a request
     (requested None) every candidate that can run them is taken; a requested one that cannot
     stops the benchmark with a BenchError naming `what` (what the probes stand for)."""
     chosen, skipped = [], {}
@@ -239,7 +279,7 @@ def select_backends(
         reason = None
         if name != "auto":
             for op, x, weight in probes:
-                reason = reason or backends.unsupported_reason(op, name, x, weight, info)
+                reason = reason or backends.unsupported_reason(op, name, x, weight, info, **details)
         if reason is None:
             chosen.append(name)
         elif requested is not None:
@@ -249,11 +289,60 @@ def select_backends(
     return chosen, skipped
 
 
-def _call(op: str, x, weight, backend: str, info: GroupInfo):
-    """(output, gathered input or None) of one op call."""
+def _per_tensor_fp8(t: torch.Tensor, std: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in FP8_DTYPE, its one scale): the power of two that puts 8 standard deviations at the
+    format's largest value (the same on every rank, as a per-tensor scale must be)."""
+    limit = fp8_max(FP8_DTYPE)
+    scale = 2.0 ** math.ceil(math.log2(8 * std / limit))
+    t8 = (t.float() / scale).clamp(-limit, limit).to(FP8_DTYPE)
+    return t8, torch.tensor(scale, dtype=torch.float32, device=t.device)
+
+
+def operands(config: OpsConfig, x_shape, w_shape, device, generator) -> tuple[torch.Tensor, ...]:
+    """One call's tensors: (x, weight) of fresh random data, or with --fp8 (x, weight, scale_x,
+    scale_w) quantized from it (scale_w row-wise as [1, n])."""
+    w_std = w_shape[1] ** -0.5  # keeps outputs O(1), like a trained layer's
+    x = _random(x_shape, config.dtype, device, generator)
+    weight = random_weight(w_shape, config.dtype, device, generator, w_std, config.weight_layout)
+    if config.fp8 is None:
+        return x, weight
+    if config.fp8 == "tensor":
+        (x8, scale_x), (w8, scale_w) = _per_tensor_fp8(x, 1.0), _per_tensor_fp8(weight, w_std)
+        return x8, w8, scale_x, scale_w
+    (x8, scale_x), (w8, scale_w) = quantize_rows(x, FP8_DTYPE), quantize_rows(weight, FP8_DTYPE)
+    return x8, w8, scale_x, scale_w.reshape(1, -1)
+
+
+def op_call(config: OpsConfig, op: str, args, backend: str, info: GroupInfo, **options):
+    """A call of the case's op (config.op_name) on `args` (operands()) through `backend`."""
+    if config.fp8 is None:
+        return getattr(fluxtp, op)(*args, group=info.group, backend=backend, **options)
+    return getattr(fluxtp, config.op_name(op))(*args, group=info.group, backend=backend, out_dtype=FP8_OUT_DTYPE,
+                                               use_fast_accum=config.use_fast_accum, **options)  # fmt: skip
+
+
+def gemm_call(config: OpsConfig, args):
+    """A zero-argument call of the local GEMM on `args` (operands()): F.linear, or with --fp8
+    torch._scaled_mm into bfloat16 (fluxtp.fp8.scaled_linear)."""
+    if config.fp8 is None:
+        return functools.partial(F.linear, *args)
+    return functools.partial(scaled_linear, *args, None, FP8_OUT_DTYPE, config.use_fast_accum)
+
+
+def _call(config: OpsConfig, op: str, args, backend: str, info: GroupInfo):
+    """(output, gathered input (a tuple of tensors) or None) of one op call."""
     if op == COLUMN_PARALLEL:
-        return fluxtp.all_gather_matmul(x, weight, group=info.group, backend=backend, return_gathered=True)
-    return getattr(fluxtp, op)(x, weight, group=info.group, backend=backend), None
+        out, *gathered = op_call(config, op, args, backend, info, return_gathered=True)
+        return out, tuple(gathered)
+    return op_call(config, op, args, backend, info), None
+
+
+def _exactly_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    """Bitwise equality of two tuples of tensors (FP8 ones compared as bytes)."""
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -264,19 +353,22 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out32 - ref32).abs().max() / ref32.abs().max().clamp_min(1e-30)).item()
 
 
-def verify(case: Case, names: list[str], x, weight, info: GroupInfo) -> None:
-    """Every backend in `names` against the nccl reference; BenchError on every rank if any differs."""
-    ref, ref_gathered = _call(case.op, x, weight, BASELINE, info)
-    tolerance = VERIFY_TOLERANCE[x.dtype]
+def verify(case: Case, names: list[str], args, info: GroupInfo, config: OpsConfig | None = None) -> None:
+    """Every backend in `names` against the nccl reference on `args` (operands()); BenchError on
+    every rank if any differs."""
+    config = config or OpsConfig((), args[0].dtype, None, GPU_PROTOCOL)
+    ref, ref_gathered = _call(config, case.op, args, BASELINE, info)
+    tolerance = VERIFY_TOLERANCE[ref.dtype]
     for name in names:
-        out, gathered = (ref, ref_gathered) if name == BASELINE else _call(case.op, x, weight, name, info)
+        out, gathered = (ref, ref_gathered) if name == BASELINE else _call(config, case.op, args, name, info)
         shape_differs = tuple(out.shape) != tuple(ref.shape) or out.dtype != ref.dtype
         error = math.inf if shape_differs else relative_error(out, ref)  # the baseline: 0, or inf on NaN
-        gathered_differs = gathered is not None and not torch.equal(gathered, ref_gathered)
+        gathered_differs = gathered is not None and not _exactly_equal(gathered, ref_gathered)
         error, gathered_differs, shape_differs = max_over_ranks(
-            [error, float(gathered_differs), float(shape_differs)], info, x.device
+            [error, float(gathered_differs), float(shape_differs)], info, out.device
         )
-        where = f"{case.op} {case.shape} {str(x.dtype).removeprefix('torch.')}"
+        dtype = "float8_e4m3fn" if config.fp8 else str(config.dtype).removeprefix("torch.")
+        where = f"{config.op_name(case.op)} {case.shape} {dtype}"
         if shape_differs:
             raise BenchError(
                 f"verification failed: backend {name!r} on {where} returned shape {tuple(out.shape)} {out.dtype}, "
@@ -311,39 +403,36 @@ def _round(value: float | None, digits: int) -> float | None:
 
 
 def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator, on_round):
-    world, dtype = info.world_size, config.dtype
+    world = info.world_size
     x_shape, w_shape = shard_shapes(case.op, case.shape, world)
     gx_shape, gw_shape = gemm_shapes(case.op, case.shape, world)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = 1 if config.fp8 else torch.empty((), dtype=config.dtype).element_size()
     copies = input_copies((math.prod(x_shape) + math.prod(w_shape)) * itemsize, cache_bytes(device))
-    w_scale = w_shape[1] ** -0.5  # keeps outputs O(1), like a trained layer's
-    layout = config.weight_layout
-    inputs = [
-        (_random(x_shape, dtype, device, generator), random_weight(w_shape, dtype, device, generator, w_scale, layout))
-        for _ in range(copies)
-    ]
-    gemm_inputs = [
-        (_random(gx_shape, dtype, device, generator), random_weight(gw_shape, dtype, device, generator, w_scale, layout))
-        for _ in range(copies)
-    ]
-    x0, w0 = inputs[0]
-    names, skipped = select_backends(
-        config.backends, [(case.op, x0, w0)], info, f"{case.op} with {x0.dtype} on {x0.device}"
-    )
-    verify(case, names, *inputs[0], info)
+    inputs = [operands(config, x_shape, w_shape, device, generator) for _ in range(copies)]
+    gemm_inputs = [operands(config, gx_shape, gw_shape, device, generator) for _ in range(copies)]
+    op = config.op_name(case.op)
+    details = {}
+    if config.fp8:
+        details = {"row_wise": config.fp8 == "row-wise", "out_dtype": FP8_OUT_DTYPE, "use_fast_accum": config.use_fast_accum}
+    x0, w0 = inputs[0][:2]
+    names, skipped = select_backends(config.backends, [(op, x0, w0)], info, f"{op} with {x0.dtype} on {x0.device}",
+                                     **details)  # fmt: skip
+    verify(case, names, inputs[0], info, config)
 
-    op_fn = getattr(fluxtp, case.op)
-    variants = [Variant("gemm", tuple(functools.partial(F.linear, x, w) for x, w in gemm_inputs))]
+    variants = [Variant("gemm", tuple(gemm_call(config, args) for args in gemm_inputs))]
     for name in names:
-        variants.append(
-            Variant(name, tuple(functools.partial(op_fn, x, w, group=info.group, backend=name) for x, w in inputs))
-        )
+        calls = tuple(functools.partial(op_call, config, case.op, args, name, info) for args in inputs)
+        variants.append(Variant(name, calls))
     for name in names:
         gemm_only = _gemm_only(name)
         if gemm_only is None:
             continue
         try:
-            calls = tuple(gemm_only(case.op, x, w, None, info) for x, w in inputs)
+            if config.fp8:
+                calls = tuple(gemm_only(op, *args[:2], None, info, scales=args[2:], out_dtype=FP8_OUT_DTYPE,
+                                        use_fast_accum=config.use_fast_accum) for args in inputs)  # fmt: skip
+            else:
+                calls = tuple(gemm_only(op, *args, None, info) for args in inputs)
         except (ValueError, NotImplementedError):
             continue  # no GEMM-only mode for this op (the same answer on every rank)
         variants.append(Variant(f"{name}_gemm_only", calls))
@@ -358,9 +447,10 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
         "M": case.shape.M,
         "N": case.shape.N,
         "K": case.shape.K,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": "float8_e4m3fn" if config.fp8 else str(config.dtype).removeprefix("torch."),
+        **({"scaled_op": op, "fp8_scaling": config.fp8, "use_fast_accum": config.use_fast_accum} if config.fp8 else {}),
         "cuda_graphs": config.cuda_graphs,
-        "weight_layout": layout,
+        "weight_layout": config.weight_layout,
         "calls_per_sample": config.protocol.calls_per_sample,
         "ms": {k: round(v, 5) for k, v in ms.items()},
         "E_overlap": {n: _round(overlap_efficiency(ms[n], t_gemm, t_nccl), 4) for n in names},
@@ -407,9 +497,9 @@ LEGEND = (
 def describe(config: OpsConfig, world: int, device_type: str, width: int | None = None) -> str:
     """What the run will do, in two sentences wrapped to `width` (default: the terminal's); the
     CLI prints it before it starts."""
-    ops = list(dict.fromkeys(c.op for c in config.cases))
+    ops = list(dict.fromkeys(config.op_name(c.op) for c in config.cases))
     what = "the 3 ops" if len(ops) == len(OPS) else ", ".join(ops)
-    dtype = str(config.dtype).removeprefix("torch.")
+    dtype = f"float8_e4m3fn ({config.fp8} scales)" if config.fp8 else str(config.dtype).removeprefix("torch.")
     p = config.protocol
     timing = f"{p.rounds} rounds of {p.calls_per_sample} calls" + (" (CUDA graph replays)" if config.cuda_graphs else "")
     if device_type == "cuda":
@@ -453,7 +543,10 @@ def format_table(rows: list[dict], width: int | None = None) -> str:
             line += [format_speedup(r["speedup_vs_nccl"].get(b), r["speedup_vs_nccl_iqr"].get(b)) for b in compared]
             line += [_fmt(r["E_overlap"].get(b)) for b in compared]
             body.append(line)
-        title = f"{op} ({op_rows[0]['dtype']}; M, N, K are the layer's global sizes)"
+        first, scaling = op_rows[0], ""
+        if "scaled_op" in first:
+            scaling = f", {first['fp8_scaling']} scales" + (", fast accumulation" if first["use_fast_accum"] else "")
+        title = f"{first.get('scaled_op', op)} ({first['dtype']}{scaling}; M, N, K are the layer's global sizes)"
         parts.append(title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right"))
     return "\n\n".join(parts)
 

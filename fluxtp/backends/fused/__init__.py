@@ -141,12 +141,18 @@ def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupI
     return run(x, weight, scale_x, scale_w, bias)
 
 
-_GEMM_ONLY_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+_GEMM_ONLY_OPS = ("all_gather_matmul", "matmul_reduce_scatter", *_UNSCALED)
 
 
-def gemm_only(op: str, x, weight, bias, info: GroupInfo):
-    """A zero-argument callable running op's fused kernel with communication switched off."""
+def gemm_only(op: str, x, weight, bias, info: GroupInfo, scales=None, out_dtype=torch.bfloat16,
+              use_fast_accum: bool = False):  # fmt: skip
+    """A zero-argument callable running op's fused kernel with communication switched off; a
+    scaled op's takes scales=(scale_x, scale_w), out_dtype and use_fast_accum as the op does."""
     if op not in _GEMM_ONLY_OPS:
         raise ValueError(f"the fused backend has no GEMM-only mode for {op}")
-    module = importlib.import_module(f"fluxtp.backends.fused._{op}")
-    return module.gemm_only(x, weight, bias, info)
+    if (op in _UNSCALED) != (scales is not None):
+        raise ValueError(f"{op}'s GEMM-only mode takes scales exactly when the op is scaled")
+    module = importlib.import_module(f"fluxtp.backends.fused._{_UNSCALED.get(op, op)}")
+    if scales is None:
+        return module.gemm_only(x, weight, bias, info)
+    return module.gemm_only(x, weight, bias, info, scales=scales, out_dtype=out_dtype, use_fast_accum=use_fast_accum)

@@ -87,7 +87,8 @@ def check_all_gather_scaled(rank, world, seed, m, n_local, k, device, backend, r
     what = f"all_gather_scaled_matmul {backend} W={world} m={m} n={n_local} k={k} row_wise={row_wise} {out_dtype} bias={bias_dtype}"
     assert y.shape == (m * world, n_local) and y.dtype == out_dtype and y.device == x_shard.device, what
     assert xg.dtype == x_dtype and torch.equal(xg.cpu().view(torch.uint8), xq.view(torch.uint8)), f"{what}: gathered rows not exact"
-    assert sg.dtype == torch.float32 and torch.equal(sg.cpu().reshape(-1), sx.reshape(-1)), f"{what}: gathered scales not exact"
+    assert sg.dtype == torch.float32 and torch.equal(sg.cpu(), sx), f"{what}: gathered scales not exact"
+    assert sg.shape == ((m * world, 1) if row_wise else sx_shard.shape), f"{what}: gathered scales of shape {tuple(sg.shape)}"
     ref = dequantized(xq, sx) @ dequantized(wq, sw.reshape(-1, 1)).T + (b.double() if b is not None else 0)
     err = rel_error(y, ref)
     assert err <= tolerance(out_dtype, k, fast), f"{what}: rel err {err:.2e}"

@@ -534,7 +534,7 @@ class Plan:
                 torch.cuda.set_stream(compute)
         symm.stream_wait(compute, copy)
         if self.scaled is not None:
-            gathered = (x_gathered, gathered_scales.view(-1, 1) if row_scales else scale_x.clone())
+            gathered = (x_gathered, gathered_scales.view(-1, 1) if row_scales else scale_x)  # scaled_plan clones it
             return y, gathered if self.return_gathered else None
         return y, x_gathered if self.return_gathered else None
 
@@ -561,7 +561,10 @@ def scaled_plan(x_shard, weight, bias, info: GroupInfo, out_dtype, use_fast_accu
         found = plans.get(scaled)
         if found is None:
             found = plans[scaled] = plan(x_shard, weight, bias, info, return_gathered, config, scaled)
-        return found(x_shard, weight, bias, _scaled.flat(scale_x), _scaled.flat(scale_w))
+        y, gathered = found(x_shard, weight, bias, _scaled.flat(scale_x), _scaled.flat(scale_w))
+        if gathered is not None and not scaled.row_wise:  # the per-tensor scale as passed, as the reference returns it
+            gathered = (gathered[0], scale_x.clone())
+        return y, gathered
 
     return run
 

@@ -36,11 +36,15 @@ def test_matmul_reduce_scatter_counts_rows_at_any_width():
 
 
 @pytest.mark.parametrize("op", ["all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"])
-def test_fp8_ops_are_left_to_nccl_where_the_bf16_ops_would_fuse(op):
-    """The FP8 kernels' GEMM alone is slower than torch._scaled_mm by more than they could hide."""
-    x, w = torch.empty(16384, 8192, device="meta"), torch.empty(14336, 8192, device="meta")
-    assert fused.preferred(op.replace("scaled_", ""), x, w, TWO)
-    assert not fused.preferred(op, x, w, TWO)
+def test_fp8_ops_fuse_only_where_measured_faster(op):
+    """Row-wise scales at TP=2 measured faster fused (2x H100); per-tensor scales and more ranks
+    go to NCCL then torch._scaled_mm."""
+    x, w = torch.empty(1024, 8192, device="meta"), torch.empty(14336, 8192, device="meta")
+    details = {"out_dtype": torch.bfloat16, "use_fast_accum": False}
+    assert fused.preferred(op, x, w, TWO, row_wise=True, **details)
+    assert not fused.preferred(op, x, w, TWO, row_wise=False, **details)
+    assert not fused.preferred(op, x, w, GroupInfo(None, 0, 4), row_wise=True, **details)
+    assert not fused.preferred(op, x, w, TWO)  # no scaling said: not row-wise
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])

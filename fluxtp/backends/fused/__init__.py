@@ -64,10 +64,10 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     if op in _UNSCALED:
-        # No FP8 fused op has been measured faster than NCCL then torch._scaled_mm on several GPUs
-        # (the reduce-scatter's GEMM alone takes 1.1-2.1x _scaled_mm's time: docs/fp8.md): auto
-        # leaves them to NCCL until that measurement says otherwise.
-        return False
+        # Where the FP8 ops were measured against NCCL then torch._scaled_mm (2x H100, LLaMA-70B MLP,
+        # 1024-8192 tokens, docs/fp8.md): row-wise scales at TP=2 fused 1.0-1.7x faster (fluxtp.nn's
+        # recipe); per-tensor scales slower from 2048 tokens (reduce-scatter); more ranks unmeasured.
+        return info.world_size == 2 and bool(details.get("row_wise"))
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:
         return verdict

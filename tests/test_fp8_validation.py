@@ -110,3 +110,21 @@ def test_quantize_rows(dtype):
     assert torch.all(t_q[2].float() == 0)
     t_q2, scale2 = fp8.quantize_rows(t.t().contiguous().t(), dtype)  # a column-major view: the same, row-major
     assert torch.equal(scale2, scale) and torch.equal(t_q2.view(torch.uint8), t_q.view(torch.uint8))
+
+
+def test_torch_backend_finds_the_scaled_ops_in_a_fresh_process():
+    """torch.ops.symm_mem's scaled ops exist only once torch.distributed._symmetric_memory is
+    imported: the first check of a process must not call them missing (it did, so `fluxtp bench
+    --fp8` left PyTorch's all-gather untimed at its first case)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from fluxtp.backends import torch_symm\n"
+        "for op in ('all_gather_scaled_matmul', 'scaled_matmul_reduce_scatter'):\n"
+        "    why = torch_symm._scaled_unsupported_reason(op, torch.empty(16, 32), torch.empty(32, 32), False,"
+        " torch.bfloat16, False)\n"
+        "    assert why is None, why\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

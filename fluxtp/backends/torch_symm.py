@@ -100,6 +100,8 @@ _SCALED_OP_ARGS = {
 
 def _scaled_unsupported_reason(op, x, weight, row_wise: bool, out_dtype, use_fast_accum: bool) -> str | None:
     name, args = _SCALED_OP_ARGS[op]
+    import torch.distributed._symmetric_memory  # noqa: F401 -- defines the symm_mem ops: unloaded, none is found
+
     torch_op = getattr(torch.ops.symm_mem, name, None)
     if torch_op is None:
         return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{name}"

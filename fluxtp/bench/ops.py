@@ -314,11 +314,12 @@ def operands(config: OpsConfig, x_shape, w_shape, device, generator) -> tuple[to
 
 
 def op_call(config: OpsConfig, op: str, args, backend: str, info: GroupInfo, **options):
-    """A call of the case's op (config.op_name) on `args` (operands()) through `backend`."""
-    if config.fp8 is None:
-        return getattr(fluxtp, op)(*args, group=info.group, backend=backend, **options)
-    return getattr(fluxtp, config.op_name(op))(*args, group=info.group, backend=backend, out_dtype=FP8_OUT_DTYPE,
-                                               use_fast_accum=config.use_fast_accum, **options)  # fmt: skip
+    """A zero-argument call of the case's op (config.op_name) on `args` (operands()) through
+    `backend`, bound now (a timed call runs nothing else)."""
+    fn = getattr(fluxtp, config.op_name(op))
+    if config.fp8 is not None:
+        options = {"out_dtype": FP8_OUT_DTYPE, "use_fast_accum": config.use_fast_accum, **options}
+    return functools.partial(fn, *args, group=info.group, backend=backend, **options)
 
 
 def gemm_call(config: OpsConfig, args):
@@ -332,9 +333,9 @@ def gemm_call(config: OpsConfig, args):
 def _call(config: OpsConfig, op: str, args, backend: str, info: GroupInfo):
     """(output, gathered input (a tuple of tensors) or None) of one op call."""
     if op == COLUMN_PARALLEL:
-        out, *gathered = op_call(config, op, args, backend, info, return_gathered=True)
+        out, *gathered = op_call(config, op, args, backend, info, return_gathered=True)()
         return out, tuple(gathered)
-    return op_call(config, op, args, backend, info), None
+    return op_call(config, op, args, backend, info)(), None
 
 
 def _exactly_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
@@ -421,8 +422,7 @@ def _run_case(case: Case, config: OpsConfig, info: GroupInfo, device, generator,
 
     variants = [Variant("gemm", tuple(gemm_call(config, args) for args in gemm_inputs))]
     for name in names:
-        calls = tuple(functools.partial(op_call, config, case.op, args, name, info) for args in inputs)
-        variants.append(Variant(name, calls))
+        variants.append(Variant(name, tuple(op_call(config, case.op, args, name, info) for args in inputs)))
     for name in names:
         gemm_only = _gemm_only(name)
         if gemm_only is None:

@@ -36,7 +36,7 @@ from fluxtp.bench.progress import describe as describe_bar
 from fluxtp.bench.progress import progress_bar
 from fluxtp.ops import BACKENDS, OPS
 from fluxtp.configs import WEIGHT_LAYOUTS
-from fluxtp.fp8 import fp8_max, quantize_rows, scaled_linear
+from fluxtp.fp8 import fp8_max, is_fp8, quantize_rows, scaled_linear
 
 COLUMN_PARALLEL = "all_gather_matmul"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -341,7 +341,7 @@ def _call(config: OpsConfig, op: str, args, backend: str, info: GroupInfo):
 def _exactly_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
     """Bitwise equality of two tuples of tensors (FP8 ones compared as bytes)."""
     def bits(t):
-        return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+        return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
     return len(a) == len(b) and all(x.shape == y.shape and torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
 

@@ -153,6 +153,4 @@ def gemm_only(op: str, x, weight, bias, info: GroupInfo, scales=None, out_dtype=
     if (op in _UNSCALED) != (scales is not None):
         raise ValueError(f"{op}'s GEMM-only mode takes scales exactly when the op is scaled")
     module = importlib.import_module(f"fluxtp.backends.fused._{_UNSCALED.get(op, op)}")
-    if scales is None:
-        return module.gemm_only(x, weight, bias, info)
     return module.gemm_only(x, weight, bias, info, scales=scales, out_dtype=out_dtype, use_fast_accum=use_fast_accum)

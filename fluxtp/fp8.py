@@ -77,7 +77,7 @@ def _scaled_mm_runs(x, weight) -> bool:
     )
 
 
-def _scales(x, weight, scale_x, scale_w):
+def scaled_mm_scales(x, weight, scale_x, scale_w):
     """The scales as torch._scaled_mm takes them: both one value, or [rows, 1] and [1, n]."""
     if not is_row_wise(scale_x, scale_w):
         return scale_x.reshape(()), scale_w.reshape(())
@@ -92,7 +92,7 @@ def scaled_product(x, weight, scale_x, scale_w, use_fast_accum: bool = False) ->
     row-wise, its row-wise kernel writes only bfloat16, so it runs unscaled and the scales follow
     in float32). Elsewhere (CPU, unaligned shapes) the exact dequantized product: FP8 values are
     exact in float32 and so are their products (8 significant bits); the sum is float32."""
-    sx, sw = _scales(x, weight, scale_x, scale_w)
+    sx, sw = scaled_mm_scales(x, weight, scale_x, scale_w)
     if _scaled_mm_runs(x, weight):
         if sx.dim() == 0:
             return torch._scaled_mm(x, weight.t(), sx, sw, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
@@ -108,7 +108,7 @@ def scaled_linear(x, weight, scale_x, scale_w, bias, out_dtype, use_fast_accum: 
 
     torch._scaled_mm computes it in one call where it can (per tensor, or row-wise into
     bfloat16; the bias only where it is of out_dtype and not float32, as torch takes it)."""
-    sx, sw = _scales(x, weight, scale_x, scale_w)
+    sx, sw = scaled_mm_scales(x, weight, scale_x, scale_w)
     fits_torch = sx.dim() == 0 or out_dtype == torch.bfloat16
     bias_fits = bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32)
     if fits_torch and bias_fits and _scaled_mm_runs(x, weight):

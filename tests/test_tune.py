@@ -1051,7 +1051,7 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert push.on_reducer_kernel(4, 1024, 8192, 7168) == push
     assert push.on_reducer_kernel(2, 16384, 8192, 14336) == push
     assert "push" in _matmul_reduce_scatter.reducer_unsupported(on_reducer, 1024, 16, 2)  # a descriptor per rank
-    # FP8 (float32 slots) in the warp-specialized FP8 tiling: TP>=8 either accumulation; TP=4 precise
+    # FP8 in the warp-specialized FP8 tiling: TP>=8 either accumulation; TP=4 precise
     # from REDUCER_MIN_WORK_FP8 (llama3-8b's at 4096 tokens: 32 x 16 x 56 = 28672; at 2048 half that).
     fp8 = MatmulReduceScatterConfig.heuristic_fp8(4096, 4096, 3584, 4, True)
     fp8_reducer = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
@@ -1061,7 +1061,7 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, False) == fp8  # fast at TP=4: not measured ahead
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False) == fp8_reducer
     assert fp8.on_reducer_kernel(2, 16384, 8192, 14336, True) == fp8
-    assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None  # 1-byte operands, float32 slots
+    assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None  # 1-byte operands, a float32 output's slots
     assert "multiple of 4" in _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4098, 8, 1, 4)
     assert "pull" in _matmul_reduce_scatter.reducer_unsupported(dataclasses.replace(on_reducer, transport="pull"), 1024, 8, 2)
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 16, 2)  # 16 ranks' unit rows

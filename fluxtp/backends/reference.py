@@ -72,8 +72,9 @@ def all_reduce_sum(t: torch.Tensor, info: GroupInfo, async_op: bool = False):
 #
 # Per tensor or row-wise as torch._scaled_mm: fluxtp.fp8.scaled_linear, the float32 product of the
 # FP8 values times scale_x (per row) and scale_w (per output feature), plus bias, rounded once to
-# out_dtype. The reduce-scatter sums every rank's float32 partial (fp8.scaled_product; one NCCL or
-# gloo reduction, a fixed order for a fixed group) and rounds once.
+# out_dtype. The reduce-scatter is NCCL-then-GEMM as a user writes it: each rank's partial in
+# out_dtype (scaled_linear, no bias), one NCCL or gloo reduce-scatter of those (a fixed order for
+# a fixed group; NCCL's ring rounds its running sum at every hop), then the bias.
 
 
 def gather_fp8_rows(x_shard, scale_x, scale_w, info: GroupInfo):
@@ -99,9 +100,7 @@ def all_gather_scaled_matmul(x_shard, weight, scale_x, scale_w, bias, info: Grou
 
 
 def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum):
-    partial = fp8.scaled_product(x, weight, scale_x, scale_w, use_fast_accum)
+    partial = fp8.scaled_linear(x, weight, scale_x, scale_w, None, out_dtype, use_fast_accum)
     out = partial.new_empty(partial.shape[0] // info.world_size, partial.shape[1])
     dist.reduce_scatter_tensor(out, partial, group=info.group)
-    if bias is not None:
-        out += bias.float()
-    return out.to(out_dtype)
+    return out if bias is None else (out.float() + bias.float()).to(out_dtype)

@@ -86,9 +86,8 @@ def all_reduce(x, info: GroupInfo):
 #
 # torch.ops.symm_mem.fused_all_gather_scaled_matmul / fused_scaled_matmul_reduce_scatter: chunked
 # copy-engine transfers and one torch._scaled_mm per chunk. Each chunk's output is in the op's
-# out_dtype, and torch's row-wise scaled kernel writes only bfloat16: so the all-gather runs
-# row-wise only into bfloat16, and the reduce-scatter, whose partials fluxtp sums in float32
-# (rounded once), only per tensor (out_dtype float32 partials, rounded after the sum).
+# out_dtype (the reduce-scatter's partials too, as fluxtp's contract has them), and torch's
+# row-wise scaled kernel writes only bfloat16: so row-wise scales run only into bfloat16.
 _SCALED_OP_ARGS = {
     "all_gather_scaled_matmul": ("fused_all_gather_scaled_matmul", ("A", "Bs", "A_scale", "B_scales", "gather_dim",
                                  "group_name", "biases", "result_scales", "out_dtypes", "use_fast_accum")),
@@ -110,8 +109,6 @@ def _scaled_unsupported_reason(op, x, weight, row_wise: bool, out_dtype, use_fas
         return f"this torch's torch.ops.symm_mem.{name} takes ({', '.join(schema)}), not the ({', '.join(args)}) fluxtp calls"
     if x.shape[1] % 16 or weight.shape[0] % 16:
         return f"torch._scaled_mm needs K and n multiples of 16, got K={x.shape[1]}, n={weight.shape[0]}"
-    if row_wise and op == "scaled_matmul_reduce_scatter":
-        return "torch's row-wise scaled matmul writes bfloat16 partials; fluxtp sums float32 partials (rounded once)"
     if row_wise and out_dtype != torch.bfloat16:
         return f"torch's row-wise scaled matmul writes only bfloat16, out_dtype is {out_dtype}"
     return None
@@ -123,11 +120,8 @@ def all_gather_scaled_matmul(x_shard, weight, scale_x, scale_w, bias, info: Grou
 
     symm.enable_for_group(info)
     row_wise = fp8.is_row_wise(scale_x, scale_w)
-    m, n = x_shard.shape[0], weight.shape[0]
-    if row_wise:  # [m, 1] of this rank's rows: torch gathers them with the rows (its "row-wise sharded" mode)
-        sx, sw = scale_x.reshape(-1, 1).expand(m, 1).contiguous(), scale_w.reshape(1, -1).expand(1, n).contiguous()
-    else:
-        sx, sw = scale_x.reshape(()), scale_w.reshape(())
+    # Row-wise [m, 1] of this rank's rows: torch gathers them with the rows (its "row-wise sharded" mode).
+    sx, sw = fp8.scaled_mm_scales(x_shard, weight, scale_x, scale_w)
     # Per tensor: a float32 product, then the bias, rounded once. Row-wise (bfloat16 only): a
     # bfloat16 bias goes into torch's epilogue; another is added to the rounded product.
     in_epilogue = row_wise and bias is not None and bias.dtype == torch.bfloat16
@@ -153,12 +147,13 @@ def _gather_row_scales(scale_rows, info: GroupInfo):
 
 
 def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupInfo, out_dtype, use_fast_accum):
-    symm.enable_for_group(info)  # per tensor only (_scaled_unsupported_reason)
+    from fluxtp import fp8
+
+    symm.enable_for_group(info)
     m_total, n = x.shape[0], weight.shape[0]
+    sx, sw = fp8.scaled_mm_scales(x, weight, scale_x, scale_w)  # row-wise [M, 1]: torch splits them with x's rows
+    # torch would add a bias to every rank's partial: it is added once, after the sum.
     out = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-        x.contiguous(), weight.t(), scale_x.reshape(()), scale_w.reshape(()), "sum", 0, 0, info.name, [m_total, n],
-        None, None, torch.float32, use_fast_accum,
+        x.contiguous(), weight.t(), sx, sw, "sum", 0, 0, info.name, [m_total, n], None, None, out_dtype, use_fast_accum,
     )  # fmt: skip
-    if bias is not None:
-        out += bias.float()
-    return out.to(out_dtype)
+    return out if bias is None else (out.float() + bias.float()).to(out_dtype)

@@ -36,8 +36,8 @@ alignment), so rows with N % 8 == 0 move in 16-byte accesses.
 
 Scaled (FP8) calls (SCALING, fluxtp/backends/fused/_scaled.py): x and w are float8; each tile's
 float32 accumulator is multiplied by its scales right after its K loop (row-wise: x's scale of
-each row of the whole x, w's of each column), and the partial slots hold float32: the owner sums
-float32 partials and rounds once into out (out_dtype).
+each row of the whole x, w's of each column); the partial slots hold out_dtype, as NCCL-then-GEMM's
+and PyTorch's scaled async-TP partials do (half float32's bytes), and the owner sums them in float32.
 
 A wait that gives up writes (source rank, tile, this rank) to `report_ptr` (host-pinned memory,
 still readable after the trap; the launcher reports it) and traps. No device_print: a printf
@@ -112,12 +112,10 @@ def _epilogue(
     PUSH: tl.constexpr,
     COPY_ENGINE: tl.constexpr,
     REDUCE_UNROLL: tl.constexpr,
-    PARTIAL_F32: tl.constexpr = False,  # the partial slots hold float32 (scaled calls), else out's dtype
 ):
     BLOCK_M: tl.constexpr = acc.shape[0]
     WIDTH: tl.constexpr = acc.shape[1]
-    out_dtype = out_ptr.dtype.element_ty
-    dtype = tl.float32 if PARTIAL_F32 else out_dtype
+    dtype = out_ptr.dtype.element_ty  # the partial slots' too
     offs_m = row_in_segment + tl.arange(0, BLOCK_M)
     offs_n = col + tl.arange(0, WIDTH)
     mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
@@ -134,7 +132,7 @@ def _epilogue(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(out_dtype), mask=mask)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=mask)
     else:
         holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)
         part_ptr = tl.multiple_of(tl.load(buffer_ptrs + holder).to(tl.pointer_type(dtype)), 16)
@@ -175,7 +173,7 @@ def matmul_reduce_scatter_kernel(
     COPY_ENGINE: tl.constexpr,  # (with PUSH) peer tiles stay local; a copy stream pushes bands of them
     REDUCE_UNROLL: tl.constexpr,  # the owner's W-1 partial loads unrolled (all in flight) or one at a time
     WORLD_POW2: tl.constexpr,  # the next power of two >= WORLD (the owner reads its peers' flags as one vector)
-    SCALING: tl.constexpr,  # 0 unscaled, 1 per tensor, 2 row-wise (FP8 operands, float32 partials)
+    SCALING: tl.constexpr,  # 0 unscaled, 1 per tensor, 2 row-wise (FP8 operands)
     PRECISE_ACC: tl.constexpr,  # FP8 products promoted to float32 after each K block (not use_fast_accum)
 ):
     tl.static_assert((EPI_SPLIT == 1) | (EPI_SPLIT == 2) | (EPI_SPLIT == 4))
@@ -255,25 +253,25 @@ def matmul_reduce_scatter_kernel(
 
             if EPI_SPLIT == 1:
                 _epilogue(acc, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
             elif EPI_SPLIT == 2:
                 a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
                 _epilogue(a0, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
                 _epilogue(a1, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
             else:
                 a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
                 a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
                 a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
                 _epilogue(a00, own, owner, row_in_segment, col0, buffer_ptrs, out_ptr, bias_ptr,
-                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
                 _epilogue(a01, own, owner, row_in_segment, col0 + BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
                 _epilogue(a10, own, owner, row_in_segment, col0 + BLOCK_N // 2, buffer_ptrs, out_ptr, bias_ptr,
-                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
                 _epilogue(a11, own, owner, row_in_segment, col0 + 3 * BLOCK_N // 4, buffer_ptrs, out_ptr, bias_ptr,
-                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL, SCALING != 0)
+                          rows_per_rank, N, stride_om, RANK, WORLD, HAS_BIAS, PUSH, COPY_ENGINE, REDUCE_UNROLL)
 
             if not own:
                 holder, slot = _handover(owner, RANK, WORLD, PUSH, COPY_ENGINE)

@@ -21,11 +21,11 @@ tensor-core time:
   the peers' in rank order: deterministic), adds the bias and rounds once into out.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
-Every partial of a bf16 / fp16 call, the own one too, is rounded to the input dtype before the
-sum (as NCCL-then-GEMM rounds them); the Triton kernel keeps its own partial in float32, so the two
+Every partial, the own one too, is rounded to the output's dtype before the sum (as
+NCCL-then-GEMM rounds them); the Triton kernel keeps its own partial in float32, so the two
 differ in the last bits. A scaled (FP8) call's consumers multiply each half by its scales (x's
-rows', the weight's columns', or per tensor) and its slots hold float32 (SCALING, PRECISE_ACC as
-in the Triton kernel). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
+rows', the weight's columns', or per tensor) before that rounding (SCALING, PRECISE_ACC as in the
+Triton kernel). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
 (RANK + 1 + t % W) % W (grouped order in bands of GROUP_M / W rows), so every owner's rows
 complete progressively on every rank and the reduction runs behind the GEMM instead of after it.
 A launch may run only the owner steps first_step..last_step (t % W in that range; the reducer
@@ -370,7 +370,7 @@ def matmul_reduce_scatter_reducer_kernel(
     HAS_BIAS: gl.constexpr,
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     PUSH: gl.constexpr,  # peers' rows into their owners' buffers (else the copy engine's outgoing slots here)
-    SCALING: gl.constexpr,  # 0 unscaled (bf16 / fp16), 1 per tensor, 2 row-wise (FP8 operands, float32 slots)
+    SCALING: gl.constexpr,  # 0 unscaled (bf16 / fp16), 1 per tensor, 2 row-wise (FP8 operands)
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted to float32 after each two K blocks (not use_fast_accum)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):

@@ -16,7 +16,7 @@ again along the tokens, so no high-precision copy of the gathered input is kept.
 
 Under tensor parallelism a rank quantizes what it holds: in the column layer's input gradient
 each rank's G has only its own output features, so its per-token scales are its own (the
-reduce-scatter sums the scaled float32 partials); everything else has whole rows on each rank.
+reduce-scatter sums the scaled partials); everything else has whole rows on each rank.
 """
 
 from __future__ import annotations

@@ -76,9 +76,11 @@ def scaled_matmul_reduce_scatter(
     backend: str = "auto",
 ) -> torch.Tensor:
     """out = reduce_scatter((x * scale_x) @ (weight * scale_w)^T) + bias in out_dtype, rows
-    scattered over ranks: every rank's partial is float32 (float32 accumulation, its scales
-    applied), the partials are summed in float32 in a fixed order (deterministic), the bias is
-    added once and the sum rounded once.
+    scattered over ranks: every rank's partial (float32 accumulation, its scales applied) is
+    rounded to out_dtype, as NCCL-then-GEMM and PyTorch's async-TP hand them over (half
+    float32's bytes); the fused and torch backends sum them in float32 in a fixed order
+    (deterministic) and round once, the nccl backend as NCCL's reduce-scatter does (its ring
+    rounds at every hop); the bias is added once, after the sum.
 
     Not differentiable itself (FP8 tensors have no gradients): see fluxtp.nn's FP8 layers.
 

@@ -37,7 +37,7 @@ def _ops_body(rank, world, seed):
                             ag_refusal = rs_refusal = "K and n multiples of 16"
                         else:
                             ag_refusal = "row-wise scaled matmul writes only bfloat16" if row_wise and out_dtype != torch.bfloat16 else None
-                            rs_refusal = "float32 partials" if row_wise else None
+                            rs_refusal = ag_refusal
                     args = (rank, world, s, m, n, k, device, backend, row_wise, out_dtype, bias_dtype)
                     for check, refusal in ((check_all_gather_scaled, ag_refusal), (check_scaled_reduce_scatter, rs_refusal)):
                         if refusal is None:

@@ -22,7 +22,7 @@ barriers and the in-kernel waits are bounded and fail with an error instead of h
 that gives up records the peer rank and tile in host-pinned memory and traps (the CUDA error
 surfaces at the next synchronization); timeout_report() and an exit hook name them.
 Scaled (FP8) calls (scaled_matmul_reduce_scatter, Plan's `scaled`): the same steps on FP8 operands,
-the partial slots (and the copy engine's bands) in float32, the output in out_dtype.
+the partial slots (and the copy engine's bands) and the output in out_dtype.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ class _Kernel:
 
     def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled):
         """The reducer kernel's launch (a warp-specialized config): its consumers TMA-store and its
-        reducers TMA-load the partial slots (float32 for a scaled call) of the group's `buffers`
+        reducers TMA-load the partial slots (partial_dtype) of the group's `buffers`
         (uint8, every rank's as this GPU sees it, laid out as Layout.of(..., own_region=True)
         says; the copy engine's transport touches only this rank's): push or copy engine, rows of
         16-byte multiples."""
@@ -389,7 +389,7 @@ def launch_kernel(
     by peers). Runs owner steps first_step..last_step (default all: 0..W-1, the last being this
     rank's own rows). A wait that gives up writes (peer rank, tile, rank) into `report`
     (default: this process's record). A scaled call passes `scaled` (_scaled.Scaled) and `scales`
-    (x's, the weight's; _scaled.flat), its buffers laid out for float32 partials. The reducer
+    (x's, the weight's; _scaled.flat), its buffers laid out for partial_dtype's. The reducer
     kernel (uses_reducer) takes the buffers themselves (uint8, every rank's as this GPU sees it)
     and the own region's offset (Layout's).
     """
@@ -456,8 +456,9 @@ def uses_reducer(config: MatmulReduceScatterConfig) -> bool:
 
 
 def partial_dtype(x, scaled) -> torch.dtype:
-    """The partial slots' dtype: the input's, float32 for a scaled call (summed in float32)."""
-    return x.dtype if scaled is None else torch.float32
+    """The partial slots' dtype: the output's (x's, or a scaled call's out_dtype), as NCCL-then-GEMM's
+    partials are; the owner sums them in float32 and rounds once."""
+    return x.dtype if scaled is None else scaled.out_dtype
 
 
 def _write_value32(flags_u32, index, value):
@@ -482,7 +483,7 @@ class Plan:
         self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], part.itemsize, world, config,
                                          uses_reducer(config))  # fmt: skip
         self.ws = ws = _workspace(info, x.device, layout.nbytes)
-        self.device, self.dtype = x.device, x.dtype if scaled is None else scaled.out_dtype
+        self.device, self.dtype = x.device, part
         self.scaled = scaled
         self.out_shape = (x.shape[0] // world, weight.shape[0])
         self.flags = ws.flags(layout)

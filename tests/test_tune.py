@@ -1023,7 +1023,7 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     GEMMs of REDUCER_MIN_WORK tile K-blocks; pull, fewer ranks and the caller's own config stay."""
     from fluxtp.backends.fused import _matmul_reduce_scatter
     from fluxtp.configs import REDUCER_MIN_WORK, REDUCER_MIN_WORK_FP8, MatmulReduceScatterConfig
-    from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_TILING
+    from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
 
     runs = {"now": None}
     monkeypatch.setattr(_matmul_reduce_scatter._scaled, "pingpong_unsupported", lambda *args: runs["now"])
@@ -1059,7 +1059,13 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, True) == fp8_reducer
     assert fp8.on_reducer_kernel(4, 2048, 4096, 3584, True) == fp8
     assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, False) == fp8  # fast at TP=4: not measured ahead
-    assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False) == fp8_reducer
+    # Fast accumulation into a 2-byte output takes the wide tiling its slots leave room for.
+    fp8_wide = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_FAST_TILING, warp_specialized=True)
+    assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False) == fp8_wide
+    assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False, out_bytes=4) == fp8_reducer
+    assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, True) == fp8_reducer
+    assert _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 2) is None
+    assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 4)
     assert fp8.on_reducer_kernel(2, 16384, 8192, 14336, True) == fp8
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None  # 1-byte operands, a float32 output's slots
     assert "multiple of 4" in _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4098, 8, 1, 4)

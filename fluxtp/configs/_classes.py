@@ -218,8 +218,8 @@ class MatmulReduceScatterConfig(GemmTiling):
         config = MatmulReduceScatterConfig(**WARP_SPECIALIZED_FP8_TILING, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
 
-    def on_reducer_kernel(self, world: int, m_total: int, n: int, k: int,
-                          fp8_precise: bool | None = None) -> MatmulReduceScatterConfig:  # fmt: skip
+    def on_reducer_kernel(self, world: int, m_total: int, n: int, k: int, fp8_precise: bool | None = None,
+                          out_bytes: int = 2) -> MatmulReduceScatterConfig:  # fmt: skip
         """This config on the reducer kernel (warp-specialized, bf16 / fp16 on Hopper:
         fluxtp/kernels/_matmul_reduce_scatter_reducer.py) where it measured faster than the Triton
         kernel, else itself: push or copy engine, from REDUCER_WORLD ranks on, and from
@@ -227,16 +227,20 @@ class MatmulReduceScatterConfig(GemmTiling):
         GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
         TP=8, 0.90-1.02x at TP=4 above the work bound, 1.04-1.22x below it; docs/perf-log.md), in
         128x256x64 tiles and 3 stages (its shared memory holds no more). A scaled call (fp8_precise:
-        its accumulation) in WARP_SPECIALIZED_FP8_TILING: at TP>=8, and at TP=4 with
-        precise accumulation from REDUCER_MIN_WORK_FP8 (one H100: 0.62-0.89x the Triton kernel's
-        time at TP=8 precise, 0.74-1.04 fast; 0.85-0.95 at TP=4 above the bound, 1.07-1.14 below)."""
+        its accumulation) in WARP_SPECIALIZED_FP8_TILING, or fast with a 2-byte output (out_bytes:
+        its slots') in WARP_SPECIALIZED_FP8_FAST_TILING (one H100, TP=8: 0.76-0.93x the narrow
+        tiling's time): at TP>=8, and at TP=4 with precise accumulation from REDUCER_MIN_WORK_FP8
+        (one H100: 0.62-0.89x the Triton kernel's time at TP=8 precise, 0.74-1.04 fast; 0.85-0.95 at
+        TP=4 above the bound, 1.07-1.14 below)."""
         if self.warp_specialized or world < REDUCER_MIN_WORLD or self.transport == "pull":
             return self
         work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
         if fp8_precise is not None:
             if world < REDUCER_WORLD and (not fp8_precise or work < REDUCER_MIN_WORK_FP8):
                 return self
-            return dataclasses.replace(self, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
+            wide = not fp8_precise and out_bytes <= 2
+            tiling = WARP_SPECIALIZED_FP8_FAST_TILING if wide else WARP_SPECIALIZED_FP8_TILING
+            return dataclasses.replace(self, **tiling, warp_specialized=True)
         if world < REDUCER_WORLD and work < REDUCER_MIN_WORK:
             return self
         return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)

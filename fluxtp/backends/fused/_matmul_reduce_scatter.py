@@ -412,7 +412,7 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
         reducer = config.on_reducer_kernel(world, m_total, n, k)
     else:
         config = MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
-        reducer = config.on_reducer_kernel(world, m_total, n, k, scaled.precise_acc)
+        reducer = config.on_reducer_kernel(world, m_total, n, k, scaled.precise_acc, scaled.out_dtype.itemsize)
     runs = reducer is not config and _scaled.pingpong_unsupported(x.device, scaled, x.dtype) is None
     fits = runs and reducer_unsupported(reducer, n, world, x.element_size(), partial_dtype(x, scaled).itemsize) is None
     return reducer if fits else config

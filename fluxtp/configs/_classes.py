@@ -58,6 +58,14 @@ WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "
 # H100 it took 0.87-0.99x the Triton kernel's time at 12 all-gather shapes, TP 2 and 8 (docs/perf-log.md).
 WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 4, "num_stages": 3}
 
+
+def reducer_fp8_tiling(precise_acc: bool, out_bytes: int) -> dict:
+    """The reduce-scatter's reducer kernel's FP8 tiling: the wide one where a fast accumulation's
+    2-byte slots leave it room (one H100, TP=8: 0.76-0.93x the narrow tiling's time), else the
+    narrow one (precise accumulation's promotion buffer, or float32 slots)."""
+    return WARP_SPECIALIZED_FP8_FAST_TILING if not precise_acc and out_bytes <= 2 else WARP_SPECIALIZED_FP8_TILING
+
+
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
 HOPPER_SMS = 132
 # What a 128x128 tile costs relative to a 128x256 one (half the work, a little less efficient):
@@ -212,10 +220,12 @@ class MatmulReduceScatterConfig(GemmTiling):
         return config.with_communication_heuristic(m_total, n, world)
 
     @staticmethod
-    def warp_specialized_fp8(m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
+    def warp_specialized_fp8(m_total: int, n: int, world: int, precise_acc: bool = True,
+                             out_bytes: int = 2) -> MatmulReduceScatterConfig:  # fmt: skip
         """The warp-specialized (reducer) kernel's FP8 config, with heuristic()'s transport rule (a
         call takes it by itself where on_reducer_kernel says)."""
-        config = MatmulReduceScatterConfig(**WARP_SPECIALIZED_FP8_TILING, epilogue_split=2, warp_specialized=True)
+        tiling = reducer_fp8_tiling(precise_acc, out_bytes)
+        config = MatmulReduceScatterConfig(**tiling, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
 
     def on_reducer_kernel(self, world: int, m_total: int, n: int, k: int, fp8_precise: bool | None = None,
@@ -227,9 +237,7 @@ class MatmulReduceScatterConfig(GemmTiling):
         GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
         TP=8, 0.90-1.02x at TP=4 above the work bound, 1.04-1.22x below it; docs/perf-log.md), in
         128x256x64 tiles and 3 stages (its shared memory holds no more). A scaled call (fp8_precise:
-        its accumulation) in WARP_SPECIALIZED_FP8_TILING, or fast with a 2-byte output (out_bytes:
-        its slots') in WARP_SPECIALIZED_FP8_FAST_TILING (one H100, TP=8: 0.76-0.93x the narrow
-        tiling's time): at TP>=8, and at TP=4 with precise accumulation from REDUCER_MIN_WORK_FP8
+        its accumulation; out_bytes: its slots') in reducer_fp8_tiling: at TP>=8, and at TP=4 with precise accumulation from REDUCER_MIN_WORK_FP8
         (one H100: 0.62-0.89x the Triton kernel's time at TP=8 precise, 0.74-1.04 fast; 0.85-0.95 at
         TP=4 above the bound, 1.07-1.14 below)."""
         if self.warp_specialized or world < REDUCER_MIN_WORLD or self.transport == "pull":
@@ -238,9 +246,7 @@ class MatmulReduceScatterConfig(GemmTiling):
         if fp8_precise is not None:
             if world < REDUCER_WORLD and (not fp8_precise or work < REDUCER_MIN_WORK_FP8):
                 return self
-            wide = not fp8_precise and out_bytes <= 2
-            tiling = WARP_SPECIALIZED_FP8_FAST_TILING if wide else WARP_SPECIALIZED_FP8_TILING
-            return dataclasses.replace(self, **tiling, warp_specialized=True)
+            return dataclasses.replace(self, **reducer_fp8_tiling(fp8_precise, out_bytes), warp_specialized=True)
         if world < REDUCER_WORLD and work < REDUCER_MIN_WORK:
             return self
         return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)

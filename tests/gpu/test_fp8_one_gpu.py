@@ -242,7 +242,7 @@ def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, 
     x, w = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
     bias = torch.randn(n, device="cuda", dtype=torch.float32)
     if warp_specialized:
-        base = MatmulReduceScatterConfig.warp_specialized_fp8(world * m, n, world)
+        base = MatmulReduceScatterConfig.warp_specialized_fp8(world * m, n, world, precise, out_dtype.itemsize)
     else:
         base = MatmulReduceScatterConfig.heuristic_fp8(world * m, n, world * k_local, world, precise)
     cfg = MatmulReduceScatterConfig(**{**base.__dict__, "transport": transport})

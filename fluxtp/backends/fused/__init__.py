@@ -64,10 +64,13 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     if op in _UNSCALED:
-        # Where the FP8 ops were measured against NCCL then torch._scaled_mm (2x H100, LLaMA-70B MLP,
-        # 1024-8192 tokens, docs/fp8.md): row-wise scales at TP=2 fused 1.0-1.7x faster (fluxtp.nn's
-        # recipe); per-tensor scales slower from 2048 tokens (reduce-scatter); more ranks unmeasured.
-        return info.world_size == 2 and bool(details.get("row_wise"))
+        # Where the FP8 ops were measured against NCCL then torch._scaled_mm into bf16 (2x H100,
+        # LLaMA-70B MLP, 1024-8192 tokens, docs/fp8.md), row-wise scales (fluxtp.nn's recipe) at
+        # TP=2: the all-gather fused 1.03-1.49x faster, the reduce-scatter 1.12-1.20x with fast
+        # accumulation but 0.84-0.99x from 2048 tokens with precise; per-tensor scales slower
+        # from 2048 tokens (reduce-scatter); more ranks unmeasured.
+        fast_enough = op == "all_gather_scaled_matmul" or bool(details.get("use_fast_accum"))
+        return info.world_size == 2 and bool(details.get("row_wise")) and fast_enough
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:
         return verdict

@@ -125,7 +125,8 @@ def check_scaled_reduce_scatter(rank, world, seed, m, n, k_local, device, backen
     ref = sum(partials)
     if b is not None:
         ref += b.double()
-    allowed = tolerance(out_dtype, k, fast) + partial_rounding(out_dtype, partials, ref, 1 if backend in ("fused", "torch") else world)
+    roundings = 1 if backend in ("fused", "torch") else world
+    allowed = tolerance(out_dtype, k, fast) + partial_rounding(out_dtype, partials, ref, roundings)
     bias = None if b is None else b.to(device)
     out = fluxtp.scaled_matmul_reduce_scatter(*args, group=group, bias=bias, out_dtype=out_dtype, backend=backend, use_fast_accum=fast)
     what = f"scaled_matmul_reduce_scatter {backend} W={world} m={m} n={n} k_local={k_local} row_wise={row_wise} {out_dtype} bias={bias_dtype}"

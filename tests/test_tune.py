@@ -1067,7 +1067,8 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 2) is None
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 4)
     assert fp8.on_reducer_kernel(2, 16384, 8192, 14336, True) == fp8
-    assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None  # 1-byte operands, a float32 output's slots
+    # 1-byte operands, a float32 output's slots
+    assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None
     assert "multiple of 4" in _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4098, 8, 1, 4)
     assert "pull" in _matmul_reduce_scatter.reducer_unsupported(dataclasses.replace(on_reducer, transport="pull"), 1024, 8, 2)
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 16, 2)  # 16 ranks' unit rows

@@ -237,9 +237,9 @@ class MatmulReduceScatterConfig(GemmTiling):
         GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
         TP=8, 0.90-1.02x at TP=4 above the work bound, 1.04-1.22x below it; docs/perf-log.md), in
         128x256x64 tiles and 3 stages (its shared memory holds no more). A scaled call (fp8_precise:
-        its accumulation; out_bytes: its slots') in reducer_fp8_tiling: at TP>=8, and at TP=4 with precise accumulation from REDUCER_MIN_WORK_FP8
-        (one H100: 0.62-0.89x the Triton kernel's time at TP=8 precise, 0.74-1.04 fast; 0.85-0.95 at
-        TP=4 above the bound, 1.07-1.14 below)."""
+        its accumulation; out_bytes: its slots') in reducer_fp8_tiling: at TP>=8, and at TP=4 with
+        precise accumulation from REDUCER_MIN_WORK_FP8 (one H100: 0.62-0.89x the Triton kernel's
+        time at TP=8 precise, 0.74-1.04 fast; 0.85-0.95 at TP=4 above the bound, 1.07-1.14 below)."""
         if self.warp_specialized or world < REDUCER_MIN_WORLD or self.transport == "pull":
             return self
         work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)

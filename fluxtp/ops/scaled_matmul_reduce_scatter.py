@@ -80,7 +80,8 @@ def scaled_matmul_reduce_scatter(
     rounded to out_dtype, as NCCL-then-GEMM and PyTorch's async-TP hand them over (half
     float32's bytes); the fused and torch backends sum them in float32 in a fixed order
     (deterministic) and round once, the nccl backend as NCCL's reduce-scatter does (its ring
-    rounds at every hop); the bias is added once, after the sum.
+    rounds at every hop); the bias is added once, after the sum. out_dtype=torch.float32 keeps
+    float32 partials (one rounding in all, at twice the bytes) for a caller who casts after.
 
     Not differentiable itself (FP8 tensors have no gradients): see fluxtp.nn's FP8 layers.
 

@@ -103,6 +103,12 @@ def scaled_product(x, weight, scale_x, scale_w, use_fast_accum: bool = False) ->
     return product * sx * sw
 
 
+def plus_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    """y plus bias (if any) in float32, rounded once to out_dtype: how every backend adds a bias
+    that is not in torch._scaled_mm's epilogue (the reduce-scatter's: once, after the sum)."""
+    return (y if bias is None else y.float() + bias.float()).to(out_dtype)
+
+
 def scaled_linear(x, weight, scale_x, scale_w, bias, out_dtype, use_fast_accum: bool = False) -> torch.Tensor:
     """[rows, n] in out_dtype: the scaled product plus bias, rounded once.
 
@@ -113,9 +119,6 @@ def scaled_linear(x, weight, scale_x, scale_w, bias, out_dtype, use_fast_accum: 
     bias_fits = bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32)
     if fits_torch and bias_fits and _scaled_mm_runs(x, weight):
         return torch._scaled_mm(x, weight.t(), sx, sw, bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    y = scaled_product(x, weight, scale_x, scale_w, use_fast_accum)
-    if bias is not None:
-        y += bias.float()
-    return y.to(out_dtype)
+    return plus_bias(scaled_product(x, weight, scale_x, scale_w, use_fast_accum), bias, out_dtype)
 
 

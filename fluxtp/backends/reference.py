@@ -103,4 +103,4 @@ def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupI
     partial = fp8.scaled_linear(x, weight, scale_x, scale_w, None, out_dtype, use_fast_accum)
     out = partial.new_empty(partial.shape[0] // info.world_size, partial.shape[1])
     dist.reduce_scatter_tensor(out, partial, group=info.group)
-    return out if bias is None else (out.float() + bias.float()).to(out_dtype)
+    return fp8.plus_bias(out, bias, out_dtype)

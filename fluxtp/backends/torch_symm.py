@@ -129,9 +129,7 @@ def all_gather_scaled_matmul(x_shard, weight, scale_x, scale_w, bias, info: Grou
         x_shard.contiguous(), [weight.t()], sx, [sw], 0, info.name, [bias if in_epilogue else None], [None],
         [torch.bfloat16 if row_wise else torch.float32], [use_fast_accum],
     )  # fmt: skip
-    if bias is not None and not in_epilogue:
-        y = y.float() + bias.float()
-    y = y.to(out_dtype)
+    y = fp8.plus_bias(y, None if in_epilogue else bias, out_dtype)
     if not return_gathered:
         return y, None
     # torch gathers the rows but returns no gathered scales: gather those (small) beside.
@@ -156,4 +154,4 @@ def scaled_matmul_reduce_scatter(x, weight, scale_x, scale_w, bias, info: GroupI
     out = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
         x.contiguous(), weight.t(), sx, sw, "sum", 0, 0, info.name, [m_total, n], None, None, out_dtype, use_fast_accum,
     )  # fmt: skip
-    return out if bias is None else (out.float() + bias.float()).to(out_dtype)
+    return fp8.plus_bias(out, bias, out_dtype)

@@ -483,7 +483,7 @@ class Plan:
         self.layout = layout = Layout.of(x.shape[0] // world, weight.shape[0], part.itemsize, world, config,
                                          uses_reducer(config))  # fmt: skip
         self.ws = ws = _workspace(info, x.device, layout.nbytes)
-        self.device, self.dtype = x.device, part
+        self.device, self.dtype = x.device, part  # the output's dtype is the partials'
         self.scaled = scaled
         self.out_shape = (x.shape[0] // world, weight.shape[0])
         self.flags = ws.flags(layout)
@@ -673,7 +673,8 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     world, rank = info.world_size, info.rank
     scaled = None if scales is None else _scaled.Scaled.of(*scales, out_dtype, use_fast_accum)
     config = _config_for(x, weight, world, config, scaled)  # the same config as matmul_reduce_scatter
-    layout = Layout.of(m_total // world, n, partial_dtype(x, scaled).itemsize, world, config, uses_reducer(config))
+    part = partial_dtype(x, scaled)  # the output's dtype too
+    layout = Layout.of(m_total // world, n, part.itemsize, world, config, uses_reducer(config))
     read = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
     # Every peer's flag preset to its complete value: a band's 1 (set by the copy stream), a tile's
     # arrivals. The own region stays zero: the reducer kernel waits for its own tiles as in a call.
@@ -682,11 +683,11 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     scratch = torch.zeros(layout.nbytes, dtype=torch.uint8, device=x.device)
     # push: the owner (this rank) reads its own buffer, producers write the peers'; pull: reversed.
     own, peers = (scratch, read) if config.transport == "pull" else (read, scratch)
-    ptrs = [own.data_ptr() if r == rank else peers.data_ptr() for r in range(world)]
-    buffer_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=x.device)
-    out = torch.empty(m_total // world, n, dtype=x.dtype if scaled is None else out_dtype, device=x.device)
+    buffers = [own if r == rank else peers for r in range(world)]
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=x.device)
+    out = torch.empty(m_total // world, n, dtype=part, device=x.device)
     kernel = _Kernel(x, weight, bias, out.stride(0), layout.flags_offset, rank, world, config, 0, world - 1, MAX_SPINS,
-                     None, scaled, layout.own_offset, [own if r == rank else peers for r in range(world)])  # fmt: skip
+                     None, scaled, layout.own_offset, buffers)  # fmt: skip
     kernel_scales = (None, None) if scales is None else tuple(_scaled.flat(s) for s in scales)
 
     def run():

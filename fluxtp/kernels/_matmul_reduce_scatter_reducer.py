@@ -26,8 +26,11 @@ NCCL-then-GEMM rounds them); the Triton kernel keeps its own partial in float32,
 differ in the last bits. A scaled (FP8) call's consumers multiply each half by its scales (x's
 rows', the weight's columns', or per tensor) before that rounding (SCALING, PRECISE_ACC as in the
 Triton kernel). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
-(RANK + 1 + t % W) % W (grouped order in bands of GROUP_M / W rows), so every owner's rows
-complete progressively on every rank and the reduction runs behind the GEMM instead of after it.
+(RANK + 1 + t % W) % W, in grouped order in bands of BAND_ROWS tile rows (the W owners' tiles of
+one wave share the weight's columns, not x's rows), so every owner's rows complete progressively
+on every rank and the reduction runs behind the GEMM instead of after it. Partials are counted
+(and the copy engine pushes them) by the same bands: each is complete, and moves, as soon as its
+tiles are, not when the last owner step ends (the launcher's copy plan goes band by band).
 A launch may run only the owner steps first_step..last_step (t % W in that range; the reducer
 only with the own step).
 
@@ -67,18 +70,10 @@ REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 p
 
 
 @gluon.jit
-def _local_tile(j, tiles_m, tiles_n, GROUP_M: gl.constexpr, WORLD: gl.constexpr):
-    """(pid_m, pid_n) of an owner's j-th tile: bands of GROUP_M / W tile rows (at least one), as the
-    W owners' tiles of one wave share the weight's columns but not x's rows."""
-    BAND: gl.constexpr = GROUP_M // WORLD if GROUP_M > WORLD else 1
-    return grouped_tile(j, tiles_m, tiles_n, BAND)
-
-
-@gluon.jit
-def _tile(t, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr):
+def _tile(t, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr):
     """(owner step, owner, pid_m, pid_n) of tile t: owners interleaved tile by tile."""
     step = t % WORLD
-    pid_m, pid_n = _local_tile(t // WORLD, tiles_m, tiles_n, GROUP_M, WORLD)
+    pid_m, pid_n = grouped_tile(t // WORLD, tiles_m, tiles_n, BAND_ROWS)
     return step, (RANK + 1 + step) % WORLD, pid_m, pid_n
 
 
@@ -90,7 +85,7 @@ def _own_flags(buffer_ptrs, own_offset, RANK: gl.constexpr):
 
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step,
-            RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+            RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
             B_KN: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
@@ -98,7 +93,7 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, f
     tiles_n = gl.cdiv(N, BLOCK_N)
     loaded = 0
     for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
-        step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, GROUP_M)
+        step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
         if (step >= first_step) & (step <= last_step):
             loaded = load_tile(a_desc, owner * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs,
                                ready, empty, loaded, K, B_KN)  # fmt: skip
@@ -169,7 +164,7 @@ def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N,
 @gluon.jit
 def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs,
               c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step, scale_a_ptr,
-              scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
+              scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
               NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr, SCALING: gl.constexpr,
               PRECISE_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -179,7 +174,7 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, K_INSTR])
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
-    bands = gl.cdiv(tiles_m, GROUP_M)
+    bands = gl.cdiv(tiles_m, BAND_ROWS)
     own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
     # Copy engine: band counters after the W-1 incoming flags, one per (outgoing slot, band).
     counters = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32)) + (WORLD - 1) * bands
@@ -188,7 +183,7 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
     counter = own_flags
     used = 0
     for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
-        step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, GROUP_M)
+        step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
         if (step >= first_step) & (step <= last_step):
             if PRECISE_ACC:  # FP8 products promoted to float32 every two K blocks, off the MMAs' path
                 acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
@@ -205,11 +200,11 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
             elif PUSH:  # this rank's incoming slot at the owner, and the owner's counter of its band there
                 slot = RANK - (owner < RANK).to(gl.int32)
                 owner_flags = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32))
-                counter = owner_flags + slot * bands + pid_m // GROUP_M
+                counter = owner_flags + slot * bands + pid_m // BAND_ROWS
                 kind = owner * 0 + 2
             else:  # this rank's outgoing slots follow its W-1 incoming ones
                 slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
-                counter = counters + (slot - (WORLD - 1)) * bands + pid_m // GROUP_M
+                counter = counters + (slot - (WORLD - 1)) * bands + pid_m // BAND_ROWS
                 kind = owner * 0 + 2
             tma.store_wait(pendings=0)  # c_smem is free again (published halves waited already)
             c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
@@ -233,15 +228,15 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
 
 @gluon.jit
 def _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins,
-               RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+               RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """Until this rank's own partial of tile (pid_m, pid_n) and every peer's band of it have
     arrived (acquire; every flag read at once, lane r for rank r); gives up after max_spins rounds
     (record and trap)."""
     gl.static_assert(WORLD <= 32)
     tile = pid_m * tiles_n + pid_n
-    band = pid_m // GROUP_M
-    bands = gl.cdiv(tiles_m, GROUP_M)
-    band_tiles = gl.minimum(tiles_m - band * GROUP_M, GROUP_M) * tiles_n
+    band = pid_m // BAND_ROWS
+    bands = gl.cdiv(tiles_m, BAND_ROWS)
+    band_tiles = gl.minimum(tiles_m - band * BAND_ROWS, BAND_ROWS) * tiles_n
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     srcs = gl.arange(0, 32, layout=layout)
     waited = srcs < WORLD
@@ -261,10 +256,10 @@ def _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_
 
 
 @gluon.jit
-def _unit(unit, tiles_m, tiles_n, GROUP_M: gl.constexpr, WORLD: gl.constexpr, BLOCK_M: gl.constexpr):
+def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, WORLD: gl.constexpr, BLOCK_M: gl.constexpr):
     """(pid_m, pid_n, first row in the segment) of a reduction unit: own tiles in the consumers' order."""
     units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
-    pid_m, pid_n = _local_tile(unit // units_per_tile, tiles_m, tiles_n, GROUP_M, WORLD)
+    pid_m, pid_n = grouped_tile(unit // units_per_tile, tiles_m, tiles_n, BAND_ROWS)
     return pid_m, pid_n, pid_m * BLOCK_M + (unit % units_per_tile) * UNIT_ROWS
 
 
@@ -282,7 +277,7 @@ def _issue_unit(units_desc, unit_bufs, unit_bar, row0, col0, WORLD: gl.constexpr
 @gluon.jit
 def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
              flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
-             GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              HAS_BIAS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """This program's reduction units, in order (module docstring), a row at a time from shared memory."""
     if last_step == WORLD - 1:
@@ -299,20 +294,20 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         units = tiles_per_segment * units_per_tile
         # Software-pipelined by one unit: the next unit's flags are waited for while this unit's
         # rows are on their way (a wait is a round trip even when the flags are long set).
-        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
+        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, BAND_ROWS, WORLD, BLOCK_M)
         if (gl.program_id(0) < units) & (row0 < rows_per_rank):
             _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins, RANK,
-                       WORLD, GROUP_M, PUSH)  # fmt: skip
+                       WORLD, BAND_ROWS, PUSH)  # fmt: skip
             _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD, PUSH)
         phase = 0
         for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
-            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
-            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, GROUP_M, WORLD, BLOCK_M)
+            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, WORLD, BLOCK_M)
+            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, BAND_ROWS, WORLD, BLOCK_M)
             # A ragged segment's last tile: its units past the end hold no rows.
             next_valid = (unit + NUM_PROGRAMS < units) & (next_row0 < rows_per_rank)
             if next_valid:
                 _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset, max_spins,
-                           RANK, WORLD, GROUP_M, PUSH)  # fmt: skip
+                           RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(0), phase)
                 phase ^= 1
@@ -364,7 +359,7 @@ def matmul_reduce_scatter_reducer_kernel(
     scale_b_ptr,  # scaled calls: float32 scales of w's rows [N] (row-wise) or of w; else None
     RANK: gl.constexpr,
     WORLD: gl.constexpr,
-    GROUP_M: gl.constexpr,
+    BAND_ROWS: gl.constexpr,  # tile rows per band: the tile order's group and the partials' counting unit (Layout)
     NUM_PROGRAMS: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr,
@@ -386,16 +381,16 @@ def matmul_reduce_scatter_reducer_kernel(
         [
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
                          b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
-                         scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH, SCALING,
+                         scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH, SCALING,
                          PRECISE_ACC)),
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
                          b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
-                         scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN, PUSH, SCALING,
+                         scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH, SCALING,
                          PRECISE_ACC)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
-                       WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
+                       WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
-                        stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS,
+                        stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
                         BLOCK_M, BLOCK_N, HAS_BIAS, PUSH)),
         ],
         [4, 1, 1],

@@ -74,7 +74,7 @@ class Layout:
 
     Push and pull: W-1 slots, a flag per (peer, tile). Copy engine: W-1 incoming and W-1
     outgoing slots, a flag per (peer, band) and then a tile counter per (owner, band), a band
-    being group_m rows of tiles. A tile's producer adds tile_arrivals to its flag or counter
+    being band_rows rows of tiles (reducer_band_rows). A tile's producer adds tile_arrivals to its flag or counter
     (the warp-specialized kernels release each half of a tile on its own: 2). With own_region
     (the reducer kernel, push or copy engine): a last slot for this rank's own partial, push
     counting each peer's tiles per band (a counter per (peer, band) in place of a flag per tile),
@@ -85,7 +85,7 @@ class Layout:
     n: int
     tiles_m: int
     tiles_n: int
-    group_m: int
+    band_rows: int  # tile rows per band (copy engine and the reducer kernel's push count by bands)
     block_m: int
     flags_offset: int
     num_flags: int
@@ -100,12 +100,13 @@ class Layout:
     def of(rows_per_rank: int, n: int, itemsize: int, world: int, config: MatmulReduceScatterConfig,
            own_region: bool = False) -> Layout:  # fmt: skip
         tiles_m, tiles_n = triton.cdiv(rows_per_rank, config.block_m), triton.cdiv(n, config.block_n)
+        band_rows = reducer_band_rows(config.group_m, world) if own_region else config.group_m
         slots = (2 * (world - 1) if config.copy_engine else world - 1) + own_region
         flags_offset = triton.cdiv(slots * rows_per_rank * n * itemsize, 16) * 16
         if config.copy_engine:
-            num_flags = 2 * (world - 1) * triton.cdiv(tiles_m, config.group_m)
+            num_flags = 2 * (world - 1) * triton.cdiv(tiles_m, band_rows)
         elif own_region:
-            num_flags = (world - 1) * triton.cdiv(tiles_m, config.group_m)
+            num_flags = (world - 1) * triton.cdiv(tiles_m, band_rows)
         else:
             num_flags = (world - 1) * tiles_m * tiles_n
         nbytes = flags_offset + 4 * num_flags
@@ -114,7 +115,7 @@ class Layout:
             own_offset = nbytes
             nbytes = own_offset + 4 * (tiles_m * tiles_n + 1)
         return Layout(
-            rows_per_rank, n, tiles_m, tiles_n, config.group_m, config.block_m,
+            rows_per_rank, n, tiles_m, tiles_n, band_rows, config.block_m,
             flags_offset, num_flags, nbytes, 2 if config.warp_specialized else 1, own_offset,
             slots, own_region and not config.copy_engine,
         )
@@ -128,7 +129,7 @@ class Layout:
 
     @property
     def bands(self) -> int:
-        return triton.cdiv(self.tiles_m, self.group_m)
+        return triton.cdiv(self.tiles_m, self.band_rows)
 
     def complete_flags(self, copy_engine: bool) -> torch.Tensor:
         """int32 [num_flags]: what each flag (or counter) reads once its partials have all arrived:
@@ -142,21 +143,32 @@ class Layout:
         return torch.full((self.num_flags,), self.tile_arrivals, dtype=torch.int32)
 
     def band(self, index: int) -> tuple[int, int, int]:
-        """(first row, end row, tiles) of band `index` of a segment (the kernel's pid_m // GROUP_M)."""
-        first_tile_row = index * self.group_m
-        tile_rows = min(self.tiles_m - first_tile_row, self.group_m)
+        """(first row, end row, tiles) of band `index` of a segment (the kernel's pid_m // band_rows)."""
+        first_tile_row = index * self.band_rows
+        tile_rows = min(self.tiles_m - first_tile_row, self.band_rows)
         first = first_tile_row * self.block_m
         return first, min(first + tile_rows * self.block_m, self.rows_per_rank), tile_rows * self.tiles_n
 
 
+def reducer_band_rows(group_m: int, world: int) -> int:
+    """The reducer kernel's band, group_m // world tile rows (at least one): it interleaves the W
+    owners tile by tile, so that one wave's tiles of all owners span group_m rows of x."""
+    return max(group_m // world, 1)
+
+
 def copy_plan(layout: Layout, rank: int, world: int) -> list[tuple[int, int, int, int]]:
     """Copy-engine mode: (owner, outgoing slot here, incoming slot at the owner, band) in the order
-    the kernel finishes them (owner step by owner step, bands in order)."""
+    the kernel finishes them. The Triton kernel goes owner step by owner step, bands in order; the
+    reducer kernel (own region) interleaves the owners, so its bands of every owner finish together,
+    band by band: in the Triton kernel's order its copy stream waited for owner 1's last band
+    while the others' sat complete, and pushed them all after the GEMM."""
+    steps = [(step, band) for step in range(world - 1) for band in range(layout.bands)]
+    if layout.own_offset:
+        steps.sort(key=lambda step_band: (step_band[1], step_band[0]))
     plan = []
-    for step in range(world - 1):
+    for step, band in steps:
         owner = (rank + 1 + step) % world
-        out_slot, in_slot = owner - (owner > rank), rank - (rank > owner)
-        plan += [(owner, out_slot, in_slot, band) for band in range(layout.bands)]
+        plan.append((owner, owner - (owner > rank), rank - (rank > owner), band))
     return plan
 
 
@@ -309,7 +321,8 @@ class _Kernel:
             why = f"it reads and writes the buffers through TMA descriptors: pass all {world} (uint8)"
         if why:
             raise ValueError(f"{_op_name(scaled)}: config {config} asks for the warp-specialized kernel, but {why}")
-        slot_count = Layout.of(rows_per_rank, n, part.itemsize, world, config, own_region=True).slots
+        layout = Layout.of(rows_per_rank, n, part.itemsize, world, config, own_region=True)
+        slot_count = layout.slots
         slot_bytes = slot_count * rows_per_rank * n * part.itemsize
         slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
         stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
@@ -324,7 +337,7 @@ class _Kernel:
         grid = max(1, min(sms - 1, world * tiles_per_segment))
         self.scalars += (own_offset, *descriptors)
         self.launch = Launch(
-            matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, GROUP_M=config.group_m,
+            matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None, B_KN=self.weight.kn,
             PUSH=config.transport == "push", **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip

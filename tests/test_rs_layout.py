@@ -1,0 +1,65 @@
+"""The fused reduce-scatter's workspace bands and the copy engine's plan, on CPU: the copy stream
+must push bands in the order the kernel completes them, or a band that is done waits behind one
+that is not (the reducer kernel's owners, pushed owner by owner, all moved after its GEMM)."""
+
+import itertools
+
+import pytest
+
+from fluxtp.backends.fused._matmul_reduce_scatter import Layout, copy_plan, reducer_band_rows
+from fluxtp.configs import MatmulReduceScatterConfig
+
+
+def _grouped(j, tiles_m, tiles_n, group):
+    """fluxtp.kernels._tiles.grouped_tile in Python: (pid_m, pid_n) of the j-th tile."""
+    per_group = group * tiles_n
+    first_m = (j // per_group) * group
+    rows = min(tiles_m - first_m, group)
+    return first_m + (j % per_group) % rows, (j % per_group) // rows
+
+
+def _tile_order(layout, world, reducer):
+    """(owner step, pid_m) of every tile in the order the kernel visits them: the Triton kernel
+    owner step by owner step in group_m bands; the reducer kernel owners interleaved tile by
+    tile, each owner's tiles in bands of layout.band_rows rows."""
+    tiles = layout.tiles_m * layout.tiles_n
+    order = []
+    for t in range(world * tiles):
+        if reducer:
+            step, (pid_m, _) = t % world, _grouped(t // world, layout.tiles_m, layout.tiles_n, layout.band_rows)
+        else:
+            step, (pid_m, _) = t // tiles, _grouped(t % tiles, layout.tiles_m, layout.tiles_n, layout.band_rows)
+        order.append((step, pid_m))
+    return order
+
+
+@pytest.mark.parametrize("reducer", [False, True], ids=["triton", "reducer"])
+@pytest.mark.parametrize("world,rows_per_rank", [(2, 4096), (4, 1024), (4, 2048), (8, 2048), (3, 640)])
+def test_copy_plan_follows_the_kernels_completion_order(world, rows_per_rank, reducer):
+    config = MatmulReduceScatterConfig(transport="copy_engine", warp_specialized=reducer)
+    layout = Layout.of(rows_per_rank, 8192, 2, world, config, own_region=reducer)
+    assert layout.band_rows == (reducer_band_rows(config.group_m, world) if reducer else config.group_m)
+    completed = {}  # (step, band) -> index of its last tile in the visiting order
+    for index, (step, pid_m) in enumerate(_tile_order(layout, world, reducer)):
+        completed[(step, pid_m // layout.band_rows)] = index
+    for rank in range(world):
+        plan = copy_plan(layout, rank, world)
+        steps = [((owner - rank - 1) % world, band) for owner, _, _, band in plan]
+        assert sorted(steps) == sorted(itertools.product(range(world - 1), range(layout.bands)))
+        finish = [completed[step] for step in steps]
+        assert finish == sorted(finish), f"rank {rank}: a band is pushed after a later one ({steps})"
+        for owner, out_slot, in_slot, _ in plan:
+            assert out_slot == owner - (owner > rank) and in_slot == rank - (rank > owner)
+
+
+def test_the_reducer_kernel_counts_finer_bands():
+    """At TP=4, 1024 rows a rank in 128-row tiles, group_m 8: one band a segment for the Triton
+    kernel's order, four for the reducer kernel's (its group of two tile rows), so the copy engine
+    has something to push while the GEMM runs."""
+    config = MatmulReduceScatterConfig(transport="copy_engine")
+    assert Layout.of(1024, 8192, 2, 4, config).bands == 1
+    reducer = Layout.of(1024, 8192, 2, 4, MatmulReduceScatterConfig(transport="copy_engine", warp_specialized=True), True)
+    assert (reducer.band_rows, reducer.bands) == (2, 4)
+    assert [reducer.band(b) for b in range(4)] == [(256 * b, 256 * (b + 1), 2 * 32) for b in range(4)]
+    push = Layout.of(1024, 8192, 2, 8, MatmulReduceScatterConfig(transport="push", warp_specialized=True), True)
+    assert push.counts_bands and push.band_rows == 1 and push.num_flags == 7 * 8

@@ -24,8 +24,9 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # up before capture instead. A tuned entry measured at the call's exact key decides over them
 # where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
 # auto thresholds come from".
-AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 8192), "matmul_reduce_scatter": (1024, 8192)}  # (TP=2, TP>=4)
-AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
+# Each a triple: (TP=2, TP=3-4, TP>=5); TP=8 has not been measured on real peers (no 8-GPU host).
+AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 2048, 8192), "matmul_reduce_scatter": (1024, 1024, 8192)}
+AUTO_MIN_OUTPUTS = {"all_gather_matmul": (1 << 25, 0, 1 << 25)}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
 
@@ -75,8 +76,9 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if verdict is not None:
         return verdict
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
-    two, more = AUTO_MIN_TOKENS[op]
-    return tokens >= (two if info.world_size <= 2 else more) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
+    column = 0 if info.world_size <= 2 else 1 if info.world_size <= 4 else 2
+    outputs = AUTO_MIN_OUTPUTS.get(op, (0, 0, 0))[column]
+    return tokens >= AUTO_MIN_TOKENS[op][column] and tokens * weight.shape[0] >= outputs
 
 
 def plan(op: str, x, weight, bias, info: GroupInfo, *options):

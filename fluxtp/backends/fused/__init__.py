@@ -15,23 +15,17 @@ from fluxtp.configs import measured_verdict
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
-# "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS: from a number
-# of global tokens on, and for the all-gather at TP=2 and TP>=5 from a number of output elements
-# per rank; below, host cost and GEMM efficiency lost to NCCL. TP=2 and TP>=5 from 2x and 4x H200
-# (2026-11-22 to 24); TP=3-4 from 4x H100 (2026-11-26: fused 1.01-1.44x the all-gather, 1.05-1.81x
-# the reduce-scatter at LLaMA-8B and -70B MLP dims, 1024-8192 tokens); TP>=5 unmeasured on real
-# peers (no 8-GPU host), so it keeps the 4x H200 thresholds.
+# "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS on H200s:
+# from a number of global tokens on, one for TP=2 and one for TP >= 4, and for the all-gather
+# from a number of output elements per rank; below, host cost and GEMM efficiency lose to NCCL.
 # Under CUDA graphs the fused ops win from fewer tokens, but "auto" keeps these thresholds while
 # capturing too: a capture that picked fused after an nccl warm-up would run the fused op's
 # first call (allocation, rendezvous, compile) inside the capture; pass backend="fused" and warm
 # up before capture instead. A tuned entry measured at the call's exact key decides over them
 # where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
 # auto thresholds come from".
-# Each a triple: (TP=2, TP=3-4, TP>=5), auto_column(world).
-AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 1024, 8192), "matmul_reduce_scatter": (1024, 1024, 8192)}
-AUTO_MIN_OUTPUTS = {"all_gather_matmul": (1 << 25, 0, 1 << 25)}
-# The FP8 ops fused with row-wise scales up to this many ranks (beyond: unmeasured on real peers).
-AUTO_FP8_MAX_WORLD = 4
+AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 8192), "matmul_reduce_scatter": (1024, 8192)}  # (TP=2, TP>=4)
+AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
 
@@ -60,11 +54,6 @@ def unsupported_reason(op: str, x, weight, info: GroupInfo, **details) -> str | 
     return symm.unsupported_reason(info)
 
 
-def auto_column(world: int) -> int:
-    """The index of a group of `world` ranks in AUTO_MIN_TOKENS' triples: TP=2, TP=3-4, TP>=5."""
-    return 0 if world <= 2 else 1 if world <= 4 else 2
-
-
 def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     """Whether "auto" should take the fused kernel for this call: where the tuned config it would
     launch was measured for exactly this shape, that measurement decides when it is clear
@@ -75,20 +64,19 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     if op in _UNSCALED:
-        # Where the FP8 ops were measured against NCCL then torch._scaled_mm into bf16 (LLaMA-70B
-        # MLP, 1024-8192 tokens, docs/fp8.md), row-wise scales (fluxtp.nn's recipe): the all-gather
-        # fused 1.03-1.49x faster at TP=2 (2x H100) and 1.18-1.83x at TP=4 (4x H100), the
-        # reduce-scatter 1.12-1.20x and 1.20-1.56x with fast accumulation but 0.84-1.10x and
-        # 0.85-1.01x with precise; per-tensor scales slower from 2048 tokens (reduce-scatter).
+        # Where the FP8 ops were measured against NCCL then torch._scaled_mm into bf16 (2x H100,
+        # LLaMA-70B MLP, 1024-8192 tokens, docs/fp8.md), row-wise scales (fluxtp.nn's recipe) at
+        # TP=2: the all-gather fused 1.03-1.49x faster, the reduce-scatter 1.12-1.20x with fast
+        # accumulation but 0.84-0.99x from 2048 tokens with precise; per-tensor scales slower
+        # from 2048 tokens (reduce-scatter); more ranks unmeasured.
         fast_enough = op == "all_gather_scaled_matmul" or bool(details.get("use_fast_accum"))
-        return info.world_size <= AUTO_FP8_MAX_WORLD and bool(details.get("row_wise")) and fast_enough
+        return info.world_size == 2 and bool(details.get("row_wise")) and fast_enough
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:
         return verdict
     tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
-    column = auto_column(info.world_size)
-    outputs = AUTO_MIN_OUTPUTS.get(op, (0, 0, 0))[column]
-    return tokens >= AUTO_MIN_TOKENS[op][column] and tokens * weight.shape[0] >= outputs
+    two, more = AUTO_MIN_TOKENS[op]
+    return tokens >= (two if info.world_size <= 2 else more) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
 
 
 def plan(op: str, x, weight, bias, info: GroupInfo, *options):

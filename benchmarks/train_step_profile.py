@@ -32,14 +32,16 @@ from fluxtp.bench import train
 from fluxtp.bench.results import envelope, write_json
 
 # (kind, pattern on the kernel name, lower case); the first match wins.
+# The fused kinds take every kernel of their op (the Triton, ping-pong and reducer kernels), and
+# "cat" must not take a reduce-scatter ("scatter" holds it).
 KINDS = (
-    ("fused all_gather_matmul", r"all_gather_matmul_kernel"),
-    ("fused matmul_reduce_scatter", r"matmul_reduce_scatter_kernel"),
+    ("fused all_gather_matmul", r"all_gather_matmul\w*_kernel"),
+    ("fused matmul_reduce_scatter", r"matmul_reduce_scatter\w*_kernel"),
     ("nccl", r"nccl"),
     ("symm barrier/signal", r"barrier|stream_write|write_value|memset"),
     ("attention", r"flash|fmha|attn|attention"),
     ("gemm (cuBLAS)", r"gemm|nvjet|xmma|cutlass|cublas"),
-    ("copy/cat/transpose", r"copy|cat|transpose|memcpy"),
+    ("copy/cat/transpose", r"copy|\bcat|catarray|transpose|memcpy"),
     ("optimizer", r"multi_tensor|adam"),
     ("other", r""),
 )

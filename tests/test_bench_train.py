@@ -398,6 +398,9 @@ def _profile_script():
 def test_step_profile_groups_kernels_and_counts_busy_time_once():
     profile = _profile_script()
     assert profile.kind_of("all_gather_matmul_kernel") == "fused all_gather_matmul"
+    assert profile.kind_of("all_gather_matmul_pingpong_kernel") == "fused all_gather_matmul"
+    assert profile.kind_of("matmul_reduce_scatter_reducer_kernel") == "fused matmul_reduce_scatter"  # not "cat"
+    assert profile.kind_of("Memcpy DtoD (Device -> Device)") == "copy/cat/transpose"
     assert profile.kind_of("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
     assert profile.kind_of("c10d::symmetric_memory::barrier_kernel(unsigned int**, int)") == "symm barrier/signal"
     assert profile.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm (cuBLAS)"

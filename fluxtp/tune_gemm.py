@@ -45,7 +45,7 @@ from fluxtp.bench.gemm_grid import (
     warp_specialized_runs,
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
-from fluxtp.configs import Entry, Key, describe, fits, load, m_bucket
+from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, load, m_bucket
 from fluxtp.tune import write_entries
 
 # (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue
@@ -255,7 +255,7 @@ def multi_gpu_keys() -> set[Key]:
     """Keys of the shipped table measured with communication: every entry not written by this
     one-GPU tune (a multi-GPU `fluxtp tune`'s; its early entries record no nccl_ms)."""
     entries, _ = load(shipped=True)
-    return {k for k, e in entries.items() if e.measured.get("mode") != "gemm_only"}
+    return {k for k, e in entries.items() if e.measured.get("mode") != GEMM_ONLY_MODE}
 
 
 def case_key(case: GemmCase, gpu: str) -> Key:
@@ -270,7 +270,7 @@ def entry_of(result: CaseResult, gpu: str) -> Entry:
         "ms": round(result.ms["tuned"], 5),
         "heuristic_ms": round(result.ms["heuristic"], 5),
         "cublas_ms": round(result.ms["cublas"], 5),
-        "mode": "gemm_only",
+        "mode": GEMM_ONLY_MODE,
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "triton": triton_version(),

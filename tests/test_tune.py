@@ -134,6 +134,7 @@ def test_reduce_scatter_transport_heuristic_and_check():
     assert MatmulReduceScatterConfig.heuristic(8192, 8192, 14336, 2).transport == "copy_engine"  # 32 x 32 tiles
     assert MatmulReduceScatterConfig.heuristic(2048, 8192, 14336, 2).transport == "copy_engine"  # 8 x 64
     assert MatmulReduceScatterConfig.heuristic(1024, 4096, 7168, 2).transport == "push"  # 4 x 32
+    assert MatmulReduceScatterConfig.heuristic(4 * 8192, 8192, 7168, 4).transport == "push"  # TP=4: push at any size
     with pytest.raises(ValueError, match="transport must be one of push, pull, copy_engine, got 'nvlink'"):
         MatmulReduceScatterConfig(transport="nvlink")
     with pytest.raises(tune.CacheFileError, match="transport must be one of"):
@@ -257,6 +258,24 @@ def test_weight_layouts_have_keys_of_their_own_and_fall_back_to_linear(cache):
     del data["entries"][0]["weight_layout"]
     (parsed,) = tune.parse(json.dumps(data)).values()
     assert parsed.key.weight_layout == "linear"
+
+
+def test_a_one_gpu_entry_takes_todays_communication_knobs(cache):
+    """An entry tuned on one GPU (GEMM-only) measured its tiling alone: the launcher takes its
+    tiling with the heuristic's transport (push at TP=4) and copy chunks; an entry measured with
+    communication keeps its own."""
+    x, w = torch.empty(4 * 2048, 16, dtype=torch.bfloat16), torch.empty(8192, 16, dtype=torch.bfloat16)
+    one_gpu = entry(op=RS, gpu="cpu", world=4, n=8192, k=64, m=4 * 2048, transport="copy_engine", group_m=4)
+    one_gpu = dataclasses.replace(one_gpu, measured={**one_gpu.measured, "mode": configs.GEMM_ONLY_MODE})
+    tune.write_entries([one_gpu])
+    assert tune.tuned_config(RS, x, w, 4) == dataclasses.replace(one_gpu.config, transport="push")
+    tune.write_entries([dataclasses.replace(one_gpu, measured=measured(4 * 2048))])
+    assert tune.tuned_config(RS, x, w, 4) == one_gpu.config  # measured with communication: copy engine
+    ag = entry(gpu="cpu", world=2, n=64, k=32, m=8192, chunk_rows=256)
+    ag = dataclasses.replace(ag, measured={**ag.measured, "mode": configs.GEMM_ONLY_MODE})
+    tune.write_entries([ag])
+    shard = torch.empty(4096, 32, dtype=torch.bfloat16)
+    assert tune.tuned_config(AG, shard, torch.empty(32, 32, dtype=torch.bfloat16), 2).chunk_rows == 1024  # 4 chunks
 
 
 def test_launcher_lookup_converts_local_shapes_to_the_global_key(cache):
@@ -1029,9 +1048,11 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     monkeypatch.setattr(_matmul_reduce_scatter._scaled, "pingpong_unsupported", lambda *args: runs["now"])
     x, w = torch.empty(8 * 2048, 32, dtype=torch.bfloat16), torch.empty(4096, 32, dtype=torch.bfloat16)
     heuristic = MatmulReduceScatterConfig.heuristic(8 * 2048, 4096, 32, 8)
-    assert heuristic.copy_engine and not heuristic.warp_specialized
+    assert heuristic.transport == "push" and not heuristic.warp_specialized  # the copy engine only at TP<=2
     moved = _matmul_reduce_scatter._config_for(x, w, 8, None)
     assert moved == dataclasses.replace(heuristic, num_stages=3, warp_specialized=True)
+    copy_engine = dataclasses.replace(heuristic, transport="copy_engine")  # e.g. a multi-GPU tune's
+    assert copy_engine.on_reducer_kernel(8, 8 * 2048, 4096, 32) == dataclasses.replace(moved, transport="copy_engine")
     assert _matmul_reduce_scatter._config_for(x[: 4 * 2048], w, 4, None) == MatmulReduceScatterConfig.heuristic(
         4 * 2048, 4096, 32, 4)  # TP=4, little work (8192 x 4096 x 32)
     assert _matmul_reduce_scatter._config_for(x[: 2 * 2048], w, 2, None) == MatmulReduceScatterConfig.heuristic(
@@ -1071,7 +1092,8 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None
     assert "multiple of 4" in _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4098, 8, 1, 4)
     assert "pull" in _matmul_reduce_scatter.reducer_unsupported(dataclasses.replace(on_reducer, transport="pull"), 1024, 8, 2)
-    assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 16, 2)  # 16 ranks' unit rows
+    moved_ce = dataclasses.replace(moved, transport="copy_engine")
+    assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(moved_ce, 1024, 16, 2)  # 16 ranks' unit rows
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(
         dataclasses.replace(moved, num_stages=4), 1024, 8, 2)
     assert _matmul_reduce_scatter.reducer_unsupported(moved, 1024, 8, 2) is None
@@ -1091,7 +1113,9 @@ def test_the_reducer_kernels_workspace_adds_an_own_slot_and_own_tile_flags_the_c
     assert plain.own_offset == 0 and plain.reset_words == plain.num_flags
     assert plain.nbytes == plain.flags_offset + 4 * plain.num_flags
     assert own.flags_offset == -(-(2 * world - 1) * m * n * 2 // 16) * 16  # one more slot
-    assert own.num_flags == plain.num_flags and own.tile_arrivals == 2
+    # the reducer's bands are its tile order's groups, group_m / W tile rows: 3 a segment here, 1 for the Triton kernel
+    assert (own.band_rows, own.bands, plain.bands) == (1, 3, 1)
+    assert own.num_flags == 2 * (world - 1) * 3 and plain.num_flags == 2 * (world - 1) and own.tile_arrivals == 2
     assert own.own_offset == own.flags_offset + 4 * own.num_flags
     assert own.nbytes == own.own_offset + 4 * (own.tiles_m * own.tiles_n + 1)
     assert own.reset_words * 4 == own.nbytes - own.flags_offset
@@ -1106,8 +1130,8 @@ def test_the_reducer_kernels_push_counts_each_peers_band_in_its_owners_buffer():
     from fluxtp.backends.fused._matmul_reduce_scatter import Layout
     from fluxtp.configs import MatmulReduceScatterConfig
 
-    config = MatmulReduceScatterConfig(transport="push", warp_specialized=True, group_m=2)
-    m, n, world = 300, 1000, 8  # 3 x 4 tiles: bands of 2 and 1 tile rows
+    config = MatmulReduceScatterConfig(transport="push", warp_specialized=True)
+    m, n, world = 300, 1000, 4  # 3 x 4 tiles; group_m 8 / 4 ranks: bands of 2 and 1 tile rows
     plain = Layout.of(m, n, 2, world, dataclasses.replace(config, warp_specialized=False))
     own = Layout.of(m, n, 2, world, config, True)
     assert plain.num_flags == (world - 1) * 3 * 4 and not plain.counts_bands and plain.slots == world - 1

@@ -31,6 +31,7 @@ from fluxtp.configs._classes import (
     smem_bytes,
 )
 from fluxtp.configs._table import (
+    GEMM_ONLY_MODE,
     WEIGHT_LAYOUTS,
     Choice,
     Entry,
@@ -45,7 +46,7 @@ from fluxtp.configs._table import (
 )
 
 __all__ = [
-    "FUSED_OPS", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK", "REDUCER_MIN_WORK_FP8",
+    "FUSED_OPS", "GEMM_ONLY_MODE", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK", "REDUCER_MIN_WORK_FP8",
     "SMEM_LIMIT_BYTES", "SMEM_RESERVE_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
     "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig", "MatmulReduceScatterConfig", "candidates", "cdiv",
     "choose", "config_class", "describe", "fits", "heuristic", "load", "m_bucket", "measured_verdict", "narrow_tiles_win", "reload",

@@ -154,6 +154,10 @@ class AllGatherMatmulConfig(GemmTiling):
         chunk = max(self.block_m, cdiv(cdiv(rows_per_rank, pieces), self.block_m) * self.block_m)
         return dataclasses.replace(self, chunk_rows=chunk)
 
+    def with_call_communication(self, x_rows: int, n: int, world: int) -> AllGatherMatmulConfig:
+        """The heuristic's communication knobs for a call of x_shard [x_rows, K]."""
+        return self.with_communication_heuristic(x_rows)
+
     def chunk_rows_for(self, rows_per_rank: int) -> int:
         rows = cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m
         return min(rows, cdiv(rows_per_rank, self.block_m) * self.block_m)
@@ -165,6 +169,9 @@ TRANSPORTS = ("push", "pull", "copy_engine")
 # 64 tiles: 0.69x NCCL against push's 1.09x; docs/perf-log.md). Below two waves (H100 / H200:
 # 132 SMs) the heuristic pushes; the shipped table has measured choices for its shapes.
 MIN_COPY_ENGINE_TILES = 256
+# Up to this many ranks: one copy stream pushes W-1 owners' bands one after another, which kept up
+# at TP=2 (2x H200) but not at TP=4, where the 4x H200 tune measured push faster (docs/perf-log.md).
+MAX_COPY_ENGINE_WORLD = 2
 
 
 # Push and copy-engine reduce-scatters run on the reducer kernel from REDUCER_WORLD ranks on, and
@@ -252,10 +259,15 @@ class MatmulReduceScatterConfig(GemmTiling):
         return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
 
     def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
-        """This tiling with the heuristic's transport: the copy engine's where a segment of rows has
-        MIN_COPY_ENGINE_TILES tiles or more, else push."""
+        """This tiling with the heuristic's transport: the copy engine's up to MAX_COPY_ENGINE_WORLD
+        ranks where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
         tiles = cdiv(m_total // world, self.block_m) * cdiv(n, self.block_n)
-        return dataclasses.replace(self, transport="copy_engine" if tiles >= MIN_COPY_ENGINE_TILES else "push")
+        copy_engine = world <= MAX_COPY_ENGINE_WORLD and tiles >= MIN_COPY_ENGINE_TILES
+        return dataclasses.replace(self, transport="copy_engine" if copy_engine else "push")
+
+    def with_call_communication(self, x_rows: int, n: int, world: int) -> MatmulReduceScatterConfig:
+        """The heuristic's communication knobs for a call of x [x_rows, k] and weight [n, k]."""
+        return self.with_communication_heuristic(x_rows, n, world)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ USER_CACHE, SHIPPED, HEURISTIC = "user cache", "shipped table", "heuristic"
 # What a shipped entry must record of its measurement (rank_tune writes all of these).
 KEY_FIELDS = ("gpu", "world", "dtype", "op", "N", "K", "M_bucket", "weight_layout")
 WEIGHT_LAYOUTS = ("linear", "transposed")
+GEMM_ONLY_MODE = "gemm_only"  # measured["mode"] of an entry tuned on one GPU (fluxtp tune --one-gpu)
 
 
 class CacheWarning(UserWarning):
@@ -360,9 +361,14 @@ def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: in
 
 def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
     """The launchers' lookup: the config of the user's cache or else of the shipped table for
-    this call (see _launch_entry), or None (use the heuristic)."""
+    this call (see _launch_entry), or None (use the heuristic). An entry tuned on one GPU
+    (GEMM-only) measured its tiling alone: its communication knobs are the heuristic's of today."""
     entry, _ = _launch_entry(op, x, weight, world)
-    return None if entry is None else entry.config
+    if entry is None:
+        return None
+    if entry.measured.get("mode") == GEMM_ONLY_MODE:
+        return entry.config.with_call_communication(x.shape[0], weight.shape[0], world)
+    return entry.config
 
 
 # "auto" takes a fused op where its tuning measured it this much faster than NCCL, or more.

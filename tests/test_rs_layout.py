@@ -58,7 +58,8 @@ def test_the_reducer_kernel_counts_finer_bands():
     has something to push while the GEMM runs."""
     config = MatmulReduceScatterConfig(transport="copy_engine")
     assert Layout.of(1024, 8192, 2, 4, config).bands == 1
-    reducer = Layout.of(1024, 8192, 2, 4, MatmulReduceScatterConfig(transport="copy_engine", warp_specialized=True), True)
+    on_reducer = MatmulReduceScatterConfig(transport="copy_engine", warp_specialized=True)
+    reducer = Layout.of(1024, 8192, 2, 4, on_reducer, own_region=True)
     assert (reducer.band_rows, reducer.bands) == (2, 4)
     assert [reducer.band(b) for b in range(4)] == [(256 * b, 256 * (b + 1), 2 * 32) for b in range(4)]
     push = Layout.of(1024, 8192, 2, 8, MatmulReduceScatterConfig(transport="push", warp_specialized=True), True)

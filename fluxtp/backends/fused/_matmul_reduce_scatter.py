@@ -74,8 +74,9 @@ class Layout:
 
     Push and pull: W-1 slots, a flag per (peer, tile). Copy engine: W-1 incoming and W-1
     outgoing slots, a flag per (peer, band) and then a tile counter per (owner, band), a band
-    being band_rows rows of tiles (reducer_band_rows). A tile's producer adds tile_arrivals to its flag or counter
-    (the warp-specialized kernels release each half of a tile on its own: 2). With own_region
+    being band_rows rows of tiles (group_m; the reducer kernel's reducer_band_rows). A tile's
+    producer adds tile_arrivals to its flag or counter (the warp-specialized kernels release each
+    half of a tile on its own: 2). With own_region
     (the reducer kernel, push or copy engine): a last slot for this rank's own partial, push
     counting each peer's tiles per band (a counter per (peer, band) in place of a flag per tile),
     and at own_offset a flag per own tile and a counter, which that kernel resets itself

@@ -269,6 +269,8 @@ def test_a_one_gpu_entry_takes_todays_communication_knobs(cache):
     one_gpu = dataclasses.replace(one_gpu, measured={**one_gpu.measured, "mode": configs.GEMM_ONLY_MODE})
     tune.write_entries([one_gpu])
     assert tune.tuned_config(RS, x, w, 4) == dataclasses.replace(one_gpu.config, transport="push")
+    shown = tune.choose(RS, "cpu", 4, "bfloat16", 4 * 2048, 8192, 64)  # what `fluxtp info --configs` says
+    assert shown.config == tune.tuned_config(RS, x, w, 4) and shown.entry.config.transport == "copy_engine"
     tune.write_entries([dataclasses.replace(one_gpu, measured=measured(4 * 2048))])
     assert tune.tuned_config(RS, x, w, 4) == one_gpu.config  # measured with communication: copy engine
     ag = entry(gpu="cpu", world=2, n=64, k=32, m=8192, chunk_rows=256)

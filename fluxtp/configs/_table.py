@@ -282,7 +282,7 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, 
                 why = f"{origin}: nearest M bucket {entry.key.M_bucket} (none for bucket {key.M_bucket})"
             if entry.key.weight_layout != weight_layout:
                 why += f", from the {entry.key.weight_layout} layout (none tuned for {weight_layout})"
-            return Choice(entry.config, source, why, entry, origin)
+            return Choice(_as_launched(entry, m_total, n, world), source, why, entry, origin)
         if problem is not None:
             missing.append(f"the {'shipped table' if shipped else 'cache file'} is ignored ({problem})")
         elif _signature(table_path) is None:
@@ -346,13 +346,25 @@ def _launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) ->
     return answer
 
 
+def _global_sizes(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> tuple[int, int, int]:
+    """The layer's global (M, N, K) from what the launcher holds (see _launch_entry)."""
+    if op == "all_gather_matmul":
+        return x.shape[0] * world, weight.shape[0] * world, x.shape[1]
+    return x.shape[0], weight.shape[0], x.shape[1] * world
+
+
+def _as_launched(entry: Entry, m_total: int, n: int, world: int):
+    """An entry's config as a call launches it. An entry tuned on one GPU (GEMM-only) measured its
+    tiling alone: it takes the heuristic's communication knobs of today, not those of its day."""
+    if entry.measured.get("mode") == GEMM_ONLY_MODE:
+        return entry.config.with_communication_for(m_total, n, world)
+    return entry.config
+
+
 def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int, tables) -> tuple[Entry | None, str]:
     if tables[0][1] is None and tables[1][1] is None:
         return None, HEURISTIC
-    if op == "all_gather_matmul":
-        m_total, n, k = x.shape[0] * world, weight.shape[0] * world, x.shape[1]
-    else:
-        m_total, n, k = x.shape[0], weight.shape[0], x.shape[1] * world
+    m_total, n, k = _global_sizes(op, x, weight, world)
     device = x.device
     gpu = _gpu_name(device.type, device.index)
     dtype = _DTYPE_NAMES.get(x.dtype)
@@ -361,14 +373,12 @@ def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: in
 
 def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
     """The launchers' lookup: the config of the user's cache or else of the shipped table for
-    this call (see _launch_entry), or None (use the heuristic). An entry tuned on one GPU
-    (GEMM-only) measured its tiling alone: its communication knobs are the heuristic's of today."""
+    this call (see _launch_entry) as _as_launched gives it, or None (use the heuristic)."""
     entry, _ = _launch_entry(op, x, weight, world)
     if entry is None:
         return None
-    if entry.measured.get("mode") == GEMM_ONLY_MODE:
-        return entry.config.with_call_communication(x.shape[0], weight.shape[0], world)
-    return entry.config
+    m_total, n, _ = _global_sizes(op, x, weight, world)
+    return _as_launched(entry, m_total, n, world)
 
 
 # "auto" takes a fused op where its tuning measured it this much faster than NCCL, or more.

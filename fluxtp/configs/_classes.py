@@ -154,10 +154,6 @@ class AllGatherMatmulConfig(GemmTiling):
         chunk = max(self.block_m, cdiv(cdiv(rows_per_rank, pieces), self.block_m) * self.block_m)
         return dataclasses.replace(self, chunk_rows=chunk)
 
-    def with_communication_for(self, m_total: int, n: int, world: int) -> AllGatherMatmulConfig:
-        """The heuristic's communication knobs for the layer's global M, N on `world` ranks."""
-        return self.with_communication_heuristic(m_total // world)
-
     def chunk_rows_for(self, rows_per_rank: int) -> int:
         rows = cdiv(max(self.chunk_rows, 1), self.block_m) * self.block_m
         return min(rows, cdiv(rows_per_rank, self.block_m) * self.block_m)
@@ -264,10 +260,6 @@ class MatmulReduceScatterConfig(GemmTiling):
         tiles = cdiv(m_total // world, self.block_m) * cdiv(n, self.block_n)
         copy_engine = world <= MAX_COPY_ENGINE_WORLD and tiles >= MIN_COPY_ENGINE_TILES
         return dataclasses.replace(self, transport="copy_engine" if copy_engine else "push")
-
-    def with_communication_for(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
-        """The heuristic's communication knobs for the layer's global M, N on `world` ranks."""
-        return self.with_communication_heuristic(m_total, n, world)
 
 
 @dataclass(frozen=True)

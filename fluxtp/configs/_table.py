@@ -356,9 +356,11 @@ def _global_sizes(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) ->
 def _as_launched(entry: Entry, m_total: int, n: int, world: int):
     """An entry's config as a call launches it. An entry tuned on one GPU (GEMM-only) measured its
     tiling alone: it takes the heuristic's communication knobs of today, not those of its day."""
-    if entry.measured.get("mode") == GEMM_ONLY_MODE:
-        return entry.config.with_communication_for(m_total, n, world)
-    return entry.config
+    if entry.measured.get("mode") != GEMM_ONLY_MODE:
+        return entry.config
+    if entry.key.op == "all_gather_matmul":
+        return entry.config.with_communication_heuristic(m_total // world)
+    return entry.config.with_communication_heuristic(m_total, n, world)
 
 
 def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int, tables) -> tuple[Entry | None, str]:

@@ -6,8 +6,16 @@ import itertools
 
 import pytest
 
-from fluxtp.backends.fused._matmul_reduce_scatter import Layout, copy_plan, reducer_band_rows
+from fluxtp.backends.fused._matmul_reduce_scatter import (
+    REDUCER_UNIT_BYTES,
+    Layout,
+    copy_plan,
+    reducer_band_rows,
+    reducer_unit_rows,
+    reducer_unsupported,
+)
 from fluxtp.configs import MatmulReduceScatterConfig
+from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
 
 
 def _grouped(j, tiles_m, tiles_n, group):
@@ -64,3 +72,24 @@ def test_the_reducer_kernel_counts_finer_bands():
     assert [reducer.band(b) for b in range(4)] == [(256 * b, 256 * (b + 1), 2 * 32) for b in range(4)]
     push = Layout.of(1024, 8192, 2, 8, MatmulReduceScatterConfig(transport="push", warp_specialized=True), True)
     assert push.counts_bands and push.band_rows == 1 and push.num_flags == 7 * 8
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize(
+    "tiling, itemsize, partial_size",
+    [
+        ({"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3}, 2, 2),  # bf16 / fp16 (on_reducer_kernel)
+        (WARP_SPECIALIZED_FP8_TILING, 1, 2),  # FP8 precise, bf16 out
+        (WARP_SPECIALIZED_FP8_TILING, 1, 4),  # FP8 precise, float32 out
+        (WARP_SPECIALIZED_FP8_FAST_TILING, 1, 2),  # FP8 fast, bf16 out
+    ],
+)
+def test_the_reducer_units_grow_within_their_bytes_and_the_tilings_still_fit(world, tiling, itemsize, partial_size):
+    config = MatmulReduceScatterConfig(**{**tiling, "num_warps": 4}, warp_specialized=True, transport="copy_engine")
+    rows = reducer_unit_rows(config.block_n, world, partial_size)
+    assert rows in (4, 8) and config.block_m % rows == 0  # the kernel's units tile a tile's rows
+    unit_bytes = world * rows * config.block_n * partial_size
+    assert unit_bytes <= REDUCER_UNIT_BYTES or rows == 4, f"{rows} rows take {unit_bytes} bytes"
+    if unit_bytes * 2 <= REDUCER_UNIT_BYTES:
+        assert rows == 8, "a unit that could double within its bytes stays small"
+    assert reducer_unsupported(config, 8192, world, itemsize, partial_size) is None

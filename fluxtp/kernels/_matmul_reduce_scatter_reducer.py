@@ -13,8 +13,9 @@ tensor-core time:
   (here, or push: the owner's) after the next tile's K loop (the store is long done by then), an
   own one into its tile's own flag at once (this rank's reducers wait for it: deferred, it held
   them back a whole K loop, docs/perf-log.md);
-- a reducer warp sums this rank's rows while the consumers compute: units of UNIT_ROWS rows of
-  an own tile, unit u going to program u % NUM_PROGRAMS, in order. A unit waits (acquire,
+- a reducer warp sums this rank's rows while the consumers compute: units of a few rows of an
+  own tile (units_desc's block: the launcher's reducer_unit_rows), unit u going to program
+  u % NUM_PROGRAMS, in order. A unit waits (acquire,
   bounded) for its tile's own flag and its band from every peer (copy engine: the band's flag;
   push: the band's counter at all its tiles' halves), TMA-loads the W slots' rows into shared
   memory (many bytes in flight for few registers), adds them in float32 (its own partial, then
@@ -65,7 +66,6 @@ from fluxtp.kernels._pingpong import (
 
 TILE_ARRIVALS = gl.constexpr(2)  # one release per consumer warpgroup
 MAX_PUSH_WORLD = gl.constexpr(8)  # push stores through a descriptor per rank, passed one by one
-UNIT_ROWS = gl.constexpr(4)  # rows of an own tile per reduction unit (W slots' rows in shared memory at once)
 REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
 
 
@@ -256,7 +256,7 @@ def _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_
 
 
 @gluon.jit
-def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, WORLD: gl.constexpr, BLOCK_M: gl.constexpr):
+def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr):
     """(pid_m, pid_n, first row in the segment) of a reduction unit: own tiles in the consumers' order."""
     units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
     pid_m, pid_n = grouped_tile(unit // units_per_tile, tiles_m, tiles_n, BAND_ROWS)
@@ -281,6 +281,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
              HAS_BIAS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """This program's reduction units, in order (module docstring), a row at a time from shared memory."""
     if last_step == WORLD - 1:
+        UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
         WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
         gl.static_assert(BLOCK_M % UNIT_ROWS == 0)
         gl.static_assert(BLOCK_N % WIDTH == 0)
@@ -294,15 +295,15 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         units = tiles_per_segment * units_per_tile
         # Software-pipelined by one unit: the next unit's flags are waited for while this unit's
         # rows are on their way (a wait is a round trip even when the flags are long set).
-        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, BAND_ROWS, WORLD, BLOCK_M)
+        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
         if (gl.program_id(0) < units) & (row0 < rows_per_rank):
             _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins, RANK,
                        WORLD, BAND_ROWS, PUSH)  # fmt: skip
             _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD, PUSH)
         phase = 0
         for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
-            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, WORLD, BLOCK_M)
-            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, BAND_ROWS, WORLD, BLOCK_M)
+            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
+            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             # A ragged segment's last tile: its units past the end hold no rows.
             next_valid = (unit + NUM_PROGRAMS < units) & (next_row0 < rows_per_rank)
             if next_valid:
@@ -346,7 +347,7 @@ def matmul_reduce_scatter_reducer_kernel(
     report_ptr,  # int32 [3]: where a timed-out wait records (rank waited for, tile, this rank)
     own_offset,  # bytes from this rank's buffer base to its own-tile flags (module docstring)
     slots_desc,  # over this rank's slots [S, m, N] (2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the stores)
-    units_desc,  # over the same slots, block [1, UNIT_ROWS, BLOCK_N], unswizzled (the reducer's loads)
+    units_desc,  # over the same slots, block [1, unit rows, BLOCK_N], unswizzled (the reducer's loads)
     slots0,  # push: as slots_desc over rank 0's slots as this GPU sees them, ... (unused past W: any descriptor)
     slots1,
     slots2,
@@ -373,6 +374,7 @@ def matmul_reduce_scatter_reducer_kernel(
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
     c_bufs = gl.allocate_shared_memory(slots_desc.dtype, [2, 1, BLOCK_M // 2, BLOCK_N], slots_desc.layout)
+    UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
     unit_bufs = gl.allocate_shared_memory(units_desc.dtype, [WORLD, 1, UNIT_ROWS, BLOCK_N], units_desc.layout)
     unit_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(unit_bar.index(0), count=1)

@@ -66,6 +66,7 @@ _OP = "matmul_reduce_scatter"
 # W=8 that took 0.91-1.00x the time of one load at a time, at W=2 and 4 it was level (one H200,
 # GEMM-only, benchmarks/reduce_unroll_ab.py), so smaller groups keep the fewer live registers of the loop.
 REDUCE_UNROLL_MIN_WORLD = 8
+REDUCER_UNIT_BYTES = 16 * 1024  # reducer_unit_rows
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,15 @@ def reducer_band_rows(group_m: int, world: int) -> int:
     """The reducer kernel's band, group_m // world tile rows (at least one): it interleaves the W
     owners tile by tile, so that one wave's tiles of all owners span group_m rows of x."""
     return max(group_m // world, 1)
+
+
+def reducer_unit_rows(block_n: int, world: int, partial_size: int) -> int:
+    """Rows of the reducer kernel's reduction unit: its W slots' rows take at most
+    REDUCER_UNIT_BYTES of shared memory (what the 128x256 3-stage tilings leave), 4 to 8 rows, a
+    power of two. Its reducer warp has one unit in flight at a time: with 128-wide FP8 tiles, 4-row
+    units made it the kernel's critical path (docs/perf-log.md)."""
+    rows = max(REDUCER_UNIT_BYTES // (world * block_n * partial_size), 4)
+    return min(1 << (rows.bit_length() - 1), 8)
 
 
 def copy_plan(layout: Layout, rank: int, world: int) -> list[tuple[int, int, int, int]]:
@@ -310,11 +320,7 @@ class _Kernel:
         (uint8, every rank's as this GPU sees it, laid out as Layout.of(..., own_region=True)
         says; the copy engine's transport touches only this rank's): push or copy engine, rows of
         16-byte multiples."""
-        from fluxtp.kernels._matmul_reduce_scatter_reducer import (
-            MAX_PUSH_WORLD,
-            UNIT_ROWS,
-            matmul_reduce_scatter_reducer_kernel,
-        )
+        from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, matmul_reduce_scatter_reducer_kernel
 
         part = partial_dtype(x, scaled)
         why = reducer_unsupported(config, n, world, x.element_size(), part.itemsize)
@@ -327,7 +333,8 @@ class _Kernel:
         slot_bytes = slot_count * rows_per_rank * n * part.itemsize
         slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
         stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
-        loads = DescriptorLayout(slots[rank], [1, UNIT_ROWS.value, config.block_n], gluon=True, swizzled=False)
+        unit_rows = reducer_unit_rows(config.block_n, world, part.itemsize)
+        loads = DescriptorLayout(slots[rank], [1, unit_rows, config.block_n], gluon=True, swizzled=False)
         # Push: a store descriptor over every rank's slots (the copy engine's never reads them).
         peers = [stores.over(slots[r] if config.transport == "push" else slots[rank]) for r in range(world)]
         unused = peers[:1] * (MAX_PUSH_WORLD.value - world)
@@ -443,7 +450,7 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
                         partial_size: int | None = None) -> str | None:  # fmt: skip
     """Why the reducer kernel cannot run `config` for rows of n elements at this world size, or None
     (itemsize: the operands', partial_size: the partial slots' (default the operands'))."""
-    from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, UNIT_ROWS
+    from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD
 
     partial_size = partial_size or itemsize
     if config.transport == "pull":
@@ -455,9 +462,9 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
         return f"it needs the weight's rows n ({n}) to be a multiple of {16 // partial_size}"
     # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots, and the
     # reserve the configs' model keeps for barriers and alignment (fits()).
+    unit_rows = reducer_unit_rows(config.block_n, world, partial_size)
     smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
-            + (config.block_m * config.block_n + world * UNIT_ROWS.value * config.block_n) * partial_size
-            + SMEM_RESERVE_BYTES)  # fmt: skip
+            + (config.block_m + world * unit_rows) * config.block_n * partial_size + SMEM_RESERVE_BYTES)  # fmt: skip
     if smem > SMEM_LIMIT_BYTES:
         return f"it needs {smem} bytes of shared memory there, more than {SMEM_LIMIT_BYTES}: fewer stages"
     return None

@@ -9,17 +9,18 @@ tensor-core time:
   into its slot: a peer's rows into an outgoing slot here (copy engine: the copy
   stream pushes each finished band of them to its owner) or into this rank's incoming slot in the
   owner's buffer (push: over NVLink, a descriptor per rank), its own rows into the own slot. Each
-  half is counted (release) once its store has completed: a peer's into its band's counter
-  (here, or push: the owner's) after the next tile's K loop (the store is long done by then), an
-  own one into its tile's own flag at once (this rank's reducers wait for it: deferred, it held
-  them back a whole K loop, docs/perf-log.md);
+  half is counted once its store has completed: an own one into its tile's own flag at once
+  (release; this rank's reducers wait for it: deferred, it held them back a whole K loop), peers'
+  two at a time into their bands' counters (here, or push: the owners'), after the K loop that
+  follows the second (the stores are long done by then) under one system-scope fence (one per
+  half cost 8-17% of an FP8 GEMM at TP=8; docs/perf-log.md);
 - a reducer warp sums this rank's rows while the consumers compute: units of a few rows of an
   own tile (units_desc's block: the launcher's reducer_unit_rows), unit u going to program
-  u % NUM_PROGRAMS, in order. A unit waits (acquire,
-  bounded) for its tile's own flag and its band from every peer (copy engine: the band's flag;
-  push: the band's counter at all its tiles' halves), TMA-loads the W slots' rows into shared
-  memory (many bytes in flight for few registers), adds them in float32 (its own partial, then
-  the peers' in rank order: deterministic), adds the bias and rounds once into out.
+  u % NUM_PROGRAMS, in order. A unit waits (acquire, bounded) for its tile's own flag and its
+  band from every peer (copy engine: the band's flag; push: the band's counter at all its tiles'
+  halves), TMA-loads the W slots' rows into shared memory (many bytes in flight for few
+  registers), adds them in float32 (its own partial, then the peers' in rank order:
+  deterministic), adds the bias and rounds once into out.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
 Every partial, the own one too, is rounded to the output's dtype before the sum (as
@@ -106,17 +107,28 @@ def _own_slot(PUSH: gl.constexpr, WORLD: gl.constexpr):
 
 
 @gluon.jit
-def _publish(counter, pending):
-    """Count a half in once its TMA store has completed: every thread of the partition is past the
-    wait, then one release: scope gpu for an own tile (this GPU's reducers read it), sys for a
-    band (the copy stream or the owner reads it; a sys fence cost 3-4% on every tile)."""
-    if pending != 0:
+def _count_own(counter):
+    """Count an own half in once its TMA store has completed: every thread of the partition is
+    past the wait, then one release at scope gpu (this GPU's reducers read it)."""
+    tma.store_wait(pendings=0)
+    partition_barrier()
+    gl.atomic_add(counter, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _count_peers(first, second, waiting):
+    """Count the `waiting` (0 to 2) stored peers' halves into their band counters, first's then
+    second's, once their TMA stores have completed: one system-scope fence for both, then relaxed
+    adds (the copy stream or the owner reads them). A release per half cost the consumer ~1 us,
+    8-17% of an FP8 GEMM at TP=8 (docs/perf-log.md)."""
+    if waiting != 0:
         tma.store_wait(pendings=0)
         partition_barrier()
-        if pending == 1:
-            gl.atomic_add(counter, 1, sem="release", scope="gpu")
-        else:
-            gl.atomic_add(counter, 1, sem="release", scope="sys")
+        gl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [waiting], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+        gl.atomic_add(first, 1, sem="relaxed", scope="sys")
+        if waiting == 2:
+            gl.atomic_add(second, 1, sem="relaxed", scope="sys")
 
 
 @gluon.jit
@@ -179,8 +191,9 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
     # Copy engine: band counters after the W-1 incoming flags, one per (outgoing slot, band).
     counters = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32)) + (WORLD - 1) * bands
     c_smem = c_bufs.index(C)
-    pending = 0
-    counter = own_flags
+    waiting = 0  # peers' halves stored and not yet counted, at most two: their band counters first, second
+    first = own_flags
+    second = own_flags
     used = 0
     for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
         step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
@@ -191,22 +204,21 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
                 acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
             if SCALING != 0:
                 acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout, C, SCALING)
-            _publish(counter, pending)  # the previous half's store had this K loop's time to complete
+            if waiting == 2:  # both stores had a K loop or more to complete
+                _count_peers(first, second, waiting)
+                waiting = 0
             row = pid_m * BLOCK_M + C * HALF
             if owner == RANK:
                 slot = owner * 0 + _own_slot(PUSH, WORLD)
                 counter = own_flags + pid_m * tiles_n + pid_n
-                kind = owner * 0 + 1
             elif PUSH:  # this rank's incoming slot at the owner, and the owner's counter of its band there
                 slot = RANK - (owner < RANK).to(gl.int32)
                 owner_flags = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32))
                 counter = owner_flags + slot * bands + pid_m // BAND_ROWS
-                kind = owner * 0 + 2
             else:  # this rank's outgoing slots follow its W-1 incoming ones
                 slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
                 counter = counters + (slot - (WORLD - 1)) * bands + pid_m // BAND_ROWS
-                kind = owner * 0 + 2
-            tma.store_wait(pendings=0)  # c_smem is free again (published halves waited already)
+            tma.store_wait(pendings=0)  # c_smem is free again
             c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
             fence_async_shared()
             # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
@@ -219,11 +231,14 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
             else:
                 tma_store(slots_desc, [slot, row, pid_n * BLOCK_N], c_smem)
             if owner == RANK:  # the reducers wait for it now, not after the next K loop
-                _publish(counter, kind)
-                pending = 0
+                _count_own(counter)
+            elif waiting == 0:
+                first = counter
+                waiting = 1
             else:
-                pending = kind  # 2: a band's
-    _publish(counter, pending)
+                second = counter
+                waiting = 2
+    _count_peers(first, second, waiting)
 
 
 @gluon.jit

@@ -65,7 +65,7 @@ from fluxtp.kernels._pingpong import (
     wait_flags,
 )
 
-TILE_ARRIVALS = gl.constexpr(2)  # one release per consumer warpgroup
+TILE_ARRIVALS = gl.constexpr(2)  # one count per consumer warpgroup (its half of the tile)
 MAX_PUSH_WORLD = gl.constexpr(8)  # push stores through a descriptor per rank, passed one by one
 REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
 

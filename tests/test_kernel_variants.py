@@ -16,7 +16,8 @@ variants = importlib.import_module("_kernel_variants")
 
 
 @pytest.mark.parametrize("script, kernel_file", [("all_gather_parts", "_all_gather_matmul.py"),
-                                                     ("reduce_scatter_parts", "_matmul_reduce_scatter.py")])
+                                                     ("reduce_scatter_parts", "_matmul_reduce_scatter.py"),
+                                                     ("reducer_parts", "_matmul_reduce_scatter_reducer.py")])
 def test_every_variant_applies_to_the_shipped_kernel(script, kernel_file):
     module = importlib.import_module(script)
     shipped = (variants.KERNELS / kernel_file).read_text()

@@ -1,0 +1,118 @@
+"""What each part of the reducer kernel's hand-over and reduction costs, on one GPU (GEMM-only mode).
+
+    python benchmarks/reducer_parts.py [--models llama3-8b,llama3-70b] [--worlds 8] [--tokens 4096,16384]
+        [--dtype float8_e4m3fn] [--fast-accum] [--variants no_reducer,...] [--rounds 5] [--out FILE.json]
+
+Per reduce-scatter case of the named models' grid (fluxtp/bench/gemm_grid.py) that a call runs
+on the reducer kernel (fluxtp/kernels/_matmul_reduce_scatter_reducer.py), its GEMM-only mode
+beside copies of its source with one part switched off, and cuBLAS (torch._scaled_mm for FP8
+cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benchmark harness:
+- `no_reducer`: the reducer warp does nothing (nothing is reduced; the consumers still store and
+  count every half);
+- `no_reducer_own_deferred`: and an own half is counted after the next K loop, as a peer's;
+- `no_reducer_no_peer_counts`: and the peers' halves are never counted;
+- `no_reducer_no_counts`: no half is counted (the GEMM and its partial stores alone);
+- `own_deferred`: the shipped kernel with own halves counted late (it computes the op: the
+  reducers then wait for them longer).
+Only the shipped kernel and `own_deferred` compute the op's result (checked first; the peers'
+partials read are zeros). Time over cuBLAS's, medians.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+import fluxtp.kernels._matmul_reduce_scatter_reducer as reducer_module
+from fluxtp._dist import GroupInfo
+from fluxtp.backends.fused import _matmul_reduce_scatter
+from fluxtp.bench.gemm_grid import case_inputs, expected_rows, fp8_case_inputs, launched_config, relative_error
+from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
+from fluxtp.bench.results import command_line, envelope, write_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _kernel_variants import case_parser, cases_of, chosen_variants, variant_kernels  # noqa: E402
+
+NO_REDUCER = [("    if last_step == WORLD - 1:\n        UNIT_ROWS", "    if last_step == WORLD + 99:\n        UNIT_ROWS")]
+OWN_DEFERRED = [("            if owner == RANK:  # the reducers wait for it now", "            if owner == RANK + 99:  # the reducers wait for it now")]
+NO_PEER_COUNTS = [("    if waiting != 0:\n        tma.store_wait", "    if waiting < 0:\n        tma.store_wait")]
+VARIANTS = {
+    "no_reducer": NO_REDUCER,
+    "no_reducer_own_deferred": NO_REDUCER + OWN_DEFERRED,
+    "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
+    "no_reducer_no_counts": NO_REDUCER + OWN_DEFERRED + NO_PEER_COUNTS,
+    "own_deferred": OWN_DEFERRED,
+}
+COMPUTES_THE_OP = ("fused", "own_deferred")
+KERNEL = "matmul_reduce_scatter_reducer_kernel"
+
+
+def _gemm_only(kernel, x, w, world, config, **scaled):
+    """The launcher's GEMM-only mode for rank 0, launching `kernel` in place of the shipped
+    reducer kernel (the launcher imports it at each plan)."""
+    shipped = getattr(reducer_module, KERNEL)
+    setattr(reducer_module, KERNEL, kernel)
+    try:
+        return _matmul_reduce_scatter.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)
+    finally:
+        setattr(reducer_module, KERNEL, shipped)
+
+
+def main() -> None:
+    parser = case_parser(__doc__, "llama3-8b,llama3-70b", "8", "4096,16384", VARIANTS)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"))
+    parser.add_argument("--fast-accum", action="store_true", help="FP8: use_fast_accum (the layers' forward)")
+    parser.set_defaults(rounds=5)
+    args = parser.parse_args()
+    cases = [dataclasses.replace(c, dtype=args.dtype) for c in cases_of(args, "matmul_reduce_scatter")]
+    kernels = variant_kernels(reducer_module, KERNEL, "_matmul_reduce_scatter_reducer.py", chosen_variants(parser, args, VARIANTS))
+    rows = []
+    for case in cases:
+        if case.fp8:
+            x, w, scale_x, scale_w = fp8_case_inputs(case, "cuda")
+            scaled = {"scales": (scale_x, scale_w), "use_fast_accum": args.fast_accum}
+            config = launched_config(case, x, w, (scale_x, scale_w), args.fast_accum)
+
+            def reference(x=x, w=w, scale_x=scale_x, scale_w=scale_w):
+                return torch._scaled_mm(x, w.t(), scale_a=scale_x, scale_b=scale_w, out_dtype=torch.bfloat16,
+                                        use_fast_accum=args.fast_accum)  # fmt: skip
+        else:
+            x, w = case_inputs(case, "cuda")
+            scaled = {}
+            config = launched_config(case, x, w)
+
+            def reference(x=x, w=w):
+                return F.linear(x, w)
+
+        if not config.warp_specialized:
+            print(f"{case.label()}: a call runs the Triton kernel here, not the reducer kernel; skipped", flush=True)
+            continue
+        want = expected_rows(case, reference())
+        runs = {}
+        for name, kernel in kernels.items():
+            run = _gemm_only(kernel, x, w, case.world, config, **scaled)
+            if name in COMPUTES_THE_OP and not relative_error(run(), want) < 2e-2:
+                raise AssertionError(f"{case.label()}: {name} computes a wrong result")
+            runs[name] = graphed(run)
+        runs["cublas"] = graphed(reference)
+        ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(args.rounds, 2, 5),
+                            GroupInfo(None, 0, 1), "cuda").ms  # fmt: skip
+        row = {"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world, "config": str(config),
+               "ms": {k: round(v, 5) for k, v in ms.items()}, "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}}  # fmt: skip
+        print(row["case"], row["vs_cublas"], flush=True)
+        rows.append(row)
+        del runs
+        torch.cuda.empty_cache()
+    print(tabulate([[r["case"], *(r["vs_cublas"][n] for n in kernels)] for r in rows], headers=["case (time / cuBLAS)", *kernels]))
+    if args.out:
+        data = envelope("reducer_parts", rows, device=torch.cuda.get_device_name(), gpus=1, world=0, command=command_line())
+        print("wrote", write_json(data, args.out))
+
+
+if __name__ == "__main__":
+    main()

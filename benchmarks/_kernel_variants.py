@@ -130,10 +130,16 @@ def cases_of(args, op: str) -> list:
     return [c for model in args.models.split(",") for c in model_cases(model, tokens=tokens, worlds=worlds) if c.op == op]
 
 
-def time_case(case, runs: dict, a: torch.Tensor, weight: torch.Tensor, config, rounds: int, **fields) -> dict:
+def time_case(case, runs: dict, a: torch.Tensor, weight: torch.Tensor, config, rounds: int, reference=None,
+              **fields) -> dict:  # fmt: skip
     """`runs` (name -> graphed callable) interleaved with the plain twin of `config` and cuBLAS on
-    a @ weight^T (the case's whole per-rank GEMM); the case's row, times over cuBLAS's (medians)."""
-    runs = {**runs, "plain": graphed(plain_matmul(a, weight, config)), "cublas": graphed(lambda: F.linear(a, weight))}
+    a @ weight^T (the case's whole per-rank GEMM), or with `reference` alone as "cublas" where it
+    is given (an FP8 case's torch._scaled_mm: plain has no FP8 form); the case's row, times over
+    cuBLAS's (medians)."""
+    if reference is None:
+        runs = {**runs, "plain": graphed(plain_matmul(a, weight, config)), "cublas": graphed(lambda: F.linear(a, weight))}
+    else:
+        runs = {**runs, "cublas": graphed(reference)}
     ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(rounds, 2, 5), GroupInfo(None, 0, 1), "cuda").ms
     row = {"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world, **fields,
            "ms": {k: round(v, 5) for k, v in ms.items()}, "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}}

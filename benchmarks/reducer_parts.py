@@ -26,17 +26,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tabulate import tabulate
 
 import fluxtp.kernels._matmul_reduce_scatter_reducer as reducer_module
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.bench.gemm_grid import case_inputs, expected_rows, fp8_case_inputs, launched_config, relative_error
-from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
-from fluxtp.bench.results import command_line, envelope, write_json
+from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import case_parser, cases_of, chosen_variants, variant_kernels  # noqa: E402
+from _kernel_variants import case_parser, cases_of, chosen_variants, report, time_case, variant_kernels  # noqa: E402
 
 NO_REDUCER = [("    if last_step == WORLD - 1:\n        UNIT_ROWS", "    if last_step == WORLD + 99:\n        UNIT_ROWS")]
 OWN_DEFERRED = [("            if owner == RANK:  # the reducers wait for it now", "            if owner == RANK + 99:  # the reducers wait for it now")]
@@ -99,19 +97,10 @@ def main() -> None:
             if name in COMPUTES_THE_OP and not relative_error(run(), want) < 2e-2:
                 raise AssertionError(f"{case.label()}: {name} computes a wrong result")
             runs[name] = graphed(run)
-        runs["cublas"] = graphed(reference)
-        ms = measure_rounds([Variant(n, (r,)) for n, r in runs.items()], Protocol(args.rounds, 2, 5),
-                            GroupInfo(None, 0, 1), "cuda").ms  # fmt: skip
-        row = {"case": case.label(), "M": case.M, "N": case.N, "K": case.K, "world": case.world, "config": str(config),
-               "ms": {k: round(v, 5) for k, v in ms.items()}, "vs_cublas": {k: round(v / ms["cublas"], 4) for k, v in ms.items()}}  # fmt: skip
-        print(row["case"], row["vs_cublas"], flush=True)
-        rows.append(row)
+        rows.append(time_case(case, runs, x, w, config, args.rounds, reference, transport=config.transport))
         del runs
         torch.cuda.empty_cache()
-    print(tabulate([[r["case"], *(r["vs_cublas"][n] for n in kernels)] for r in rows], headers=["case (time / cuBLAS)", *kernels]))
-    if args.out:
-        data = envelope("reducer_parts", rows, device=torch.cuda.get_device_name(), gpus=1, world=0, command=command_line())
-        print("wrote", write_json(data, args.out))
+    report("reducer_parts", rows, list(kernels), "transport", args.out)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ on the dequantized inputs, gathered FP8 rows and scales exact (tests/_fp8_cases.
 fused kernels and torch._scaled_mm take, with the torch backend's documented refusals; and the
 FP8 layers through the fused backend against the nccl one."""
 
+import dataclasses
 import os
 import random
 
@@ -55,21 +56,24 @@ def test_fp8_ops_every_backend():
 
 def _reducer_body(rank, world, seed):
     """The FP8 reduce-scatter through whole calls on the reducer kernel: its rule (TP>=4) moved
-    to this world size; push at the small shapes, the copy engine at the large one."""
+    to this world size, its transport alternating case by case (the heuristic's rule gives push
+    alone from TP=3), so both run at any world size."""
     from fluxtp.backends.fused._matmul_reduce_scatter import _config_for
     from fluxtp.backends.fused._scaled import Scaled
     from fluxtp.configs import MatmulReduceScatterConfig
 
     route = MatmulReduceScatterConfig.on_reducer_kernel
-    MatmulReduceScatterConfig.on_reducer_kernel = lambda self, _world, *shape: route(self, 8, *shape)
     device = torch.device("cuda", rank)
     transports = set()
     for i, (m, n, k) in enumerate(CASES):
+        transport = ("push", "copy_engine")[i % 2]
+        MatmulReduceScatterConfig.on_reducer_kernel = lambda self, _world, *shape, t=transport: dataclasses.replace(
+            route(self, 8, *shape), transport=t)
         x = torch.zeros(m * world, k, device=device).to(torch.float8_e4m3fn)
         w = torch.zeros(n, k, device=device).to(torch.float8_e4m3fn)
         for row_wise, out_dtype, fast in ((True, torch.bfloat16, False), (False, torch.float32, True)):
             config = _config_for(x, w, world, None, Scaled(out_dtype, row_wise, not fast))
-            assert config.warp_specialized, config
+            assert config.warp_specialized and config.transport == transport, config
             transports.add(config.transport)
             check_scaled_reduce_scatter(rank, world, seed + 10 * i, m, n, k, device, "fused", row_wise, out_dtype,
                                         torch.float32 if i % 2 else None, fast=fast)  # fmt: skip

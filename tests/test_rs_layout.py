@@ -7,14 +7,17 @@ import itertools
 import pytest
 
 from fluxtp.backends.fused._matmul_reduce_scatter import (
+    MAX_REDUCER_UNITS_IN_FLIGHT,
     REDUCER_UNIT_BYTES,
     Layout,
     copy_plan,
     reducer_band_rows,
+    reducer_smem_bytes,
     reducer_unit_rows,
+    reducer_units_in_flight,
     reducer_unsupported,
 )
-from fluxtp.configs import MatmulReduceScatterConfig
+from fluxtp.configs import SMEM_LIMIT_BYTES, MatmulReduceScatterConfig
 from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
 
 
@@ -85,6 +88,7 @@ def test_the_reducer_kernel_counts_finer_bands():
     ],
 )
 def test_the_reducer_units_grow_within_their_bytes_and_the_tilings_still_fit(world, tiling, itemsize, partial_size):
+    """Units of more rows and more units in flight, as far as shared memory goes: never past it."""
     config = MatmulReduceScatterConfig(**{**tiling, "num_warps": 4}, warp_specialized=True, transport="copy_engine")
     rows = reducer_unit_rows(config.block_n, world, partial_size)
     assert rows in (4, 8) and config.block_m % rows == 0  # the kernel's units tile a tile's rows
@@ -93,3 +97,17 @@ def test_the_reducer_units_grow_within_their_bytes_and_the_tilings_still_fit(wor
     if unit_bytes * 2 <= REDUCER_UNIT_BYTES:
         assert rows == 8, "a unit that could double within its bytes stays small"
     assert reducer_unsupported(config, 8192, world, itemsize, partial_size) is None
+    in_flight = reducer_units_in_flight(config, world, itemsize, partial_size)
+    assert 1 <= in_flight <= MAX_REDUCER_UNITS_IN_FLIGHT
+    assert reducer_smem_bytes(config, world, itemsize, partial_size, in_flight) <= SMEM_LIMIT_BYTES
+    if in_flight < MAX_REDUCER_UNITS_IN_FLIGHT:
+        assert reducer_smem_bytes(config, world, itemsize, partial_size, in_flight + 1) > SMEM_LIMIT_BYTES
+    if tiling is WARP_SPECIALIZED_FP8_TILING:  # the narrow FP8 tiling has room: the reducer is its critical path
+        assert in_flight >= 2
+
+
+def test_a_tiling_with_no_room_for_a_unit_is_refused():
+    deep = MatmulReduceScatterConfig(block_m=128, block_n=256, block_k=64, num_stages=4, warp_specialized=True,
+                                     transport="copy_engine")  # fmt: skip
+    assert reducer_units_in_flight(deep, 8, 2, 2) == 0
+    assert "shared memory" in reducer_unsupported(deep, 8192, 8, 2, 2)

@@ -19,7 +19,7 @@ tensor-core time:
   u % NUM_PROGRAMS, in order. A unit waits (acquire, bounded) for its tile's own flag and its
   band from every peer (copy engine: the band's flag; push: the band's counter at all its tiles'
   halves), TMA-loads the W slots' rows into shared memory (many bytes in flight for few
-  registers), adds them in float32 (its own partial, then the peers' in rank order:
+  registers; UNITS_IN_FLIGHT units at once, as shared memory allows), adds them in float32 (its own partial, then the peers' in rank order:
   deterministic), adds the bias and rounds once into out.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
@@ -279,21 +279,22 @@ def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _issue_unit(units_desc, unit_bufs, unit_bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
-    """TMA-load a unit's rows of the W slots: unit_bufs[0] the own slot's, [1 + i] the i-th peer's
-    (rank order; incoming slot i)."""
-    fence_async_shared()  # this warp's reads of the previous unit come before TMA overwrites them
-    mbarrier.expect(unit_bar.index(0), WORLD * units_desc.block_type.nbytes)
-    tma_load(units_desc, [_own_slot(PUSH, WORLD), row0, col0], unit_bar.index(0), unit_bufs.index(0))
+def _issue_unit(units_desc, unit_bufs, unit_bar, buffer, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
+    """TMA-load a unit's rows of the W slots into unit buffer `buffer`: unit_bufs[buffer * W] the
+    own slot's, [buffer * W + 1 + i] the i-th peer's (rank order; incoming slot i)."""
+    fence_async_shared()  # this warp's reads of the buffer's last unit come before TMA overwrites them
+    bar = unit_bar.index(buffer)
+    mbarrier.expect(bar, WORLD * units_desc.block_type.nbytes)
+    tma_load(units_desc, [_own_slot(PUSH, WORLD), row0, col0], bar, unit_bufs.index(buffer * WORLD))
     for i in gl.static_range(WORLD - 1):
-        tma_load(units_desc, [i, row0, col0], unit_bar.index(0), unit_bufs.index(1 + i))
+        tma_load(units_desc, [i, row0, col0], bar, unit_bufs.index(buffer * WORLD + 1 + i))
 
 
 @gluon.jit
 def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
              flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
              BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HAS_BIAS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+             UNITS_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """This program's reduction units, in order (module docstring), a row at a time from shared memory."""
     if last_step == WORLD - 1:
         UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
@@ -308,32 +309,38 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
         units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
         units = tiles_per_segment * units_per_tile
-        # Software-pipelined by one unit: the next unit's flags are waited for while this unit's
-        # rows are on their way (a wait is a round trip even when the flags are long set).
-        pid_m, pid_n, row0 = _unit(gl.program_id(0), tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
-        if (gl.program_id(0) < units) & (row0 < rows_per_rank):
-            _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins, RANK,
-                       WORLD, BAND_ROWS, PUSH)  # fmt: skip
-            _issue_unit(units_desc, unit_bufs, unit_bar, row0, pid_n * BLOCK_N, WORLD, PUSH)
-        phase = 0
+        AHEAD: gl.constexpr = UNITS_IN_FLIGHT * NUM_PROGRAMS  # from this program's unit to the one its buffer takes next
+        # Software-pipelined by UNITS_IN_FLIGHT units, the j-th of this program's units in buffer
+        # j % UNITS_IN_FLIGHT: a unit's flags are waited for while the units before it are on their
+        # way (a wait is a round trip even when the flags are long set), its rows requested as soon
+        # as its buffer's last unit is summed.
+        for j in gl.static_range(UNITS_IN_FLIGHT):
+            unit = gl.program_id(0) + j * NUM_PROGRAMS
+            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
+            if (unit < units) & (row0 < rows_per_rank):
+                _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins,
+                           RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
+                _issue_unit(units_desc, unit_bufs, unit_bar, j, row0, pid_n * BLOCK_N, WORLD, PUSH)
+        phases = 0  # bit b: the phase buffer b's barrier completes next
+        buffer = 0
         for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
-            next_m, next_n, next_row0 = _unit(unit + NUM_PROGRAMS, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
-            # A ragged segment's last tile: its units past the end hold no rows.
-            next_valid = (unit + NUM_PROGRAMS < units) & (next_row0 < rows_per_rank)
+            next_m, next_n, next_row0 = _unit(unit + AHEAD, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
+            # A ragged segment's last tile: its units past the end hold no rows (nothing loaded).
+            next_valid = (unit + AHEAD < units) & (next_row0 < rows_per_rank)
             if next_valid:
                 _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset, max_spins,
                            RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
-                mbarrier.wait(unit_bar.index(0), phase)
-                phase ^= 1
+                mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
+                phases ^= 1 << buffer
                 col0 = pid_n * BLOCK_N
                 for r in gl.static_range(UNIT_ROWS):
                     for c in gl.static_range(BLOCK_N // WIDTH):
                         cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
                         acc = gl.zeros((1, WIDTH), gl.float32, layout=layout)
                         for i in gl.static_range(WORLD):  # own, then the peers in rank order
-                            rows = unit_bufs.index(i).reshape([UNIT_ROWS, BLOCK_N])
+                            rows = unit_bufs.index(buffer * WORLD + i).reshape([UNIT_ROWS, BLOCK_N])
                             acc += rows.slice(r, 1).slice(c * WIDTH, WIDTH, dim=1).load(layout).to(gl.float32)
                         if HAS_BIAS:
                             acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
@@ -341,7 +348,8 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
                         offs = gl.expand_dims((row0 + r).to(gl.int64) * stride_om + cols, 0)
                         gl.store(out_ptr + offs, acc.to(dtype), mask=mask)
             if next_valid:
-                _issue_unit(units_desc, unit_bufs, unit_bar, next_row0, next_n * BLOCK_N, WORLD, PUSH)
+                _issue_unit(units_desc, unit_bufs, unit_bar, buffer, next_row0, next_n * BLOCK_N, WORLD, PUSH)
+            buffer = (buffer + 1) % UNITS_IN_FLIGHT
 
 
 @gluon.jit
@@ -378,6 +386,7 @@ def matmul_reduce_scatter_reducer_kernel(
     BAND_ROWS: gl.constexpr,  # tile rows per band: the tile order's group and the partials' counting unit (Layout)
     NUM_PROGRAMS: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    UNITS_IN_FLIGHT: gl.constexpr,  # reduction units the reducer warp has in flight (a buffer each)
     HAS_BIAS: gl.constexpr,
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     PUSH: gl.constexpr,  # peers' rows into their owners' buffers (else the copy engine's outgoing slots here)
@@ -390,9 +399,11 @@ def matmul_reduce_scatter_reducer_kernel(
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
     c_bufs = gl.allocate_shared_memory(slots_desc.dtype, [2, 1, BLOCK_M // 2, BLOCK_N], slots_desc.layout)
     UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
-    unit_bufs = gl.allocate_shared_memory(units_desc.dtype, [WORLD, 1, UNIT_ROWS, BLOCK_N], units_desc.layout)
-    unit_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(unit_bar.index(0), count=1)
+    unit_bufs = gl.allocate_shared_memory(units_desc.dtype, [UNITS_IN_FLIGHT * WORLD, 1, UNIT_ROWS, BLOCK_N],
+                                          units_desc.layout)  # fmt: skip
+    unit_bar = gl.allocate_shared_memory(gl.int64, [UNITS_IN_FLIGHT, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(UNITS_IN_FLIGHT):
+        mbarrier.init(unit_bar.index(b), count=1)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
@@ -408,7 +419,7 @@ def matmul_reduce_scatter_reducer_kernel(
                        WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
                         stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
-                        BLOCK_M, BLOCK_N, HAS_BIAS, PUSH)),
+                        BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, HAS_BIAS, PUSH)),
         ],
         [4, 1, 1],
         # The loader and reducer warps share a warpgroup and its register count; what they take,

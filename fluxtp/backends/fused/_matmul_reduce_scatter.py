@@ -67,6 +67,9 @@ _OP = "matmul_reduce_scatter"
 # GEMM-only, benchmarks/reduce_unroll_ab.py), so smaller groups keep the fewer live registers of the loop.
 REDUCE_UNROLL_MIN_WORLD = 8
 REDUCER_UNIT_BYTES = 16 * 1024  # reducer_unit_rows
+# reducer_units_in_flight: two took 0.96-1.00x one's time (FP8, TP 4/8), four 0.97-1.02x: the
+# reducer waits for a unit's flags before the units ahead of it are summed (docs/perf-log.md).
+MAX_REDUCER_UNITS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -161,10 +164,29 @@ def reducer_band_rows(group_m: int, world: int) -> int:
 def reducer_unit_rows(block_n: int, world: int, partial_size: int) -> int:
     """Rows of the reducer kernel's reduction unit: its W slots' rows take at most
     REDUCER_UNIT_BYTES of shared memory (what the 128x256 3-stage tilings leave), 4 to 8 rows, a
-    power of two. Its reducer warp has one unit in flight at a time: with 128-wide FP8 tiles, 4-row
-    units made it the kernel's critical path (docs/perf-log.md)."""
+    power of two. With 128-wide FP8 tiles, 4-row units made the reducer warp the kernel's critical
+    path (docs/perf-log.md)."""
     rows = max(REDUCER_UNIT_BYTES // (world * block_n * partial_size), 4)
     return min(1 << (rows.bit_length() - 1), 8)
+
+
+def reducer_units_in_flight(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int) -> int:
+    """Reduction units whose rows the reducer warp has in flight at once: as many as shared memory
+    holds beside the tiling (reducer_smem_bytes), up to MAX_REDUCER_UNITS_IN_FLIGHT; 0 where not
+    even one fits. One unit at a time, a unit costs its loads' round trip (docs/perf-log.md)."""
+    units = MAX_REDUCER_UNITS_IN_FLIGHT
+    while units and reducer_smem_bytes(config, world, itemsize, partial_size, units) > SMEM_LIMIT_BYTES:
+        units -= 1
+    return units
+
+
+def reducer_smem_bytes(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
+                       units: int) -> int:  # fmt: skip
+    """The reducer kernel's shared memory: the K-block stages, a half tile per consumer, `units`
+    units' W slots' rows, and the reserve the configs' model keeps for barriers and alignment (fits())."""
+    unit_rows = reducer_unit_rows(config.block_n, world, partial_size)
+    return (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
+            + (config.block_m + units * world * unit_rows) * config.block_n * partial_size + SMEM_RESERVE_BYTES)  # fmt: skip
 
 
 def copy_plan(layout: Layout, rank: int, world: int) -> list[tuple[int, int, int, int]]:
@@ -335,6 +357,7 @@ class _Kernel:
         stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
         unit_rows = reducer_unit_rows(config.block_n, world, part.itemsize)
         loads = DescriptorLayout(slots[rank], [1, unit_rows, config.block_n], gluon=True, swizzled=False)
+        units_in_flight = reducer_units_in_flight(config, world, x.element_size(), part.itemsize)
         # Push: a store descriptor over every rank's slots (the copy engine's never reads them).
         peers = [stores.over(slots[r] if config.transport == "push" else slots[rank]) for r in range(world)]
         unused = peers[:1] * (MAX_PUSH_WORLD.value - world)
@@ -346,8 +369,8 @@ class _Kernel:
         self.scalars += (own_offset, *descriptors)
         self.launch = Launch(
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
-            NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=bias is not None, B_KN=self.weight.kn,
-            PUSH=config.transport == "push", **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
+            NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, HAS_BIAS=bias is not None,
+            B_KN=self.weight.kn, PUSH=config.transport == "push", **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):
@@ -460,12 +483,8 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
                 "use transport copy_engine")
     if (n * partial_size) % 16:
         return f"it needs the weight's rows n ({n}) to be a multiple of {16 // partial_size}"
-    # Its shared memory: the K-block stages, a half tile per consumer, a unit's W slots, and the
-    # reserve the configs' model keeps for barriers and alignment (fits()).
-    unit_rows = reducer_unit_rows(config.block_n, world, partial_size)
-    smem = (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
-            + (config.block_m + world * unit_rows) * config.block_n * partial_size + SMEM_RESERVE_BYTES)  # fmt: skip
-    if smem > SMEM_LIMIT_BYTES:
+    if reducer_units_in_flight(config, world, itemsize, partial_size) == 0:
+        smem = reducer_smem_bytes(config, world, itemsize, partial_size, 1)
         return f"it needs {smem} bytes of shared memory there, more than {SMEM_LIMIT_BYTES}: fewer stages"
     return None
 

@@ -311,9 +311,11 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         units = tiles_per_segment * units_per_tile
         AHEAD: gl.constexpr = UNITS_IN_FLIGHT * NUM_PROGRAMS  # from this program's unit to the one its buffer takes next
         # Software-pipelined by UNITS_IN_FLIGHT units, the j-th of this program's units in buffer
-        # j % UNITS_IN_FLIGHT: a unit's flags are waited for while the units before it are on their
-        # way (a wait is a round trip even when the flags are long set), its rows requested as soon
-        # as its buffer's last unit is summed.
+        # j % UNITS_IN_FLIGHT: a unit's flags are waited for while units before it are on their way
+        # (a wait is a round trip even when the flags are long set), its rows requested as soon as
+        # its buffer's last unit is summed. With one buffer, the wait comes before that sum (it
+        # overlaps the sum's loads); with more, after it (the other buffers' loads are in flight,
+        # and a ready unit is not held back by a wait for one further ahead).
         for j in gl.static_range(UNITS_IN_FLIGHT):
             unit = gl.program_id(0) + j * NUM_PROGRAMS
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
@@ -328,9 +330,10 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
             next_m, next_n, next_row0 = _unit(unit + AHEAD, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             # A ragged segment's last tile: its units past the end hold no rows (nothing loaded).
             next_valid = (unit + AHEAD < units) & (next_row0 < rows_per_rank)
-            if next_valid:
-                _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset, max_spins,
-                           RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
+            if UNITS_IN_FLIGHT == 1:
+                if next_valid:
+                    _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset,
+                               max_spins, RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
                 phases ^= 1 << buffer
@@ -348,6 +351,9 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
                         offs = gl.expand_dims((row0 + r).to(gl.int64) * stride_om + cols, 0)
                         gl.store(out_ptr + offs, acc.to(dtype), mask=mask)
             if next_valid:
+                if UNITS_IN_FLIGHT > 1:
+                    _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset,
+                               max_spins, RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, unit_bar, buffer, next_row0, next_n * BLOCK_N, WORLD, PUSH)
             buffer = (buffer + 1) % UNITS_IN_FLIGHT
 

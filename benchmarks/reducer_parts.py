@@ -9,12 +9,10 @@ beside copies of its source with one part switched off, and cuBLAS (torch._scale
 cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benchmark harness:
 - `no_reducer`: the reducer warp does nothing (nothing is reduced; the consumers still store and
   count every half);
-- `no_reducer_own_deferred`: and an own half is counted after the next K loop, as a peer's;
-- `no_reducer_no_peer_counts`: and the peers' halves are never counted;
-- `no_reducer_no_counts`: no half is counted (the GEMM and its partial stores alone);
-- `own_deferred`: the shipped kernel with own halves counted late (it computes the op: the
-  reducers then wait for them longer).
-Only the shipped kernel and `own_deferred` compute the op's result (checked first; the peers'
+- `no_reducer_no_peer_counts`: and the peers' halves are never handed to the counter warp nor
+  counted;
+- `no_reducer_no_counts`: and no own half is counted either (the GEMM and its partial stores alone).
+Only the shipped kernel computes the op's result (checked first; the peers'
 partials read are zeros). Time over cuBLAS's, medians.
 """
 
@@ -37,16 +35,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _kernel_variants import case_parser, cases_of, chosen_variants, report, time_case, variant_kernels  # noqa: E402
 
 NO_REDUCER = [("    if last_step == WORLD - 1:\n        UNIT_ROWS", "    if last_step == WORLD + 99:\n        UNIT_ROWS")]
-OWN_DEFERRED = [("            if owner == RANK:  # the reducers wait for it now", "            if owner == RANK + 99:  # the reducers wait for it now")]
-NO_PEER_COUNTS = [("    if waiting != 0:\n        tma.store_wait", "    if waiting < 0:\n        tma.store_wait")]
+NO_PEER_COUNTS = [
+    ("            if pending != 0:  # its store", "            if pending < 0:  # its store"),
+    ("    if pending != 0:\n        handed =", "    if pending < 0:\n        handed ="),
+    ("& (owner != RANK):\n            counter = _band_counter", "& (owner == RANK + 99):\n            counter = _band_counter"),
+]
+NO_OWN_COUNTS = [("                _count_own(own_flags + pid_m * tiles_n + pid_n)", "                pass")]
 VARIANTS = {
     "no_reducer": NO_REDUCER,
-    "no_reducer_own_deferred": NO_REDUCER + OWN_DEFERRED,
     "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
-    "no_reducer_no_counts": NO_REDUCER + OWN_DEFERRED + NO_PEER_COUNTS,
-    "own_deferred": OWN_DEFERRED,
+    "no_reducer_no_counts": NO_REDUCER + NO_PEER_COUNTS + NO_OWN_COUNTS,
 }
-COMPUTES_THE_OP = ("fused", "own_deferred")
+COMPUTES_THE_OP = ("fused",)
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 
 

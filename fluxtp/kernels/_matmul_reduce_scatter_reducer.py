@@ -10,17 +10,19 @@ tensor-core time:
   stream pushes each finished band of them to its owner) or into this rank's incoming slot in the
   owner's buffer (push: over NVLink, a descriptor per rank), its own rows into the own slot. Each
   half is counted once its store has completed: an own one into its tile's own flag at once
-  (release; this rank's reducers wait for it: deferred, it held them back a whole K loop), peers'
-  two at a time into their bands' counters (here, or push: the owners'), after the K loop that
-  follows the second (the stores are long done by then) under one system-scope fence (one per
-  half cost 8-17% of an FP8 GEMM at TP=8; docs/perf-log.md);
+  (release; this rank's reducers wait for it: deferred, it held them back a whole K loop); a
+  peer's, after the next tile's K loop (its store long done), handed to the counter warp;
+- a counter warp counts each peer tile's two halves into its band's counter (here, or push: the
+  owner's) under one system-scope fence, off the consumers (there, the fences cost 8-17% of an
+  FP8 GEMM at TP=8; docs/perf-log.md);
 - a reducer warp sums this rank's rows while the consumers compute: units of a few rows of an
   own tile (units_desc's block: the launcher's reducer_unit_rows), unit u going to program
   u % NUM_PROGRAMS, in order. A unit waits (acquire, bounded) for its tile's own flag and its
   band from every peer (copy engine: the band's flag; push: the band's counter at all its tiles'
   halves), TMA-loads the W slots' rows into shared memory (many bytes in flight for few
-  registers; UNITS_IN_FLIGHT units at once, as shared memory allows), adds them in float32 (its own partial, then the peers' in rank order:
-  deterministic), adds the bias and rounds once into out.
+  registers; UNITS_IN_FLIGHT units at once, as shared memory allows), adds them in float32 (its
+  own partial, then the peers' in rank order: deterministic), adds the bias and rounds once into
+  out.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
 Every partial, the own one too, is rounded to the output's dtype before the sum (as
@@ -116,19 +118,56 @@ def _count_own(counter):
 
 
 @gluon.jit
-def _count_peers(first, second, waiting):
-    """Count the `waiting` (0 to 2) stored peers' halves into their band counters, first's then
-    second's, once their TMA stores have completed: one system-scope fence for both, then relaxed
-    adds (the copy stream or the owner reads them). A release per half cost the consumer ~1 us,
-    8-17% of an FP8 GEMM at TP=8 (docs/perf-log.md)."""
-    if waiting != 0:
-        tma.store_wait(pendings=0)
-        partition_barrier()
-        gl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [waiting], dtype=gl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-        gl.atomic_add(first, 1, sem="relaxed", scope="sys")
-        if waiting == 2:
-            gl.atomic_add(second, 1, sem="relaxed", scope="sys")
+def _hand_over_peer_half(stored, counted, handed):
+    """Tell the counter warp that this consumer's handed-th peer half has been stored (its TMA
+    store completed: every thread of the partition is past the wait), through ring slot
+    handed % 2 once the counter took the half two back."""
+    tma.store_wait(pendings=0)
+    partition_barrier()
+    slot = handed % 2
+    mbarrier.wait(counted.index(slot), ((handed // 2) & 1) ^ 1)
+    mbarrier.arrive(stored.index(slot), count=1)
+    return handed + 1
+
+
+@gluon.jit
+def _band_counter(buffer_ptrs, owner, pid_m, flags_offset, bands, RANK: gl.constexpr, WORLD: gl.constexpr,
+                  BAND_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+    """The counter of a peer tile's band: at the owner, of this rank's incoming slot there (push),
+    or here, of the outgoing slot (copy engine: after the W-1 incoming flags)."""
+    if PUSH:
+        flags = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32))
+        slot = RANK - (owner < RANK).to(gl.int32)
+    else:
+        flags = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32))
+        slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
+    return flags + slot * bands + pid_m // BAND_ROWS
+
+
+@gluon.jit
+def _counter(buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first_step, last_step, RANK: gl.constexpr,
+             WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+    """Counts this program's peer tiles into their bands' counters, in the consumers' order, each
+    once both halves are stored (ring slot stored[i % 2]): one system-scope fence and one relaxed
+    add of both halves. Off the consumers: a fence there cost them 8-17% of an FP8 GEMM at TP=8
+    (docs/perf-log.md)."""
+    tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    bands = gl.cdiv(tiles_m, BAND_ROWS)
+    taken = 0
+    for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
+        step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
+        if (step >= first_step) & (step <= last_step) & (owner != RANK):
+            counter = _band_counter(buffer_ptrs, owner, pid_m, flags_offset, bands, RANK, WORLD, BAND_ROWS, PUSH)
+            slot = taken % 2
+            mbarrier.wait(stored.index(slot), (taken // 2) & 1)
+            # The consumers' completed stores (ordered before by the barrier) before the count, system-wide.
+            gl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, $1;", "=r,r", [slot], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+            gl.atomic_add(counter, TILE_ARRIVALS, sem="relaxed", scope="sys")
+            mbarrier.arrive(counted.index(slot), count=1)
+            taken += 1
 
 
 @gluon.jit
@@ -175,7 +214,7 @@ def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N,
 
 @gluon.jit
 def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs,
-              c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step, scale_a_ptr,
+              c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step, last_step, scale_a_ptr,
               scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
               NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr, SCALING: gl.constexpr,
               PRECISE_ACC: gl.constexpr):  # fmt: skip
@@ -186,14 +225,10 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, K_INSTR])
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
-    bands = gl.cdiv(tiles_m, BAND_ROWS)
     own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
-    # Copy engine: band counters after the W-1 incoming flags, one per (outgoing slot, band).
-    counters = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32)) + (WORLD - 1) * bands
     c_smem = c_bufs.index(C)
-    waiting = 0  # peers' halves stored and not yet counted, at most two: their band counters first, second
-    first = own_flags
-    second = own_flags
+    pending = 0  # a peer half stored and not yet handed to the counter warp
+    handed = 0
     used = 0
     for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
         step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
@@ -204,20 +239,16 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
                 acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
             if SCALING != 0:
                 acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout, C, SCALING)
-            if waiting == 2:  # both stores had a K loop or more to complete
-                _count_peers(first, second, waiting)
-                waiting = 0
+            if pending != 0:  # its store had this K loop to complete
+                handed = _hand_over_peer_half(stored, counted, handed)
+                pending = 0
             row = pid_m * BLOCK_M + C * HALF
             if owner == RANK:
                 slot = owner * 0 + _own_slot(PUSH, WORLD)
-                counter = own_flags + pid_m * tiles_n + pid_n
-            elif PUSH:  # this rank's incoming slot at the owner, and the owner's counter of its band there
+            elif PUSH:  # this rank's incoming slot at the owner
                 slot = RANK - (owner < RANK).to(gl.int32)
-                owner_flags = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32))
-                counter = owner_flags + slot * bands + pid_m // BAND_ROWS
             else:  # this rank's outgoing slots follow its W-1 incoming ones
                 slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
-                counter = counters + (slot - (WORLD - 1)) * bands + pid_m // BAND_ROWS
             tma.store_wait(pendings=0)  # c_smem is free again
             c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
             fence_async_shared()
@@ -231,14 +262,11 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
             else:
                 tma_store(slots_desc, [slot, row, pid_n * BLOCK_N], c_smem)
             if owner == RANK:  # the reducers wait for it now, not after the next K loop
-                _count_own(counter)
-            elif waiting == 0:
-                first = counter
-                waiting = 1
+                _count_own(own_flags + pid_m * tiles_n + pid_n)
             else:
-                second = counter
-                waiting = 2
-    _count_peers(first, second, waiting)
+                pending = 1
+    if pending != 0:
+        handed = _hand_over_peer_half(stored, counted, handed)
 
 
 @gluon.jit
@@ -410,28 +438,36 @@ def matmul_reduce_scatter_reducer_kernel(
     unit_bar = gl.allocate_shared_memory(gl.int64, [UNITS_IN_FLIGHT, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(UNITS_IN_FLIGHT):
         mbarrier.init(unit_bar.index(b), count=1)
+    # The consumers' stored peer tiles to the counter warp and back: a ring of two slots.
+    stored = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    counted = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(stored.index(b), count=TILE_ARRIVALS)  # both consumers' halves
+        mbarrier.init(counted.index(b), count=1)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
-                         b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
-                         scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH, SCALING,
-                         PRECISE_ACC)),
+                         b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
+                         last_step, scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
+                         SCALING, PRECISE_ACC)),
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
-                         b_bufs, c_bufs, ready, empty, rows_per_rank, N, K, flags_offset, own_offset, first_step, last_step,
-                         scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH, SCALING,
-                         PRECISE_ACC)),
+                         b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
+                         last_step, scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
+                         SCALING, PRECISE_ACC)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
                        WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
                         stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
                         BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, HAS_BIAS, PUSH)),
+            (_counter, (buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first_step, last_step, RANK, WORLD,
+                        BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, PUSH)),
         ],
-        [4, 1, 1],
-        # The loader and reducer warps share a warpgroup and its register count; what they take,
-        # the consumers lose (the default partition gets the rest, 224), and with fewer than
-        # that ptxas serializes the MMAs.
-        [232, 40, 48],
+        [4, 1, 1, 1],
+        # The loader, reducer and counter warps share a warpgroup and its register count; what
+        # they take, the consumers lose (the default partition gets the rest, 224), and with fewer
+        # than that ptxas serializes the MMAs.
+        [232, 40, 48, 40],
     )  # fmt: skip
 
     # Every partition of this program is done: the last program out resets the own-tile flags

@@ -149,7 +149,7 @@ def _counter(buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first
              WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """Counts this program's peer tiles into their bands' counters, in the consumers' order, each
-    once both halves are stored (ring slot stored[i % 2]): one system-scope fence and one relaxed
+    once both halves are stored (ring slot taken % 2): one system-scope fence and one relaxed
     add of both halves. Off the consumers: a fence there cost them 8-17% of an FP8 GEMM at TP=8
     (docs/perf-log.md)."""
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)

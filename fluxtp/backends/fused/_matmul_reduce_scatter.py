@@ -67,8 +67,8 @@ _OP = "matmul_reduce_scatter"
 # GEMM-only, benchmarks/reduce_unroll_ab.py), so smaller groups keep the fewer live registers of the loop.
 REDUCE_UNROLL_MIN_WORLD = 8
 REDUCER_UNIT_BYTES = 16 * 1024  # reducer_unit_rows
-# reducer_units_in_flight: two took 0.96-1.00x one's time (FP8, TP 4/8), four 0.97-1.02x: the
-# reducer waits for a unit's flags before the units ahead of it are summed (docs/perf-log.md).
+# reducer_units_in_flight: two took 0.96-1.00x one's time (FP8, TP 4/8); four were no faster than
+# two, whether the reducer waited for a unit's flags before or after the sum ahead of it (docs/perf-log.md).
 MAX_REDUCER_UNITS_IN_FLIGHT = 2
 
 

@@ -14,10 +14,8 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `no_reducer_no_counts`: and no own half is counted either (the GEMM and its partial stores alone);
 - `own_flag_only`: the shipped kernel whose reducers wait for their tiles' own flags only, not the
   peers' bands (one GPU: the peers' counts are preset, so it computes the op);
-- `no_waits`: the shipped kernel whose reducers wait for nothing (they sum unready rows);
-- `backoff`: the shipped kernel whose reducers sleep 256 ns between polls of their flags (do the
-  spinning warps slow the GEMM down?).
-Only the shipped kernel, `own_flag_only` and `backoff` compute the op's result (checked first; the peers'
+- `no_waits`: the shipped kernel whose reducers wait for nothing (they sum unready rows).
+Only the shipped kernel and `own_flag_only` compute the op's result (checked first; the peers'
 partials read are zeros). Time over cuBLAS's, medians.
 """
 
@@ -46,31 +44,16 @@ NO_PEER_COUNTS = [
     ("& (owner != RANK):\n            counter = _band_counter", "& (owner == RANK + 99):\n            counter = _band_counter"),
 ]
 NO_OWN_COUNTS = [("                _count_own(own_flags + pid_m * tiles_n + pid_n)", "                pass")]
-OWN_FLAG_ONLY = [("    waited = srcs < WORLD\n", "    waited = srcs == RANK\n")]
-NO_WAITS = [("    waited = srcs < WORLD\n", "    waited = srcs < 0\n")]
-BACKOFF = [(
-    "    arrived = wait_flags(flag_ptrs, waited, expected, max_spins)\n",
-    """    zero = gl.zeros_like(expected)
-    values = gl.atomic_add(flag_ptrs, zero, mask=waited, sem="acquire", scope="sys")
-    arrived = (values == expected) | ~waited
-    spins = 0
-    while (gl.min(arrived.to(gl.int32), 0) == 0) & (spins < max_spins):
-        gl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, $1;", "=r,r", [spins], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        values = gl.atomic_add(flag_ptrs, zero, mask=waited & ~arrived, sem="acquire", scope="sys")
-        arrived = arrived | (waited & (values == expected))
-        spins += 1
-""",
-)]
+OWN_FLAG_ONLY = [("    waited = lanes < count * WORLD\n", "    waited = (lanes < count * WORLD) & (srcs == RANK)\n")]
+NO_WAITS = [("    waited = lanes < count * WORLD\n", "    waited = lanes < 0\n")]
 VARIANTS = {
     "no_reducer": NO_REDUCER,
     "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
     "no_reducer_no_counts": NO_REDUCER + NO_PEER_COUNTS + NO_OWN_COUNTS,
     "own_flag_only": OWN_FLAG_ONLY,
     "no_waits": NO_WAITS,
-    "backoff": BACKOFF,
 }
-COMPUTES_THE_OP = ("fused", "own_flag_only", "backoff")
+COMPUTES_THE_OP = ("fused", "own_flag_only")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 
 

@@ -13,6 +13,7 @@ from fluxtp.backends.fused._matmul_reduce_scatter import (
     copy_plan,
     reducer_band_rows,
     reducer_smem_bytes,
+    reducer_tail_units,
     reducer_unit_rows,
     reducer_units_in_flight,
     reducer_unsupported,
@@ -88,7 +89,8 @@ def test_the_reducer_kernel_counts_finer_bands():
     ],
 )
 def test_the_reducer_units_grow_within_their_bytes_and_the_tilings_still_fit(world, tiling, itemsize, partial_size):
-    """Units of more rows and more units in flight, as far as shared memory goes: never past it."""
+    """Units of more rows and more units in flight, as far as shared memory goes: never past it;
+    the tail's units within the weight stages."""
     config = MatmulReduceScatterConfig(**{**tiling, "num_warps": 4}, warp_specialized=True, transport="copy_engine")
     rows = reducer_unit_rows(config.block_n, world, partial_size)
     assert rows in (4, 8) and config.block_m % rows == 0  # the kernel's units tile a tile's rows
@@ -104,6 +106,13 @@ def test_the_reducer_units_grow_within_their_bytes_and_the_tilings_still_fit(wor
         assert reducer_smem_bytes(config, world, itemsize, partial_size, in_flight + 1) > SMEM_LIMIT_BYTES
     if tiling is WARP_SPECIALIZED_FP8_TILING:  # the narrow FP8 tiling has room: the reducer is its critical path
         assert in_flight >= 2
+    # One unit at a time, the tail's units go through the weight stages instead, as many as they hold.
+    tail = reducer_tail_units(config, world, itemsize, partial_size)
+    ring_bytes = config.num_stages * config.block_n * config.block_k * itemsize
+    if in_flight == 1:
+        assert 1 <= tail and tail * unit_bytes <= ring_bytes < (tail + 1) * unit_bytes
+    else:
+        assert tail == 0
 
 
 def test_a_tiling_with_no_room_for_a_unit_is_refused():

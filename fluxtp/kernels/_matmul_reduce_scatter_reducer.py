@@ -23,6 +23,11 @@ tensor-core time:
   registers; UNITS_IN_FLIGHT units at once, as shared memory allows), adds them in float32 (its
   own partial, then the peers' in rank order: deterministic), adds the bias and rounds once into
   out.
+  The tail (the launcher's reducer_tail_units, where a unit is otherwise alone in flight): the
+  units of the own tiles of the last round of tiles, which all complete at the GEMM's end, wait
+  for this program's consumers to be done, then go into the idle weight stages all at once (their
+  flags read 32 // W units a round trip), each summed as it lands: one at a time, each cost a
+  load's round trip after the GEMM.
   The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
   want of registers (docs/perf-log.md).
 Every partial, the own one too, is rounded to the output's dtype before the sum (as
@@ -55,6 +60,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fluxtp.kernels._pingpong import (
+    NAMED_REINTERPRET,
     accumulate,
     accumulate_plain,
     allocate_stages,
@@ -214,10 +220,10 @@ def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N,
 
 @gluon.jit
 def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs,
-              c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step, last_step, scale_a_ptr,
-              scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
-              NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr, SCALING: gl.constexpr,
-              PRECISE_ACC: gl.constexpr):  # fmt: skip
+              c_bufs, ready, empty, stored, counted, ring_free, rows_per_rank, N, K, own_offset, first_step, last_step,
+              scale_a_ptr, scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
+              BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr,
+              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
@@ -267,34 +273,41 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
                 pending = 1
     if pending != 0:
         handed = _hand_over_peer_half(stored, counted, handed)
+    mbarrier.arrive(ring_free, count=1)  # its MMAs have retired: the reducer's tail may use the stage ring
 
 
 @gluon.jit
-def _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins,
-               RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
-    """Until this rank's own partial of tile (pid_m, pid_n) and every peer's band of it have
-    arrived (acquire; every flag read at once, lane r for rank r); gives up after max_spins rounds
-    (record and trap)."""
+def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, tiles_m, tiles_n, flags_offset, max_spins,
+                RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+    """Until, for each of the `count` (at most 32 // W) units first_unit, first_unit + NUM_PROGRAMS,
+    ..., this rank's own partial of its tile and every peer's band of it have arrived (acquire;
+    every flag read at once, lane k * W + r for unit k and rank r: one round trip for them all);
+    gives up after max_spins rounds (record and trap)."""
     gl.static_assert(WORLD <= 32)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lanes = gl.arange(0, 32, layout=layout)
+    srcs = lanes % WORLD
+    pid_m, pid_n, row0 = _unit(first_unit + (lanes // WORLD) * NUM_PROGRAMS, tiles_m, tiles_n, BAND_ROWS, BLOCK_M,
+                               UNIT_ROWS)  # fmt: skip
     tile = pid_m * tiles_n + pid_n
     band = pid_m // BAND_ROWS
     bands = gl.cdiv(tiles_m, BAND_ROWS)
     band_tiles = gl.minimum(tiles_m - band * BAND_ROWS, BAND_ROWS) * tiles_n
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    srcs = gl.arange(0, 32, layout=layout)
-    waited = srcs < WORLD
+    waited = lanes < count * WORLD
     # Peer src's band of this rank's rows: incoming slot src - (src > RANK), its flag set once by
     # the copy stream, or (push) its counter at every half of the band's tiles.
     flags = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32))
     band_flags = flags + (srcs - (srcs > RANK).to(gl.int32)) * bands + band
-    flag_ptrs = gl.where(srcs == RANK, own_flags + (tile + srcs * 0), band_flags)
-    band_complete = band_tiles * TILE_ARRIVALS if PUSH else 1
+    flag_ptrs = gl.where(srcs == RANK, own_flags + tile, band_flags)
+    band_complete = band_tiles * TILE_ARRIVALS if PUSH else band_tiles * 0 + 1
     expected = gl.where(srcs == RANK, TILE_ARRIVALS, band_complete)
     arrived = wait_flags(flag_ptrs, waited, expected, max_spins)
     if gl.min(arrived.to(gl.int32), 0) == 0:
-        record_and_trap(report_ptr, gl.min(gl.where(arrived, 32, srcs), 0), tile, RANK)
+        late = gl.min(gl.where(arrived, 32, lanes), 0)
+        record_and_trap(report_ptr, late % WORLD, gl.min(gl.where(lanes == late, tile, 1 << 30), 0), RANK)
     # Generic-proxy accesses before (the acquire) are ordered before the async proxy's after (TMA).
-    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [tile], dtype=gl.int32,
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [first_unit], dtype=gl.int32,
                               is_pure=False, pack=1)  # fmt: skip
 
 
@@ -307,36 +320,67 @@ def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _issue_unit(units_desc, unit_bufs, unit_bar, buffer, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
-    """TMA-load a unit's rows of the W slots into unit buffer `buffer`: unit_bufs[buffer * W] the
-    own slot's, [buffer * W + 1 + i] the i-th peer's (rank order; incoming slot i)."""
+def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
+    """TMA-load a unit's rows of the W slots into unit buffer `buffer` of bufs, completing `bar`:
+    bufs[buffer * W] the own slot's, [buffer * W + 1 + i] the i-th peer's (rank order; incoming slot i)."""
     fence_async_shared()  # this warp's reads of the buffer's last unit come before TMA overwrites them
-    bar = unit_bar.index(buffer)
     mbarrier.expect(bar, WORLD * units_desc.block_type.nbytes)
-    tma_load(units_desc, [_own_slot(PUSH, WORLD), row0, col0], bar, unit_bufs.index(buffer * WORLD))
+    tma_load(units_desc, [_own_slot(PUSH, WORLD), row0, col0], bar, bufs.index(buffer * WORLD))
     for i in gl.static_range(WORLD - 1):
-        tma_load(units_desc, [i, row0, col0], bar, unit_bufs.index(buffer * WORLD + 1 + i))
+        tma_load(units_desc, [i, row0, col0], bar, bufs.index(buffer * WORLD + 1 + i))
 
 
 @gluon.jit
-def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
-             flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
-             BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             UNITS_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
-    """This program's reduction units, in order (module docstring), a row at a time from shared memory."""
+def _sum_unit(bufs, buffer, out_ptr, bias_ptr, row0, col0, rows_per_rank, N, stride_om, WORLD: gl.constexpr,
+              HAS_BIAS: gl.constexpr):  # fmt: skip
+    """out's rows row0.. (columns col0..) = the sum, in float32, of unit buffer `buffer` of bufs
+    (its own slot's rows, then the peers' in rank order: deterministic) and the bias, rounded
+    once; a row at a time."""
+    UNIT_ROWS: gl.constexpr = bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = bufs.type.shape[3]
+    WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
+    gl.static_assert(BLOCK_N % WIDTH == 0)
+    layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [1, 1], [1, 0])  # one row
+    for r in gl.static_range(UNIT_ROWS):
+        for c in gl.static_range(BLOCK_N // WIDTH):
+            cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+            acc = gl.zeros((1, WIDTH), gl.float32, layout=layout)
+            for i in gl.static_range(WORLD):  # own, then the peers in rank order
+                rows = bufs.index(buffer * WORLD + i).reshape([UNIT_ROWS, BLOCK_N])
+                acc += rows.slice(r, 1).slice(c * WIDTH, WIDTH, dim=1).load(layout).to(gl.float32)
+            if HAS_BIAS:
+                acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+            mask = gl.expand_dims((cols < N) & (row0 + r < rows_per_rank), 0)
+            offs = gl.expand_dims((row0 + r).to(gl.int64) * stride_om + cols, 0)
+            gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _reducer(units_desc, unit_bufs, unit_bar, b_bufs, ring_free, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr,
+             rows_per_rank, N, stride_om, flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr,
+             WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, UNITS_IN_FLIGHT: gl.constexpr, TAIL_UNITS: gl.constexpr, HAS_BIAS: gl.constexpr,
+             PUSH: gl.constexpr):  # fmt: skip
+    """This program's reduction units, in order (module docstring): beside the MMAs through the
+    unit buffers, then the tail's through the idle stage ring."""
     if last_step == WORLD - 1:
         UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
-        WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
         gl.static_assert(BLOCK_M % UNIT_ROWS == 0)
-        gl.static_assert(BLOCK_N % WIDTH == 0)
-        layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [1, 1], [1, 0])  # one row
-        dtype = out_ptr.dtype.element_ty
         tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
         tiles_n = gl.cdiv(N, BLOCK_N)
         tiles_per_segment = tiles_m * tiles_n
         own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
         units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
         units = tiles_per_segment * units_per_tile
+        # The tail: units of the own tiles in the last round of tiles (own tile j is tile
+        # j * W + W - 1), which all complete at the GEMM's end; one unit at a time they would
+        # cost a load's round trip each after it.
+        pid = gl.program_id(0)
+        tail_first = units
+        if TAIL_UNITS > 0:
+            last_round = (gl.cdiv(WORLD * tiles_per_segment, NUM_PROGRAMS) - 1) * NUM_PROGRAMS
+            tail_start = gl.minimum(gl.cdiv(gl.maximum(last_round - (WORLD - 1), 0), WORLD) * units_per_tile, units)
+            tail_first = pid + gl.cdiv(gl.maximum(tail_start - pid, 0), NUM_PROGRAMS) * NUM_PROGRAMS
         AHEAD: gl.constexpr = UNITS_IN_FLIGHT * NUM_PROGRAMS  # from this program's unit to the one its buffer takes next
         # Software-pipelined by UNITS_IN_FLIGHT units, the j-th of this program's units in buffer
         # j % UNITS_IN_FLIGHT: a unit's flags are waited for while units before it are on their way
@@ -345,45 +389,69 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         # overlaps the sum's loads); with more, after it (the other buffers' loads are in flight,
         # and a ready unit is not held back by a wait for one further ahead).
         for j in gl.static_range(UNITS_IN_FLIGHT):
-            unit = gl.program_id(0) + j * NUM_PROGRAMS
+            unit = pid + j * NUM_PROGRAMS
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
-            if (unit < units) & (row0 < rows_per_rank):
-                _wait_unit(buffer_ptrs, own_flags, report_ptr, pid_m, pid_n, tiles_m, tiles_n, flags_offset, max_spins,
-                           RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
-                _issue_unit(units_desc, unit_bufs, unit_bar, j, row0, pid_n * BLOCK_N, WORLD, PUSH)
+            if (unit < tail_first) & (row0 < rows_per_rank):
+                _wait_units(buffer_ptrs, own_flags, report_ptr, unit, 1, tiles_m, tiles_n, flags_offset, max_spins,
+                            RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                _issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)
         phases = 0  # bit b: the phase buffer b's barrier completes next
         buffer = 0
-        for unit in range(gl.program_id(0), units, NUM_PROGRAMS):
+        for unit in range(pid, gl.minimum(tail_first, units), NUM_PROGRAMS):
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             next_m, next_n, next_row0 = _unit(unit + AHEAD, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             # A ragged segment's last tile: its units past the end hold no rows (nothing loaded).
-            next_valid = (unit + AHEAD < units) & (next_row0 < rows_per_rank)
+            next_valid = (unit + AHEAD < tail_first) & (next_row0 < rows_per_rank)
             if UNITS_IN_FLIGHT == 1:
                 if next_valid:
-                    _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset,
-                               max_spins, RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
+                    _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
+                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
                 phases ^= 1 << buffer
-                col0 = pid_n * BLOCK_N
-                for r in gl.static_range(UNIT_ROWS):
-                    for c in gl.static_range(BLOCK_N // WIDTH):
-                        cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-                        acc = gl.zeros((1, WIDTH), gl.float32, layout=layout)
-                        for i in gl.static_range(WORLD):  # own, then the peers in rank order
-                            rows = unit_bufs.index(buffer * WORLD + i).reshape([UNIT_ROWS, BLOCK_N])
-                            acc += rows.slice(r, 1).slice(c * WIDTH, WIDTH, dim=1).load(layout).to(gl.float32)
-                        if HAS_BIAS:
-                            acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-                        mask = gl.expand_dims((cols < N) & (row0 + r < rows_per_rank), 0)
-                        offs = gl.expand_dims((row0 + r).to(gl.int64) * stride_om + cols, 0)
-                        gl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+                _sum_unit(unit_bufs, buffer, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,
+                          WORLD, HAS_BIAS)  # fmt: skip
             if next_valid:
                 if UNITS_IN_FLIGHT > 1:
-                    _wait_unit(buffer_ptrs, own_flags, report_ptr, next_m, next_n, tiles_m, tiles_n, flags_offset,
-                               max_spins, RANK, WORLD, BAND_ROWS, PUSH)  # fmt: skip
-                _issue_unit(units_desc, unit_bufs, unit_bar, buffer, next_row0, next_n * BLOCK_N, WORLD, PUSH)
+                    _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
+                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                _issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,
+                            PUSH)  # fmt: skip
             buffer = (buffer + 1) % UNITS_IN_FLIGHT
+
+        if TAIL_UNITS > 0:
+            # The tail, TAIL_UNITS units at a time in the stage ring once this program's consumers are
+            # done with it: their flags waited for 32 // W units a round trip, every load in flight,
+            # each unit summed as it lands.
+            mbarrier.wait(ring_free, 0)
+            RING_SHAPE: gl.constexpr = [TAIL_UNITS * WORLD, 1, UNIT_ROWS, BLOCK_N]
+            if NAMED_REINTERPRET:
+                ring = b_bufs.reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
+            else:
+                ring = b_bufs._reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
+            PER_WAIT: gl.constexpr = 32 // WORLD
+            tail_phase = 0
+            for first in range(tail_first, units, TAIL_UNITS * NUM_PROGRAMS):
+                count = gl.minimum(gl.cdiv(units - first, NUM_PROGRAMS), TAIL_UNITS)
+                for k0 in range(0, count, PER_WAIT):
+                    _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS,
+                                gl.minimum(count - k0, PER_WAIT), tiles_m, tiles_n, flags_offset, max_spins, RANK,
+                                WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                    for k in range(k0, gl.minimum(count, k0 + PER_WAIT)):
+                        unit = first + k * NUM_PROGRAMS
+                        pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
+                        if row0 < rows_per_rank:
+                            _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)
+                        else:  # no rows: its barrier completes this phase all the same
+                            mbarrier.arrive(tail_bar.index(k), count=1)
+                for k in range(count):
+                    unit = first + k * NUM_PROGRAMS
+                    pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
+                    mbarrier.wait(tail_bar.index(k), tail_phase)
+                    if row0 < rows_per_rank:
+                        _sum_unit(ring, k, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,
+                                  WORLD, HAS_BIAS)  # fmt: skip
+                tail_phase ^= 1
 
 
 @gluon.jit
@@ -421,6 +489,7 @@ def matmul_reduce_scatter_reducer_kernel(
     NUM_PROGRAMS: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     UNITS_IN_FLIGHT: gl.constexpr,  # reduction units the reducer warp has in flight (a buffer each)
+    TAIL_UNITS: gl.constexpr,  # the tail's units at once in the weight stages; 0: no tail (every unit in a buffer)
     HAS_BIAS: gl.constexpr,
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose [K, N] (backward: no copy)
     PUSH: gl.constexpr,  # peers' rows into their owners' buffers (else the copy engine's outgoing slots here)
@@ -438,6 +507,15 @@ def matmul_reduce_scatter_reducer_kernel(
     unit_bar = gl.allocate_shared_memory(gl.int64, [UNITS_IN_FLIGHT, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(UNITS_IN_FLIGHT):
         mbarrier.init(unit_bar.index(b), count=1)
+    # The reducer's tail: its units in the weight stages, a barrier each.
+    gl.static_assert(TAIL_UNITS * WORLD * UNIT_ROWS * BLOCK_N * units_desc.dtype.primitive_bitwidth
+                     <= NUM_STAGES * BLOCK_N * a_desc.block_type.shape[1] * b_desc.dtype.primitive_bitwidth)
+    TAIL_BARRIERS: gl.constexpr = TAIL_UNITS if TAIL_UNITS > 0 else 1
+    tail_bar = gl.allocate_shared_memory(gl.int64, [TAIL_BARRIERS, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(TAIL_BARRIERS):
+        mbarrier.init(tail_bar.index(b), count=1)
+    ring_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(ring_free.index(0), count=TILE_ARRIVALS)  # both consumers done
     # The consumers' stored peer tiles to the counter warp and back: a ring of two slots.
     stored = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     counted = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -448,18 +526,19 @@ def matmul_reduce_scatter_reducer_kernel(
     gl.warp_specialize(
         [
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
-                         b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
-                         last_step, scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
-                         SCALING, PRECISE_ACC)),
+                         b_bufs, c_bufs, ready, empty, stored, counted, ring_free.index(0), rows_per_rank, N, K,
+                         own_offset, first_step, last_step, scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS,
+                         NUM_PROGRAMS, B_KN, PUSH, SCALING, PRECISE_ACC)),
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
-                         b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
-                         last_step, scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
-                         SCALING, PRECISE_ACC)),
+                         b_bufs, c_bufs, ready, empty, stored, counted, ring_free.index(0), rows_per_rank, N, K,
+                         own_offset, first_step, last_step, scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS,
+                         NUM_PROGRAMS, B_KN, PUSH, SCALING, PRECISE_ACC)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
                        WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN)),
-            (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
-                        stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
-                        BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, HAS_BIAS, PUSH)),
+            (_reducer, (units_desc, unit_bufs, unit_bar, b_bufs, ring_free.index(0), tail_bar, out_ptr, bias_ptr,
+                        buffer_ptrs, report_ptr, rows_per_rank, N, stride_om, flags_offset, own_offset, last_step,
+                        max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS,
+                        HAS_BIAS, PUSH)),
             (_counter, (buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first_step, last_step, RANK, WORLD,
                         BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, PUSH)),
         ],

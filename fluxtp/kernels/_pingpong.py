@@ -22,6 +22,8 @@ tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
 tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
 # Triton 3.6's name; later releases call it barrier. In a partition it syncs that partition's warps.
 partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# A view of shared memory as another dtype and shape: Triton 3.6 names it _reinterpret, later releases reinterpret.
+NAMED_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit

@@ -180,6 +180,17 @@ def reducer_units_in_flight(config: MatmulReduceScatterConfig, world: int, items
     return units
 
 
+def reducer_tail_units(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int) -> int:
+    """Reduction units the reducer kernel's tail loads at once into its idle weight stages after
+    the consumers' last tile (the units of the own tiles of the last round of tiles, which all
+    complete at the GEMM's end), 0 for no tail: only where the units otherwise go one at a time
+    (reducer_units_in_flight 1), each paying a load's round trip (docs/perf-log.md)."""
+    if reducer_units_in_flight(config, world, itemsize, partial_size) != 1:
+        return 0
+    unit_bytes = world * reducer_unit_rows(config.block_n, world, partial_size) * config.block_n * partial_size
+    return config.num_stages * config.block_n * config.block_k * itemsize // unit_bytes
+
+
 def reducer_smem_bytes(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
                        units: int) -> int:  # fmt: skip
     """The reducer kernel's shared memory: the K-block stages, a half tile per consumer, `units`
@@ -358,6 +369,7 @@ class _Kernel:
         unit_rows = reducer_unit_rows(config.block_n, world, part.itemsize)
         loads = DescriptorLayout(slots[rank], [1, unit_rows, config.block_n], gluon=True, swizzled=False)
         units_in_flight = reducer_units_in_flight(config, world, x.element_size(), part.itemsize)
+        tail_units = reducer_tail_units(config, world, x.element_size(), part.itemsize)
         # Push: a store descriptor over every rank's slots (the copy engine's never reads them).
         peers = [stores.over(slots[r] if config.transport == "push" else slots[rank]) for r in range(world)]
         unused = peers[:1] * (MAX_PUSH_WORLD.value - world)
@@ -369,7 +381,8 @@ class _Kernel:
         self.scalars += (own_offset, *descriptors)
         self.launch = Launch(
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
-            NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, HAS_BIAS=bias is not None,
+            NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, TAIL_UNITS=tail_units,
+            HAS_BIAS=bias is not None,
             B_KN=self.weight.kn, PUSH=config.transport == "push", **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 

@@ -1068,10 +1068,11 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert push.on_reducer_kernel(8, 1024, 4096, 1792) == on_reducer  # TP=8: any work
     pull = dataclasses.replace(heuristic, transport="pull")
     assert pull.on_reducer_kernel(8, 8 * 2048, 4096, 1792) == pull
-    # TP=4: llama3-70b's reduce-scatter at 2048 tokens has 16 x 32 x 112 = 57344 tile K-blocks, at 1024 half that
-    assert 28672 < REDUCER_MIN_WORK <= 57344
-    assert push.on_reducer_kernel(4, 2048, 8192, 7168) == on_reducer
-    assert push.on_reducer_kernel(4, 1024, 8192, 7168) == push
+    # TP=4: llama3-70b's reduce-scatter at 1024 tokens has 8 x 32 x 112 = 28672 tile K-blocks,
+    # llama3-8b's at 2048 tokens 16 x 16 x 56 = 14336
+    assert 14336 < REDUCER_MIN_WORK <= 28672
+    assert push.on_reducer_kernel(4, 1024, 8192, 7168) == on_reducer
+    assert push.on_reducer_kernel(4, 2048, 4096, 3584) == push
     assert push.on_reducer_kernel(2, 16384, 8192, 14336) == push
     assert "push" in _matmul_reduce_scatter.reducer_unsupported(on_reducer, 1024, 16, 2)  # a descriptor per rank
     # FP8 in the warp-specialized FP8 tiling: TP>=8 either accumulation; TP=4 precise

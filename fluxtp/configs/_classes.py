@@ -176,7 +176,7 @@ MAX_COPY_ENGINE_WORLD = 2
 # that at TP=4 its reduction's tail outweighs what it saves (MatmulReduceScatterConfig.on_reducer_kernel).
 REDUCER_WORLD = 8
 REDUCER_MIN_WORLD = 4
-REDUCER_MIN_WORK = 40_000
+REDUCER_MIN_WORK = 20_000
 REDUCER_MIN_WORK_FP8 = 20_000
 
 
@@ -238,7 +238,8 @@ class MatmulReduceScatterConfig(GemmTiling):
         kernel, else itself: push or copy engine, from REDUCER_WORLD ranks on, and from
         REDUCER_MIN_WORLD on for GEMMs of REDUCER_MIN_WORK tile K-blocks or more (one H100,
         GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
-        TP=8, 0.90-1.02x at TP=4 above the work bound, 1.04-1.22x below it; docs/perf-log.md), in
+        TP=8, 0.90-1.02x at TP=4 from 57k blocks; since its tail loads together, 0.97x at 28k blocks
+        and 1.02-1.05x at 14k and 7k; docs/perf-log.md), in
         128x256x64 tiles and 3 stages (its shared memory holds no more). A scaled call (fp8_precise:
         its accumulation; out_bytes: its slots') in reducer_fp8_tiling: at TP>=8, and at TP=4 with
         precise accumulation from REDUCER_MIN_WORK_FP8 (one H100: 0.62-0.89x the Triton kernel's

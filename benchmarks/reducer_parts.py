@@ -57,7 +57,7 @@ COMPUTES_THE_OP = ("fused", "own_flag_only")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 
 
-def _gemm_only(kernel, x, w, world, config, **scaled):
+def gemm_only_with(kernel, x, w, world, config, **scaled):
     """The launcher's GEMM-only mode for rank 0, launching `kernel` in place of the shipped
     reducer kernel (the launcher imports it at each plan)."""
     shipped = getattr(reducer_module, KERNEL)
@@ -66,6 +66,22 @@ def _gemm_only(kernel, x, w, world, config, **scaled):
         return _matmul_reduce_scatter.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)
     finally:
         setattr(reducer_module, KERNEL, shipped)
+
+
+def reducer_case(case, fast_accum: bool = False):
+    """(x, w, the GEMM-only mode's scale arguments, the config a call launches, the cuBLAS
+    reference: torch._scaled_mm for an FP8 case, row-wise scales, bf16 out) of a case."""
+    if case.fp8:
+        x, w, scale_x, scale_w = fp8_case_inputs(case, "cuda")
+
+        def reference():
+            return torch._scaled_mm(x, w.t(), scale_a=scale_x, scale_b=scale_w, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum)  # fmt: skip
+
+        scaled = {"scales": (scale_x, scale_w), "use_fast_accum": fast_accum}
+        return x, w, scaled, launched_config(case, x, w, (scale_x, scale_w), fast_accum), reference
+    x, w = case_inputs(case, "cuda")
+    return x, w, {}, launched_config(case, x, w), lambda: F.linear(x, w)
 
 
 def main() -> None:
@@ -78,29 +94,14 @@ def main() -> None:
     kernels = variant_kernels(reducer_module, KERNEL, "_matmul_reduce_scatter_reducer.py", chosen_variants(parser, args, VARIANTS))
     rows = []
     for case in cases:
-        if case.fp8:
-            x, w, scale_x, scale_w = fp8_case_inputs(case, "cuda")
-            scaled = {"scales": (scale_x, scale_w), "use_fast_accum": args.fast_accum}
-            config = launched_config(case, x, w, (scale_x, scale_w), args.fast_accum)
-
-            def reference(x=x, w=w, scale_x=scale_x, scale_w=scale_w):
-                return torch._scaled_mm(x, w.t(), scale_a=scale_x, scale_b=scale_w, out_dtype=torch.bfloat16,
-                                        use_fast_accum=args.fast_accum)  # fmt: skip
-        else:
-            x, w = case_inputs(case, "cuda")
-            scaled = {}
-            config = launched_config(case, x, w)
-
-            def reference(x=x, w=w):
-                return F.linear(x, w)
-
+        x, w, scaled, config, reference = reducer_case(case, args.fast_accum)
         if not config.warp_specialized:
             print(f"{case.label()}: a call runs the Triton kernel here, not the reducer kernel; skipped", flush=True)
             continue
         want = expected_rows(case, reference())
         runs = {}
         for name, kernel in kernels.items():
-            run = _gemm_only(kernel, x, w, case.world, config, **scaled)
+            run = gemm_only_with(kernel, x, w, case.world, config, **scaled)
             if name in COMPUTES_THE_OP and not relative_error(run(), want) < 2e-2:
                 raise AssertionError(f"{case.label()}: {name} computes a wrong result")
             runs[name] = graphed(run)

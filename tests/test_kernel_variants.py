@@ -27,6 +27,14 @@ def test_every_variant_applies_to_the_shipped_kernel(script, kernel_file):
         ast.parse(source)
 
 
+def test_the_timeline_stamps_apply_to_the_shipped_kernel():
+    timeline = importlib.import_module("reducer_timeline")
+    shipped = (variants.KERNELS / timeline.KERNEL_FILE).read_text()
+    ast.parse(variants.variant_source(shipped, "stamped", timeline.stamps(0x7F0000000000)))
+    slots = list(timeline.EVENTS.values())
+    assert len(set(slots)) == len(slots) and max(slots) < timeline.SLOTS
+
+
 def test_a_replacement_that_no_longer_matches_stops_the_benchmark():
     with pytest.raises(SystemExit, match="update this benchmark"):
         variants.variant_source("a = 1\n", "broken", [("b = 2", "b = 3")])

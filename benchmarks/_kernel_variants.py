@@ -102,13 +102,14 @@ def checked_triton_reduce_scatter(case, x, weight):
 
 
 def case_parser(doc: str, models: str, worlds: str, tokens: str, variants: dict) -> argparse.ArgumentParser:
-    """The part-by-part benchmarks' arguments: which cases (cases_of), which of `variants`
+    """The part-by-part benchmarks' arguments: which cases (cases_of), which of `variants` if any
     (chosen_variants), rounds, the JSON's path."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--models", default=models)
     parser.add_argument("--worlds", default=worlds)
     parser.add_argument("--tokens", default=tokens)
-    parser.add_argument("--variants", default=",".join(variants), help="comma-separated names of the variants")
+    if variants:
+        parser.add_argument("--variants", default=",".join(variants), help="comma-separated names of the variants")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out")
     return parser

@@ -84,21 +84,32 @@ def reducer_case(case, fast_accum: bool = False):
     return x, w, {}, launched_config(case, x, w), lambda: F.linear(x, w)
 
 
-def main() -> None:
-    parser = case_parser(__doc__, "llama3-8b,llama3-70b", "8", "4096,16384", VARIANTS)
+def reducer_parser(doc: str, models: str, tokens: str, variants: dict):
+    """case_parser's arguments (at 8 ranks by default) with the cases' dtype and accumulation."""
+    parser = case_parser(doc, models, "8", tokens, variants)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"))
     parser.add_argument("--fast-accum", action="store_true", help="FP8: use_fast_accum (the layers' forward)")
     parser.set_defaults(rounds=5)
-    args = parser.parse_args()
-    cases = [dataclasses.replace(c, dtype=args.dtype) for c in cases_of(args, "matmul_reduce_scatter")]
-    kernels = variant_kernels(reducer_module, KERNEL, "_matmul_reduce_scatter_reducer.py", chosen_variants(parser, args, VARIANTS))
-    rows = []
-    for case in cases:
+    return parser
+
+
+def reducer_cases(args):
+    """(case, x, w, scaled, config, reference, its expected rows) of each case of reducer_parser's
+    arguments that a call runs on the reducer kernel; the others are named and skipped."""
+    for case in [dataclasses.replace(c, dtype=args.dtype) for c in cases_of(args, "matmul_reduce_scatter")]:
         x, w, scaled, config, reference = reducer_case(case, args.fast_accum)
         if not config.warp_specialized:
             print(f"{case.label()}: a call runs the Triton kernel here, not the reducer kernel; skipped", flush=True)
             continue
-        want = expected_rows(case, reference())
+        yield case, x, w, scaled, config, reference, expected_rows(case, reference())
+
+
+def main() -> None:
+    parser = reducer_parser(__doc__, "llama3-8b,llama3-70b", "4096,16384", VARIANTS)
+    args = parser.parse_args()
+    kernels = variant_kernels(reducer_module, KERNEL, "_matmul_reduce_scatter_reducer.py", chosen_variants(parser, args, VARIANTS))
+    rows = []
+    for case, x, w, scaled, config, reference, want in reducer_cases(args):
         runs = {}
         for name, kernel in kernels.items():
             run = gemm_only_with(kernel, x, w, case.world, config, **scaled)

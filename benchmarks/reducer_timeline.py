@@ -16,7 +16,6 @@ tail units (the tail: reducer_tail_units).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -26,13 +25,13 @@ import torch
 from tabulate import tabulate
 
 import fluxtp.kernels._matmul_reduce_scatter_reducer as reducer_module
-from fluxtp.bench.gemm_grid import expected_rows, relative_error
+from fluxtp.bench.gemm_grid import relative_error
 from fluxtp.bench.harness import graphed
 from fluxtp.bench.results import command_line, envelope, write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import case_parser, cases_of, time_case, variant_kernel  # noqa: E402
-from reducer_parts import KERNEL, gemm_only_with, reducer_case  # noqa: E402
+from _kernel_variants import time_case, variant_kernel  # noqa: E402
+from reducer_parts import KERNEL, gemm_only_with, reducer_cases, reducer_parser  # noqa: E402
 
 KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 MAX_PROGRAMS = 256
@@ -117,23 +116,14 @@ def timeline(table: torch.Tensor) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    parser = case_parser(__doc__, "llama3-8b", "8", "1024,2048", {})
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"))
-    parser.add_argument("--fast-accum", action="store_true", help="FP8: use_fast_accum (the layers' forward)")
-    parser.set_defaults(rounds=5)
-    args = parser.parse_args()
+    args = reducer_parser(__doc__, "llama3-8b", "1024,2048", {}).parse_args()
     if torch.cuda.get_device_properties().multi_processor_count > MAX_PROGRAMS:
         raise SystemExit(f"more SMs than the timeline table's {MAX_PROGRAMS} programs")
     table = torch.zeros(MAX_PROGRAMS * SLOTS, dtype=torch.int64, device="cuda")
     directory = Path(tempfile.mkdtemp(prefix="fluxtp-reducer-timeline-"))
     stamped = variant_kernel(KERNEL_FILE, KERNEL, "stamped", stamps(table.data_ptr()), directory)
     rows = []
-    for case in [dataclasses.replace(c, dtype=args.dtype) for c in cases_of(args, "matmul_reduce_scatter")]:
-        x, w, scaled, config, reference = reducer_case(case, args.fast_accum)
-        if not config.warp_specialized:
-            print(f"{case.label()}: a call runs the Triton kernel here, not the reducer kernel; skipped", flush=True)
-            continue
-        want = expected_rows(case, reference())
+    for case, x, w, scaled, config, reference, want in reducer_cases(args):
         runs = {}
         for name, kernel in (("fused", getattr(reducer_module, KERNEL)), ("stamped", stamped)):
             run = gemm_only_with(kernel, x, w, case.world, config, **scaled)

@@ -55,6 +55,7 @@ VARIANTS = {
 }
 COMPUTES_THE_OP = ("fused", "own_flag_only")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
+KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 
 
 def gemm_only_with(kernel, x, w, world, config, **scaled):
@@ -107,7 +108,7 @@ def reducer_cases(args):
 def main() -> None:
     parser = reducer_parser(__doc__, "llama3-8b,llama3-70b", "4096,16384", VARIANTS)
     args = parser.parse_args()
-    kernels = variant_kernels(reducer_module, KERNEL, "_matmul_reduce_scatter_reducer.py", chosen_variants(parser, args, VARIANTS))
+    kernels = variant_kernels(reducer_module, KERNEL, KERNEL_FILE, chosen_variants(parser, args, VARIANTS))
     rows = []
     for case, x, w, scaled, config, reference, want in reducer_cases(args):
         runs = {}

@@ -31,9 +31,8 @@ from fluxtp.bench.results import command_line, envelope, write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _kernel_variants import time_case, variant_kernel  # noqa: E402
-from reducer_parts import KERNEL, gemm_only_with, reducer_cases, reducer_parser  # noqa: E402
+from reducer_parts import KERNEL, KERNEL_FILE, gemm_only_with, reducer_cases, reducer_parser  # noqa: E402
 
-KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 MAX_PROGRAMS = 256
 SLOTS = 64  # events per program
 UNITS = 5  # units stamped beside the MMAs (5 events each), and in the tail (2 each)

@@ -382,8 +382,8 @@ class _Kernel:
         self.launch = Launch(
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, TAIL_UNITS=tail_units,
-            HAS_BIAS=bias is not None, B_KN=self.weight.kn, PUSH=config.transport == "push", **_scaled.constexprs(scaled),
-            **_scaled.PINGPONG_WARPS,
+            HAS_BIAS=bias is not None, B_KN=self.weight.kn, PUSH=config.transport == "push",
+            **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):

@@ -45,7 +45,7 @@ EVENTS = {
     "reducer starts": 0,
     "first units requested": 1,
     **{f"unit {j}: {what}": 2 + 5 * j + k for j in range(UNITS) for k, what in enumerate(UNIT_EVENTS)},
-    "tail: stage ring free": 56,
+    "tail: every partition done": 56,
     "tail: units requested": 57,
     **{f"tail unit {k}: {what}": 32 + 4 * k + i for k in range(UNITS) for i, what in enumerate(("landed", "summed"))},
     "program ends": 31,
@@ -67,8 +67,8 @@ def _stamp(event):
     return [
         ("REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses\n",
          "REDUCE_WIDTH = gl.constexpr(256)\n" + helper),
-        ("        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)\n        units_per_tile: gl.constexpr",
-         "        _stamp(0)\n        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)\n        units_per_tile: gl.constexpr"),
+        ("        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)\n        units = ",
+         "        _stamp(0)\n        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)\n        units = "),
         ("        phases = 0  # bit b", "        _stamp(1)\n        phases = 0  # bit b"),
         ("        for unit in range(pid, gl.minimum(tail_first, units), NUM_PROGRAMS):\n",
          "        for unit in range(pid, gl.minimum(tail_first, units), NUM_PROGRAMS):\n"
@@ -83,22 +83,23 @@ def _stamp(event):
          "            if next_valid:\n                if UNITS_IN_FLIGHT > 1:"),
         ("            buffer = (buffer + 1) % UNITS_IN_FLIGHT\n",
          f"            if nth < {UNITS}:\n                _stamp(6 + 5 * nth)\n            buffer = (buffer + 1) % UNITS_IN_FLIGHT\n"),
-        ("            mbarrier.wait(ring_free, 0)\n", "            mbarrier.wait(ring_free, 0)\n            _stamp(56)\n"),
-        ("                for k in range(count):\n", "                _stamp(57)\n                for k in range(count):\n"),
-        ("                    mbarrier.wait(tail_bar.index(k), tail_phase)\n",
-         "                    mbarrier.wait(tail_bar.index(k), tail_phase)\n"
-         f"                    if k < {UNITS}:\n                        _stamp(32 + 4 * k)\n"),
-        ("                tail_phase ^= 1\n",
-         f"                    if k < {UNITS}:\n                        _stamp(33 + 4 * k)\n                tail_phase ^= 1\n"),
+        ("    tail_phase = 0\n", "    _stamp(56)\n    tail_phase = 0\n"),
+        ("        for k in range(count):\n", "        _stamp(57)\n        for k in range(count):\n"),
+        ("            mbarrier.wait(tail_bar.index(k), tail_phase)\n",
+         "            mbarrier.wait(tail_bar.index(k), tail_phase)\n"
+         f"            if k < {UNITS}:\n                _stamp(32 + 4 * k)\n"),
+        ("        tail_phase ^= 1\n",
+         f"            if k < {UNITS}:\n                _stamp(33 + 4 * k)\n        tail_phase ^= 1\n"),
         ("    pending = 0  # a peer half stored", "    if C == 0:\n        _stamp(30)\n    pending = 0  # a peer half stored"),
         ("            if SCALING != 0:\n                acc = _scale(",
          "            if C == 0:\n                _stamp(28)\n            if SCALING != 0:\n                acc = _scale("),
         ("                _count_own(own_flags + pid_m * tiles_n + pid_n)\n",
          "                _count_own(own_flags + pid_m * tiles_n + pid_n)\n                if C == 0:\n                    _stamp(27)\n"),
-        ("    mbarrier.arrive(ring_free, count=1)  # its MMAs",
-         "    if C == 0:\n        _stamp(29)\n    mbarrier.arrive(ring_free, count=1)  # its MMAs"),
-        ("    # Every partition of this program is done: the last program out",
-         "    _stamp(31)\n    # Every partition of this program is done: the last program out"),
+        ("    if pending != 0:\n        handed = _hand_over_peer_half(stored, counted, handed)\n",
+         "    if pending != 0:\n        handed = _hand_over_peer_half(stored, counted, handed)\n"
+         "    if C == 0:\n        _stamp(29)\n"),
+        ("    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags",
+         "    _stamp(31)\n    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags"),
     ]
 
 

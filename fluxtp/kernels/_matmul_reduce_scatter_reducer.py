@@ -24,12 +24,12 @@ tensor-core time:
   own partial, then the peers' in rank order: deterministic), adds the bias and rounds once into
   out.
   The tail (the launcher's reducer_tail_units, where a unit is otherwise alone in flight): the
-  units of the own tiles of the last round of tiles, which all complete at the GEMM's end, wait
-  for this program's consumers to be done, then go into the idle weight stages all at once (their
-  flags read 32 // W units a round trip), each summed as it lands: one at a time, each cost a
-  load's round trip after the GEMM.
-  The consumers do not join in after their tiles: that code made ptxas serialize their MMAs for
-  want of registers (docs/perf-log.md).
+  units of the own tiles of the last round of tiles, which all complete at the GEMM's end, are
+  left to the default partition's four warps once every partition is done (after
+  warp_specialize: code in the consumers' partition made ptxas serialize their MMAs), loaded
+  into the idle weight stages all at once (their flags read 32 * 4 // W units a round trip), each
+  summed as it lands, a row per warp: one at a time through the reducer warp, each cost a load's
+  round trip after the GEMM, and one warp's sums then led (docs/perf-log.md).
 Every partial, the own one too, is rounded to the output's dtype before the sum (as
 NCCL-then-GEMM rounds them); the Triton kernel keeps its own partial in float32, so the two
 differ in the last bits. A scaled (FP8) call's consumers multiply each half by its scales (x's
@@ -220,7 +220,7 @@ def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N,
 
 @gluon.jit
 def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs, b_bufs,
-              c_bufs, ready, empty, stored, counted, ring_free, rows_per_rank, N, K, own_offset, first_step, last_step,
+              c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step, last_step,
               scale_a_ptr, scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
               BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr,
               SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr):  # fmt: skip
@@ -273,20 +273,20 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
                 pending = 1
     if pending != 0:
         handed = _hand_over_peer_half(stored, counted, handed)
-    mbarrier.arrive(ring_free, count=1)  # its MMAs have retired: the reducer's tail may use the stage ring
 
 
 @gluon.jit
 def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, tiles_m, tiles_n, flags_offset, max_spins,
                 RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
-    """Until, for each of the `count` (at most 32 // W) units first_unit, first_unit + NUM_PROGRAMS,
-    ..., this rank's own partial of its tile and every peer's band of it have arrived (acquire;
-    every flag read at once, lane k * W + r for unit k and rank r: one round trip for them all);
-    gives up after max_spins rounds (record and trap)."""
-    gl.static_assert(WORLD <= 32)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    lanes = gl.arange(0, 32, layout=layout)
+                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """Until, for each of the `count` (at most 32 * WARPS // W) units first_unit, first_unit +
+    NUM_PROGRAMS, ..., this rank's own partial of its tile and every peer's band of it have arrived
+    (acquire; every flag read at once by the calling WARPS warps, thread k * W + r for unit k and
+    rank r: one round trip for them all); gives up after max_spins rounds (record and trap)."""
+    LANES: gl.constexpr = 32 * WARPS
+    gl.static_assert(WORLD <= LANES)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    lanes = gl.arange(0, LANES, layout=layout)
     srcs = lanes % WORLD
     pid_m, pid_n, row0 = _unit(first_unit + (lanes // WORLD) * NUM_PROGRAMS, tiles_m, tiles_n, BAND_ROWS, BLOCK_M,
                                UNIT_ROWS)  # fmt: skip
@@ -304,7 +304,7 @@ def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, tiles_m, 
     expected = gl.where(srcs == RANK, TILE_ARRIVALS, band_complete)
     arrived = wait_flags(flag_ptrs, waited, expected, max_spins)
     if gl.min(arrived.to(gl.int32), 0) == 0:
-        late = gl.min(gl.where(arrived, 32, lanes), 0)
+        late = gl.min(gl.where(arrived, LANES, lanes), 0)
         record_and_trap(report_ptr, late % WORLD, gl.min(gl.where(lanes == late, tile, 1 << 30), 0), RANK)
     # Generic-proxy accesses before (the acquire) are ordered before the async proxy's after (TMA).
     gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [first_unit], dtype=gl.int32,
@@ -332,55 +332,63 @@ def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, 
 
 @gluon.jit
 def _sum_unit(bufs, buffer, out_ptr, bias_ptr, row0, col0, rows_per_rank, N, stride_om, WORLD: gl.constexpr,
-              HAS_BIAS: gl.constexpr):  # fmt: skip
+              HAS_BIAS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
     """out's rows row0.. (columns col0..) = the sum, in float32, of unit buffer `buffer` of bufs
     (its own slot's rows, then the peers' in rank order: deterministic) and the bias, rounded
-    once; a row at a time."""
+    once; WARPS rows at a time, a row per calling warp."""
     UNIT_ROWS: gl.constexpr = bufs.type.shape[2]
     BLOCK_N: gl.constexpr = bufs.type.shape[3]
     WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
     gl.static_assert(BLOCK_N % WIDTH == 0)
-    layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [1, 1], [1, 0])  # one row
-    for r in gl.static_range(UNIT_ROWS):
+    gl.static_assert(UNIT_ROWS % WARPS == 0)
+    layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [WARPS, 1], [1, 0])
+    for r in gl.static_range(0, UNIT_ROWS, WARPS):
+        rows_out = row0 + r + gl.arange(0, WARPS, layout=gl.SliceLayout(1, layout))
         for c in gl.static_range(BLOCK_N // WIDTH):
             cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-            acc = gl.zeros((1, WIDTH), gl.float32, layout=layout)
+            acc = gl.zeros((WARPS, WIDTH), gl.float32, layout=layout)
             for i in gl.static_range(WORLD):  # own, then the peers in rank order
                 rows = bufs.index(buffer * WORLD + i).reshape([UNIT_ROWS, BLOCK_N])
-                acc += rows.slice(r, 1).slice(c * WIDTH, WIDTH, dim=1).load(layout).to(gl.float32)
+                acc += rows.slice(r, WARPS).slice(c * WIDTH, WIDTH, dim=1).load(layout).to(gl.float32)
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-            mask = gl.expand_dims((cols < N) & (row0 + r < rows_per_rank), 0)
-            offs = gl.expand_dims((row0 + r).to(gl.int64) * stride_om + cols, 0)
+            mask = gl.expand_dims(rows_out < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
+            offs = gl.expand_dims(rows_out.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
             gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _reducer(units_desc, unit_bufs, unit_bar, b_bufs, ring_free, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr,
-             rows_per_rank, N, stride_om, flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr,
-             WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, UNITS_IN_FLIGHT: gl.constexpr, TAIL_UNITS: gl.constexpr, HAS_BIAS: gl.constexpr,
+def _tail_first(rows_per_rank, N, RANK: gl.constexpr, WORLD: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, UNIT_ROWS: gl.constexpr):  # fmt: skip
+    """This program's first unit of the tail (module docstring): the units of the own tiles in the
+    last round of tiles (own tile j is tile j * W + W - 1), which all complete at the GEMM's end."""
+    units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
+    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    units = tiles_per_segment * units_per_tile
+    last_round = (gl.cdiv(WORLD * tiles_per_segment, NUM_PROGRAMS) - 1) * NUM_PROGRAMS
+    tail_start = gl.minimum(gl.cdiv(gl.maximum(last_round - (WORLD - 1), 0), WORLD) * units_per_tile, units)
+    pid = gl.program_id(0)
+    return pid + gl.cdiv(gl.maximum(tail_start - pid, 0), NUM_PROGRAMS) * NUM_PROGRAMS
+
+
+@gluon.jit
+def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
+             flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
+             BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             UNITS_IN_FLIGHT: gl.constexpr, TAIL_UNITS: gl.constexpr, HAS_BIAS: gl.constexpr,
              PUSH: gl.constexpr):  # fmt: skip
-    """This program's reduction units, in order (module docstring): beside the MMAs through the
-    unit buffers, then the tail's through the idle stage ring."""
+    """This program's reduction units beside the MMAs, in order (module docstring), up to the tail's."""
     if last_step == WORLD - 1:
         UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
         gl.static_assert(BLOCK_M % UNIT_ROWS == 0)
         tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
         tiles_n = gl.cdiv(N, BLOCK_N)
-        tiles_per_segment = tiles_m * tiles_n
         own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
-        units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
-        units = tiles_per_segment * units_per_tile
-        # The tail: units of the own tiles in the last round of tiles (own tile j is tile
-        # j * W + W - 1), which all complete at the GEMM's end; one unit at a time they would
-        # cost a load's round trip each after it.
+        units = tiles_m * tiles_n * (BLOCK_M // UNIT_ROWS)
         pid = gl.program_id(0)
         tail_first = units
         if TAIL_UNITS > 0:
-            last_round = (gl.cdiv(WORLD * tiles_per_segment, NUM_PROGRAMS) - 1) * NUM_PROGRAMS
-            tail_start = gl.minimum(gl.cdiv(gl.maximum(last_round - (WORLD - 1), 0), WORLD) * units_per_tile, units)
-            tail_first = pid + gl.cdiv(gl.maximum(tail_start - pid, 0), NUM_PROGRAMS) * NUM_PROGRAMS
+            tail_first = _tail_first(rows_per_rank, N, RANK, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
         AHEAD: gl.constexpr = UNITS_IN_FLIGHT * NUM_PROGRAMS  # from this program's unit to the one its buffer takes next
         # Software-pipelined by UNITS_IN_FLIGHT units, the j-th of this program's units in buffer
         # j % UNITS_IN_FLIGHT: a unit's flags are waited for while units before it are on their way
@@ -393,7 +401,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, b_bufs, ring_free, tail_bar, out_p
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             if (unit < tail_first) & (row0 < rows_per_rank):
                 _wait_units(buffer_ptrs, own_flags, report_ptr, unit, 1, tiles_m, tiles_n, flags_offset, max_spins,
-                            RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                            RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, 1)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)
         phases = 0  # bit b: the phase buffer b's barrier completes next
         buffer = 0
@@ -405,53 +413,66 @@ def _reducer(units_desc, unit_bufs, unit_bar, b_bufs, ring_free, tail_bar, out_p
             if UNITS_IN_FLIGHT == 1:
                 if next_valid:
                     _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
-                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, 1)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
                 phases ^= 1 << buffer
                 _sum_unit(unit_bufs, buffer, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,
-                          WORLD, HAS_BIAS)  # fmt: skip
+                          WORLD, HAS_BIAS, 1)  # fmt: skip
             if next_valid:
                 if UNITS_IN_FLIGHT > 1:
                     _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
-                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, 1)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,
                             PUSH)  # fmt: skip
             buffer = (buffer + 1) % UNITS_IN_FLIGHT
 
-        if TAIL_UNITS > 0:
-            # The tail, TAIL_UNITS units at a time in the stage ring once this program's consumers are
-            # done with it: their flags waited for 32 // W units a round trip, every load in flight,
-            # each unit summed as it lands.
-            mbarrier.wait(ring_free, 0)
-            RING_SHAPE: gl.constexpr = [TAIL_UNITS * WORLD, 1, UNIT_ROWS, BLOCK_N]
-            if NAMED_REINTERPRET:
-                ring = b_bufs.reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
-            else:
-                ring = b_bufs._reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
-            PER_WAIT: gl.constexpr = 32 // WORLD
-            tail_phase = 0
-            for first in range(tail_first, units, TAIL_UNITS * NUM_PROGRAMS):
-                count = gl.minimum(gl.cdiv(units - first, NUM_PROGRAMS), TAIL_UNITS)
-                for k0 in range(0, count, PER_WAIT):
-                    _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS,
-                                gl.minimum(count - k0, PER_WAIT), tiles_m, tiles_n, flags_offset, max_spins, RANK,
-                                WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
-                    for k in range(k0, gl.minimum(count, k0 + PER_WAIT)):
-                        unit = first + k * NUM_PROGRAMS
-                        pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
-                        if row0 < rows_per_rank:
-                            _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)
-                        else:  # no rows: its barrier completes this phase all the same
-                            mbarrier.arrive(tail_bar.index(k), count=1)
-                for k in range(count):
-                    unit = first + k * NUM_PROGRAMS
-                    pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
-                    mbarrier.wait(tail_bar.index(k), tail_phase)
-                    if row0 < rows_per_rank:
-                        _sum_unit(ring, k, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,
-                                  WORLD, HAS_BIAS)  # fmt: skip
-                tail_phase ^= 1
+
+@gluon.jit
+def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
+          flags_offset, own_offset, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
+          NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TAIL_UNITS: gl.constexpr,
+          HAS_BIAS: gl.constexpr, PUSH: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """The tail's units (module docstring), by this program's WARPS warps once every partition is
+    done: TAIL_UNITS at a time in the stage ring, their flags waited for 32 * WARPS // W units a
+    round trip, every load in flight, each unit summed as it lands."""
+    UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
+    tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
+    units = tiles_m * tiles_n * (BLOCK_M // UNIT_ROWS)
+    RING_SHAPE: gl.constexpr = [TAIL_UNITS * WORLD, 1, UNIT_ROWS, BLOCK_N]
+    if NAMED_REINTERPRET:
+        ring = b_bufs.reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
+    else:
+        ring = b_bufs._reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
+    PER_WAIT: gl.constexpr = 32 * WARPS // WORLD
+    tail_phase = 0
+    first_unit = _tail_first(rows_per_rank, N, RANK, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
+    for first in range(first_unit, units, TAIL_UNITS * NUM_PROGRAMS):
+        count = gl.minimum(gl.cdiv(units - first, NUM_PROGRAMS), TAIL_UNITS)
+        # Every warp's reads of the ring's last units come before TMA overwrites them.
+        fence_async_shared()
+        partition_barrier()
+        for k0 in range(0, count, PER_WAIT):
+            _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS, gl.minimum(count - k0, PER_WAIT),
+                        tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
+                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip
+            for k in range(k0, gl.minimum(count, k0 + PER_WAIT)):
+                unit = first + k * NUM_PROGRAMS
+                pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
+                if row0 < rows_per_rank:
+                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)
+                else:  # no rows: its barrier completes this phase all the same
+                    mbarrier.arrive(tail_bar.index(k), count=1)
+        for k in range(count):
+            unit = first + k * NUM_PROGRAMS
+            pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
+            mbarrier.wait(tail_bar.index(k), tail_phase)
+            if row0 < rows_per_rank:
+                _sum_unit(ring, k, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om, WORLD,
+                          HAS_BIAS, WARPS)  # fmt: skip
+        tail_phase ^= 1
 
 
 @gluon.jit
@@ -514,8 +535,6 @@ def matmul_reduce_scatter_reducer_kernel(
     tail_bar = gl.allocate_shared_memory(gl.int64, [TAIL_BARRIERS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(TAIL_BARRIERS):
         mbarrier.init(tail_bar.index(b), count=1)
-    ring_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(ring_free.index(0), count=TILE_ARRIVALS)  # both consumers done
     # The consumers' stored peer tiles to the counter warp and back: a ring of two slots.
     stored = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     counted = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -526,19 +545,18 @@ def matmul_reduce_scatter_reducer_kernel(
     gl.warp_specialize(
         [
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
-                         b_bufs, c_bufs, ready, empty, stored, counted, ring_free.index(0), rows_per_rank, N, K,
-                         own_offset, first_step, last_step, scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS,
-                         NUM_PROGRAMS, B_KN, PUSH, SCALING, PRECISE_ACC)),
+                         b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
+                         last_step, scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
+                         SCALING, PRECISE_ACC)),
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
-                         b_bufs, c_bufs, ready, empty, stored, counted, ring_free.index(0), rows_per_rank, N, K,
-                         own_offset, first_step, last_step, scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS,
-                         NUM_PROGRAMS, B_KN, PUSH, SCALING, PRECISE_ACC)),
+                         b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
+                         last_step, scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
+                         SCALING, PRECISE_ACC)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
                        WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN)),
-            (_reducer, (units_desc, unit_bufs, unit_bar, b_bufs, ring_free.index(0), tail_bar, out_ptr, bias_ptr,
-                        buffer_ptrs, report_ptr, rows_per_rank, N, stride_om, flags_offset, own_offset, last_step,
-                        max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS,
-                        HAS_BIAS, PUSH)),
+            (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
+                        stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS,
+                        NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS, HAS_BIAS, PUSH)),
             (_counter, (buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first_step, last_step, RANK, WORLD,
                         BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, PUSH)),
         ],
@@ -549,8 +567,14 @@ def matmul_reduce_scatter_reducer_kernel(
         [232, 40, 48, 40],
     )  # fmt: skip
 
-    # Every partition of this program is done: the last program out resets the own-tile flags
-    # and the counter for the next launch.
+    # Every partition of this program is done: the tail, in the stage ring by all four warps here
+    # (one warp's sums were its critical path), then the last program out resets the own-tile
+    # flags and the counter for the next launch.
+    if TAIL_UNITS > 0:
+        if last_step == WORLD - 1:
+            _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
+                  flags_offset, own_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
+                  TAIL_UNITS, HAS_BIAS, PUSH, num_warps)  # fmt: skip
     tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
     done = own_flags + tiles_per_segment

@@ -17,9 +17,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from fluxtp.kernels._sync import RECORD_AND_TRAP_PTX
 
-# Triton 3.6's names; later releases call them async_load / async_store.
-tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
-tma_store = getattr(tma, "async_copy_shared_to_global", None) or tma.async_store
+# The names of later releases (Triton 3.9 keeps the old ones as stubs that raise); Triton 3.6's otherwise.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # Triton 3.6's name; later releases call it barrier. In a partition it syncs that partition's warps.
 partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # A view of shared memory as another dtype and shape: Triton 3.6 names it _reinterpret, later releases reinterpret.

@@ -9,9 +9,9 @@ the time of each event (EVENTS) into a table of int64 per (program, event) whose
 compiled in, launched as the GEMM-only mode launches the shipped kernel. The shipped kernel, the
 stamped copy and cuBLAS (torch._scaled_mm for FP8) are timed first, interleaved (what the stamps
 cost); then one stamped launch gives, per event, the min / median / max over programs of
-microseconds after the first program's consumer 0 started. Consumer stamps are consumer 0's, of
-its last tile; the reducer's are of its first UNITS units beside the MMAs and of its first UNITS
-tail units (the tail: reducer_tail_units).
+microseconds after the first program's consumer 0 started. Consumer stamps are consumer 0's
+(and consumer 1's last own half), of its last tile; the reducer's are of its first UNITS units
+beside the MMAs and of its first UNITS tail units (the tail: reducer_tail_units).
 """
 
 from __future__ import annotations
@@ -35,20 +35,25 @@ from reducer_parts import KERNEL, KERNEL_FILE, gemm_only_with, reducer_cases, re
 
 MAX_PROGRAMS = 256
 SLOTS = 64  # events per program
-UNITS = 5  # units stamped beside the MMAs (5 events each), and in the tail (2 each)
+UNITS = 5  # units stamped beside the MMAs (5 events each), and in the tail (3 each)
 UNIT_EVENTS = ("waited for", "next unit's flags seen", "rows landed", "summed", "next unit requested")
 EVENTS = {
     "consumer 0 starts": 30,
     "last K loop ends": 28,
     "last own half counted": 27,
+    "consumer 1: last own half counted": 59,
     "consumer 0 done": 29,
     "reducer starts": 0,
     "first units requested": 1,
     **{f"unit {j}: {what}": 2 + 5 * j + k for j in range(UNITS) for k, what in enumerate(UNIT_EVENTS)},
     "tail: every partition done": 56,
+    "tail: flags seen": 58,
     "tail: units requested": 57,
-    **{f"tail unit {k}: {what}": 32 + 4 * k + i for k in range(UNITS) for i, what in enumerate(("landed", "summed"))},
+    **{f"tail unit {k}: {what}": 32 + 4 * k + i for k in range(UNITS)
+       for what, i in (("requested", 2), ("landed", 0), ("summed", 1))},
     "program ends": 31,
+    "kernel entered": 60,
+    "kernel exits": 61,
 }
 
 
@@ -84,7 +89,12 @@ def _stamp(event):
         ("            buffer = (buffer + 1) % UNITS_IN_FLIGHT\n",
          f"            if nth < {UNITS}:\n                _stamp(6 + 5 * nth)\n            buffer = (buffer + 1) % UNITS_IN_FLIGHT\n"),
         ("    tail_phase = 0\n", "    _stamp(56)\n    tail_phase = 0\n"),
+        ("                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n",
+         "                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n            _stamp(58)\n"),
         ("        for k in range(count):\n", "        _stamp(57)\n        for k in range(count):\n"),
+        ("                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n",
+         "                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n"
+         f"                    if k < {UNITS}:\n                        _stamp(34 + 4 * k)\n"),
         ("            mbarrier.wait(tail_bar.index(k), tail_phase)\n",
          "            mbarrier.wait(tail_bar.index(k), tail_phase)\n"
          f"            if k < {UNITS}:\n                _stamp(32 + 4 * k)\n"),
@@ -94,10 +104,14 @@ def _stamp(event):
         ("            if SCALING != 0:\n                acc = _scale(",
          "            if C == 0:\n                _stamp(28)\n            if SCALING != 0:\n                acc = _scale("),
         ("                _count_own(own_flags + pid_m * tiles_n + pid_n)\n",
-         "                _count_own(own_flags + pid_m * tiles_n + pid_n)\n                if C == 0:\n                    _stamp(27)\n"),
+         "                _count_own(own_flags + pid_m * tiles_n + pid_n)\n                _stamp(27 + 32 * C)\n"),
         ("    if pending != 0:\n        handed = _hand_over_peer_half(stored, counted, handed)\n",
          "    if pending != 0:\n        handed = _hand_over_peer_half(stored, counted, handed)\n"
          "    if C == 0:\n        _stamp(29)\n"),
+        ("    a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)\n",
+         "    _stamp(60)\n    a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)\n"),
+        ("        gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n",
+         "        gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n    _stamp(61)\n"),
         ("    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags",
          "    _stamp(31)\n    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags"),
     ]

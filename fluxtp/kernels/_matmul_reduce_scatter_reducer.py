@@ -321,13 +321,28 @@ def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, BLOCK_M: gl.constexpr
 
 @gluon.jit
 def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
-    """TMA-load a unit's rows of the W slots into unit buffer `buffer` of bufs, completing `bar`:
-    bufs[buffer * W] the own slot's, [buffer * W + 1 + i] the i-th peer's (rank order; incoming slot i)."""
+    """TMA-load a unit's rows of the W slots into unit buffer `buffer` of bufs ([units * W, 1,
+    UNIT_ROWS, BLOCK_N]), completing `bar`: bufs[buffer * W + i] the i-th peer's (rank order;
+    incoming slot i), bufs[buffer * W + W - 1] the own slot's. With a box of W slots (push: the
+    incoming slots and then the own one, adjacent) in one copy, else slot by slot."""
+    BOX: gl.constexpr = units_desc.block_type.shape[0]
+    UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = units_desc.block_type.shape[2]
     fence_async_shared()  # this warp's reads of the buffer's last unit come before TMA overwrites them
-    mbarrier.expect(bar, WORLD * units_desc.block_type.nbytes)
-    tma_load(units_desc, [_own_slot(PUSH, WORLD), row0, col0], bar, bufs.index(buffer * WORLD))
-    for i in gl.static_range(WORLD - 1):
-        tma_load(units_desc, [i, row0, col0], bar, bufs.index(buffer * WORLD + 1 + i))
+    mbarrier.expect(bar, (WORLD // BOX) * units_desc.block_type.nbytes)
+    if BOX == WORLD:
+        gl.static_assert(PUSH)
+        UNITS_SHAPE: gl.constexpr = [bufs.type.shape[0] // WORLD, WORLD, UNIT_ROWS, BLOCK_N]
+        if NAMED_REINTERPRET:
+            units = bufs.reinterpret(units_desc.dtype, UNITS_SHAPE, units_desc.layout)
+        else:
+            units = bufs._reinterpret(units_desc.dtype, UNITS_SHAPE, units_desc.layout)
+        tma_load(units_desc, [0, row0, col0], bar, units.index(buffer))
+    else:
+        gl.static_assert(BOX == 1)
+        tma_load(units_desc, [_own_slot(PUSH, WORLD), row0, col0], bar, bufs.index(buffer * WORLD + WORLD - 1))
+        for i in gl.static_range(WORLD - 1):
+            tma_load(units_desc, [i, row0, col0], bar, bufs.index(buffer * WORLD + i))
 
 
 @gluon.jit
@@ -347,8 +362,8 @@ def _sum_unit(bufs, buffer, out_ptr, bias_ptr, row0, col0, rows_per_rank, N, str
         for c in gl.static_range(BLOCK_N // WIDTH):
             cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
             acc = gl.zeros((WARPS, WIDTH), gl.float32, layout=layout)
-            for i in gl.static_range(WORLD):  # own, then the peers in rank order
-                rows = bufs.index(buffer * WORLD + i).reshape([UNIT_ROWS, BLOCK_N])
+            for i in gl.static_range(WORLD):  # own (position W - 1), then the peers in rank order
+                rows = bufs.index(buffer * WORLD + (i + WORLD - 1) % WORLD).reshape([UNIT_ROWS, BLOCK_N])
                 acc += rows.slice(r, WARPS).slice(c * WIDTH, WIDTH, dim=1).load(layout).to(gl.float32)
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
@@ -493,7 +508,7 @@ def matmul_reduce_scatter_reducer_kernel(
     report_ptr,  # int32 [3]: where a timed-out wait records (rank waited for, tile, this rank)
     own_offset,  # bytes from this rank's buffer base to its own-tile flags (module docstring)
     slots_desc,  # over this rank's slots [S, m, N] (2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the stores)
-    units_desc,  # over the same slots, block [1, unit rows, BLOCK_N], unswizzled (the reducer's loads)
+    units_desc,  # over the same slots, block [W (push) or 1, unit rows, BLOCK_N], unswizzled (the reducer's loads)
     slots0,  # push: as slots_desc over rank 0's slots as this GPU sees them, ... (unused past W: any descriptor)
     slots1,
     slots2,

@@ -170,6 +170,13 @@ def reducer_unit_rows(block_n: int, world: int, partial_size: int) -> int:
     return min(1 << (rows.bit_length() - 1), 8)
 
 
+def reducer_unit_box(world: int, transport: str) -> int:
+    """Slots the reducer kernel's reduction unit loads with one TMA copy: push, all W (the W-1
+    incoming slots and the own one are adjacent); the copy engine, one (its own slot follows the
+    outgoing ones). A copy per slot cost 0.4 us of issue a unit (docs/perf-log.md)."""
+    return world if transport == "push" else 1
+
+
 def reducer_units_in_flight(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int) -> int:
     """Reduction units whose rows the reducer warp has in flight at once: as many as shared memory
     holds beside the tiling (reducer_smem_bytes), up to MAX_REDUCER_UNITS_IN_FLIGHT; 0 where not
@@ -367,7 +374,8 @@ class _Kernel:
         slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
         stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
         unit_rows = reducer_unit_rows(config.block_n, world, part.itemsize)
-        loads = DescriptorLayout(slots[rank], [1, unit_rows, config.block_n], gluon=True, swizzled=False)
+        box = reducer_unit_box(world, config.transport)
+        loads = DescriptorLayout(slots[rank], [box, unit_rows, config.block_n], gluon=True, swizzled=False)
         units_in_flight = reducer_units_in_flight(config, world, x.element_size(), part.itemsize)
         tail_units = reducer_tail_units(config, world, x.element_size(), part.itemsize)
         # Push: a store descriptor over every rank's slots (the copy engine's never reads them).

@@ -92,8 +92,7 @@ def _stamp(event):
         ("                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n",
          "                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n            _stamp(58)\n"),
         ("        for k in range(count):\n", "        _stamp(57)\n        for k in range(count):\n"),
-        ("                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n",
-         "                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n"
+        ("BLOCK_N, WORLD, PUSH, False)\n", "BLOCK_N, WORLD, PUSH, False)\n"
          f"                    if k < {UNITS}:\n                        _stamp(34 + 4 * k)\n"),
         ("            mbarrier.wait(tail_bar.index(k), tail_phase)\n",
          "            mbarrier.wait(tail_bar.index(k), tail_phase)\n"
@@ -113,7 +112,8 @@ def _stamp(event):
         ("        gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n",
          "        gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n    _stamp(61)\n"),
         ("    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags",
-         "    _stamp(31)\n    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags"),
+         "    _stamp(31)\n"
+         "    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags"),
     ]
 
 

@@ -14,6 +14,7 @@ from fluxtp.backends.fused._matmul_reduce_scatter import (
     reducer_band_rows,
     reducer_smem_bytes,
     reducer_tail_units,
+    reducer_unit_box,
     reducer_unit_rows,
     reducer_units_in_flight,
     reducer_unsupported,
@@ -120,3 +121,13 @@ def test_a_tiling_with_no_room_for_a_unit_is_refused():
                                      transport="copy_engine")  # fmt: skip
     assert reducer_units_in_flight(deep, 8, 2, 2) == 0
     assert "shared memory" in reducer_unsupported(deep, 8192, 8, 2, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_push_unit_loads_its_adjacent_slots_in_one_copy(world):
+    """Push: the W-1 incoming slots and the own one are slots 0..W-1, so one TMA box of W slots
+    (at most 256 a dimension) loads a unit; the copy engine's own slot follows its outgoing ones."""
+    config = MatmulReduceScatterConfig(warp_specialized=True, transport="push")
+    layout = Layout.of(512, 1024, 2, world, config, own_region=True)
+    assert layout.slots == world and reducer_unit_box(world, "push") == world <= 256
+    assert reducer_unit_box(world, "copy_engine") == 1

@@ -278,7 +278,8 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
 @gluon.jit
 def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, tiles_m, tiles_n, flags_offset, max_spins,
                 RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr,
+                WARPS: gl.constexpr = 1):  # fmt: skip
     """Until, for each of the `count` (at most 32 * WARPS // W) units first_unit, first_unit +
     NUM_PROGRAMS, ..., this rank's own partial of its tile and every peer's band of it have arrived
     (acquire; every flag read at once by the calling WARPS warps, thread k * W + r for unit k and
@@ -320,15 +321,18 @@ def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
+def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr,
+                FENCE: gl.constexpr = True):  # fmt: skip
     """TMA-load a unit's rows of the W slots into unit buffer `buffer` of bufs ([units * W, 1,
     UNIT_ROWS, BLOCK_N]), completing `bar`: bufs[buffer * W + i] the i-th peer's (rank order;
     incoming slot i), bufs[buffer * W + W - 1] the own slot's. With a box of W slots (push: the
-    incoming slots and then the own one, adjacent) in one copy, else slot by slot."""
+    incoming slots and then the own one, adjacent) in one copy, else slot by slot. FENCE=False:
+    the caller has ordered its reads of the buffer before TMA's writes (fence and barrier)."""
     BOX: gl.constexpr = units_desc.block_type.shape[0]
     UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = units_desc.block_type.shape[2]
-    fence_async_shared()  # this warp's reads of the buffer's last unit come before TMA overwrites them
+    if FENCE:
+        fence_async_shared()  # this warp's reads of the buffer's last unit come before TMA overwrites them
     mbarrier.expect(bar, (WORLD // BOX) * units_desc.block_type.nbytes)
     if BOX == WORLD:
         gl.static_assert(PUSH)
@@ -347,7 +351,7 @@ def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, 
 
 @gluon.jit
 def _sum_unit(bufs, buffer, out_ptr, bias_ptr, row0, col0, rows_per_rank, N, stride_om, WORLD: gl.constexpr,
-              HAS_BIAS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+              HAS_BIAS: gl.constexpr, WARPS: gl.constexpr = 1):  # fmt: skip
     """out's rows row0.. (columns col0..) = the sum, in float32, of unit buffer `buffer` of bufs
     (its own slot's rows, then the peers' in rank order: deterministic) and the bias, rounded
     once; WARPS rows at a time, a row per calling warp."""
@@ -416,7 +420,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             if (unit < tail_first) & (row0 < rows_per_rank):
                 _wait_units(buffer_ptrs, own_flags, report_ptr, unit, 1, tiles_m, tiles_n, flags_offset, max_spins,
-                            RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, 1)  # fmt: skip
+                            RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)
         phases = 0  # bit b: the phase buffer b's barrier completes next
         buffer = 0
@@ -428,16 +432,16 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
             if UNITS_IN_FLIGHT == 1:
                 if next_valid:
                     _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
-                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, 1)  # fmt: skip
+                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
                 phases ^= 1 << buffer
                 _sum_unit(unit_bufs, buffer, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,
-                          WORLD, HAS_BIAS, 1)  # fmt: skip
+                          WORLD, HAS_BIAS)  # fmt: skip
             if next_valid:
                 if UNITS_IN_FLIGHT > 1:
                     _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
-                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, 1)  # fmt: skip
+                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,
                             PUSH)  # fmt: skip
             buffer = (buffer + 1) % UNITS_IN_FLIGHT
@@ -477,7 +481,7 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
                 unit = first + k * NUM_PROGRAMS
                 pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
                 if row0 < rows_per_rank:
-                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)
+                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH, False)
                 else:  # no rows: its barrier completes this phase all the same
                     mbarrier.arrive(tail_bar.index(k), count=1)
         for k in range(count):

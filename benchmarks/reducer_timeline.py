@@ -92,7 +92,8 @@ def _stamp(event):
         ("                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n",
          "                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n            _stamp(58)\n"),
         ("        for k in range(count):\n", "        _stamp(57)\n        for k in range(count):\n"),
-        ("BLOCK_N, WORLD, PUSH, False)\n", "BLOCK_N, WORLD, PUSH, False)\n"
+        ("tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n",
+         "tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n"
          f"                    if k < {UNITS}:\n                        _stamp(34 + 4 * k)\n"),
         ("            mbarrier.wait(tail_bar.index(k), tail_phase)\n",
          "            mbarrier.wait(tail_bar.index(k), tail_phase)\n"

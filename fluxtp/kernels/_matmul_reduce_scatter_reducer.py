@@ -321,18 +321,15 @@ def _unit(unit, tiles_m, tiles_n, BAND_ROWS: gl.constexpr, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr,
-                FENCE: gl.constexpr = True):  # fmt: skip
+def _issue_unit(units_desc, bufs, buffer, bar, row0, col0, WORLD: gl.constexpr, PUSH: gl.constexpr):
     """TMA-load a unit's rows of the W slots into unit buffer `buffer` of bufs ([units * W, 1,
     UNIT_ROWS, BLOCK_N]), completing `bar`: bufs[buffer * W + i] the i-th peer's (rank order;
     incoming slot i), bufs[buffer * W + W - 1] the own slot's. With a box of W slots (push: the
-    incoming slots and then the own one, adjacent) in one copy, else slot by slot. FENCE=False:
-    the caller has ordered its reads of the buffer before TMA's writes (fence and barrier)."""
+    incoming slots and then the own one, adjacent) in one copy, else slot by slot."""
     BOX: gl.constexpr = units_desc.block_type.shape[0]
     UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = units_desc.block_type.shape[2]
-    if FENCE:
-        fence_async_shared()  # this warp's reads of the buffer's last unit come before TMA overwrites them
+    fence_async_shared()  # this warp's reads of the buffer's last unit come before TMA overwrites them
     mbarrier.expect(bar, (WORLD // BOX) * units_desc.block_type.nbytes)
     if BOX == WORLD:
         gl.static_assert(PUSH)
@@ -470,9 +467,7 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
     first_unit = _tail_first(rows_per_rank, N, RANK, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
     for first in range(first_unit, units, TAIL_UNITS * NUM_PROGRAMS):
         count = gl.minimum(gl.cdiv(units - first, NUM_PROGRAMS), TAIL_UNITS)
-        # Every warp's reads of the ring's last units come before TMA overwrites them.
-        fence_async_shared()
-        partition_barrier()
+        partition_barrier()  # every warp is done reading the ring's last units before TMA overwrites them
         for k0 in range(0, count, PER_WAIT):
             _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS, gl.minimum(count - k0, PER_WAIT),
                         tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
@@ -481,7 +476,7 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
                 unit = first + k * NUM_PROGRAMS
                 pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
                 if row0 < rows_per_rank:
-                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH, False)
+                    _issue_unit(units_desc, ring, k, tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)
                 else:  # no rows: its barrier completes this phase all the same
                     mbarrier.arrive(tail_bar.index(k), count=1)
         for k in range(count):

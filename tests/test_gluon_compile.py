@@ -1,0 +1,121 @@
+"""The warp-specialized (Gluon, Hopper) kernels compile for sm_90 without a GPU, launched as the
+ops launch them: a kernel change that Gluon or ptxas rejects fails here on CPU, before device
+time. Each case captures the Launch its op's GEMM-only mode makes (CPU tensors, 132 SMs), then
+compiles it offline (Triton's GluonASTSource with an explicit target) and checks that its shared
+memory fits what the launcher's model allows.
+
+Skipped where this Triton cannot compile Gluon offline (GluonASTSource arrived after 3.6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+if not hasattr(_runtime, "GluonASTSource"):
+    pytest.skip("this Triton compiles Gluon only through a GPU driver", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
+
+from fluxtp._dist import GroupInfo  # noqa: E402
+from fluxtp.backends.fused import _all_gather_matmul as ag  # noqa: E402
+from fluxtp.backends.fused import _launch, _scaled  # noqa: E402
+from fluxtp.backends.fused import _matmul_reduce_scatter as rs  # noqa: E402
+from fluxtp.configs import SMEM_LIMIT_BYTES, AllGatherMatmulConfig, MatmulReduceScatterConfig  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SMS = 132
+
+
+@pytest.fixture
+def captured_launch(monkeypatch):
+    """The ops' GEMM-only modes on CPU tensors as on a 132-SM Hopper: each launch recorded, not run."""
+    launches = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *args: launches.append((self, args)))
+    monkeypatch.setattr(_scaled, "pingpong_unsupported", lambda *args, **kwargs: None)
+    monkeypatch.setattr(rs, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(ag, "num_sms", lambda device: SMS)
+    return launches
+
+
+def _type_of(arg) -> str:
+    if isinstance(arg, torch.Tensor):
+        return "*" + triton._utils.canonicalize_dtype(arg.dtype)
+    if isinstance(arg, GluonTensorDescriptor):
+        return arg.__mangle__()
+    if arg is None:
+        return "constexpr"
+    if isinstance(arg, int):
+        return "i32" if -(2**31) <= arg < 2**31 else "i64"
+    raise TypeError(f"no Triton type for {type(arg).__name__}")
+
+
+def _compile(launch: _launch.Launch, args: tuple):
+    """The launch's kernel compiled for HOPPER with its arguments' types and constexprs."""
+    kernel = launch.kernel
+    names = kernel.arg_names
+    signature = {name: _type_of(arg) for name, arg in zip(names, args)}
+    constexprs = {name: None for name, kind in signature.items() if kind == "constexpr"}
+    options = {}
+    for name, value in launch.constexprs.items():
+        if name in names:
+            signature[name], constexprs[name] = "constexpr", value
+        if name not in names or name == "num_warps":
+            options[name] = value
+    source = _runtime.GluonASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=HOPPER, options=options)
+
+
+def _inputs(m: int, n: int, k: int, fp8: bool):
+    torch.manual_seed(0)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    if not fp8:
+        return x.to(torch.bfloat16), w.to(torch.bfloat16), {}
+    scales = (torch.rand(m, 1) + 0.5, torch.rand(1, n) + 0.5)
+    return x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), {"scales": scales}
+
+
+REDUCER = MatmulReduceScatterConfig(warp_specialized=True)
+
+
+@pytest.mark.parametrize(
+    "world, m, n, k, fp8, transport",
+    [
+        (8, 1024, 4096, 1792, False, "push"),  # a tail after the join; one copy a unit
+        (4, 2048, 4096, 3584, False, "copy_engine"),  # a copy a slot
+        (8, 4096, 4096, 1792, True, "push"),  # FP8 precise: two units in flight
+    ],
+)
+def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k, fp8, transport):
+    x, w, scaled = _inputs(m, n, k, fp8)
+    fp8_call = _scaled.Scaled.of(*scaled["scales"], torch.bfloat16, False) if fp8 else None
+    config = dataclasses.replace(REDUCER, transport=transport)
+    if fp8:
+        config = dataclasses.replace(rs._config_for(x, w, world, None, fp8_call), transport=transport)
+        assert config.warp_specialized
+    rs.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
+    launch, args = captured_launch[-1]
+    assert launch.kernel.__name__ == "matmul_reduce_scatter_reducer_kernel"
+    compiled = _compile(launch, args)
+    part = rs.partial_dtype(x, fp8_call)
+    modelled = rs.reducer_smem_bytes(config, world, x.element_size(), part.itemsize,
+                                     launch.constexprs["UNITS_IN_FLIGHT"])  # fmt: skip
+    assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("world, fp8", [(8, False), (4, True)])
+def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, world, fp8):
+    x, w, scaled = _inputs(256, 3584, 4096, fp8)
+    config = AllGatherMatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
+    if fp8:
+        config = None  # its heuristic's tiling
+    ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
+    launch, args = captured_launch[-1]
+    assert launch.kernel.__name__ == "all_gather_matmul_pingpong_kernel"
+    compiled = _compile(launch, args)
+    assert compiled.metadata.shared <= SMEM_LIMIT_BYTES

@@ -20,7 +20,9 @@ from fluxtp.backends.fused._matmul_reduce_scatter import (
     reducer_unsupported,
 )
 from fluxtp.configs import SMEM_LIMIT_BYTES, MatmulReduceScatterConfig
-from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
+from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING, reducer_fp8_tiling
+
+FIVE_STAGES = reducer_fp8_tiling(True, 2, 1024, 4096)
 
 
 def _grouped(j, tiles_m, tiles_n, group):
@@ -85,6 +87,7 @@ def test_the_reducer_kernel_counts_finer_bands():
     [
         ({"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3}, 2, 2),  # bf16 / fp16 (on_reducer_kernel)
         (WARP_SPECIALIZED_FP8_TILING, 1, 2),  # FP8 precise, bf16 out
+        (FIVE_STAGES, 1, 2),  # FP8 precise, bf16 out, a small GEMM (reducer_fp8_tiling)
         (WARP_SPECIALIZED_FP8_TILING, 1, 4),  # FP8 precise, float32 out
         (WARP_SPECIALIZED_FP8_FAST_TILING, 1, 2),  # FP8 fast, bf16 out
     ],
@@ -105,7 +108,8 @@ def test_the_reducer_units_grow_within_their_bytes_and_the_tilings_still_fit(wor
     assert reducer_smem_bytes(config, world, itemsize, partial_size, in_flight) <= SMEM_LIMIT_BYTES
     if in_flight < MAX_REDUCER_UNITS_IN_FLIGHT:
         assert reducer_smem_bytes(config, world, itemsize, partial_size, in_flight + 1) > SMEM_LIMIT_BYTES
-    if tiling is WARP_SPECIALIZED_FP8_TILING:  # the narrow FP8 tiling has room: the reducer is its critical path
+    if tiling in (WARP_SPECIALIZED_FP8_TILING, FIVE_STAGES) and partial_size == 2:
+        # the narrow FP8 tiling has room, its fifth stage too: the reducer is its critical path
         assert in_flight >= 2
     # One unit at a time, the tail's units go through the weight stages instead, as many as they hold.
     tail = reducer_tail_units(config, world, itemsize, partial_size)

@@ -1079,15 +1079,18 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     # from REDUCER_MIN_WORK_FP8 (llama3-8b's at 4096 tokens: 32 x 16 x 56 = 28672; at 2048 half that).
     fp8 = MatmulReduceScatterConfig.heuristic_fp8(4096, 4096, 3584, 4, True)
     fp8_reducer = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
+    five_stages = dataclasses.replace(fp8_reducer, num_stages=5)  # precise, bf16 slots, at most 1024 tiles
     assert 14336 < REDUCER_MIN_WORK_FP8 <= 28672
-    assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, True) == fp8_reducer
+    assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, True) == five_stages  # 32 x 32 tiles of 128 x 128
+    assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True) == fp8_reducer
     assert fp8.on_reducer_kernel(4, 2048, 4096, 3584, True) == fp8
     assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, False) == fp8  # fast at TP=4: not measured ahead
     # Fast accumulation into a 2-byte output takes the wide tiling its slots leave room for.
     fp8_wide = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_FAST_TILING, warp_specialized=True)
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False) == fp8_wide
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False, out_bytes=4) == fp8_reducer
-    assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, True) == fp8_reducer
+    assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, True) == five_stages
+    assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, True, out_bytes=4) == fp8_reducer
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 2) is None
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 4)
     assert fp8.on_reducer_kernel(2, 16384, 8192, 14336, True) == fp8

@@ -59,11 +59,24 @@ WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "
 WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 4, "num_stages": 3}
 
 
-def reducer_fp8_tiling(precise_acc: bool, out_bytes: int) -> dict:
-    """The reduce-scatter's reducer kernel's FP8 tiling: the wide one where a fast accumulation's
-    2-byte slots leave it room (one H100, TP=8: 0.76-0.93x the narrow tiling's time), else the
-    narrow one (precise accumulation's promotion buffer, or float32 slots)."""
-    return WARP_SPECIALIZED_FP8_FAST_TILING if not precise_acc and out_bytes <= 2 else WARP_SPECIALIZED_FP8_TILING
+# The precise reducer kernel's fifth stage, in GEMMs of at most this many 128x128 tiles (about 8 a
+# program): one H100 took 0.90-1.04x four stages' time there, 0.967 in geomean over 19 cases at TP 4
+# and 8; 0.97-1.12x on larger GEMMs (docs/perf-log.md).
+REDUCER_FP8_FIVE_STAGES_MAX_TILES = 1024
+
+
+def reducer_fp8_tiling(precise_acc: bool, out_bytes: int, m_total: int, n: int) -> dict:
+    """The reduce-scatter's reducer kernel's FP8 tiling for an [m_total, n] output: the wide one
+    where a fast accumulation's 2-byte slots leave it room (one H100, TP=8: 0.76-0.93x the narrow
+    tiling's time), else the narrow one (precise accumulation's promotion buffer, or float32
+    slots), with a fifth stage beside 2-byte slots in small GEMMs (REDUCER_FP8_FIVE_STAGES_MAX_TILES)."""
+    if out_bytes > 2:
+        return WARP_SPECIALIZED_FP8_TILING
+    if not precise_acc:
+        return WARP_SPECIALIZED_FP8_FAST_TILING
+    if cdiv(m_total, 128) * cdiv(n, 128) <= REDUCER_FP8_FIVE_STAGES_MAX_TILES:
+        return {**WARP_SPECIALIZED_FP8_TILING, "num_stages": 5}
+    return WARP_SPECIALIZED_FP8_TILING
 
 
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
@@ -227,7 +240,7 @@ class MatmulReduceScatterConfig(GemmTiling):
                              out_bytes: int = 2) -> MatmulReduceScatterConfig:  # fmt: skip
         """The warp-specialized (reducer) kernel's FP8 config, with heuristic()'s transport rule (a
         call takes it by itself where on_reducer_kernel says)."""
-        tiling = reducer_fp8_tiling(precise_acc, out_bytes)
+        tiling = reducer_fp8_tiling(precise_acc, out_bytes, m_total, n)
         config = MatmulReduceScatterConfig(**tiling, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
 
@@ -250,7 +263,8 @@ class MatmulReduceScatterConfig(GemmTiling):
         if fp8_precise is not None:
             if world < REDUCER_WORLD and (not fp8_precise or work < REDUCER_MIN_WORK_FP8):
                 return self
-            return dataclasses.replace(self, **reducer_fp8_tiling(fp8_precise, out_bytes), warp_specialized=True)
+            tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n)
+            return dataclasses.replace(self, **tiling, warp_specialized=True)
         if world < REDUCER_WORLD and work < REDUCER_MIN_WORK:
             return self
         return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)

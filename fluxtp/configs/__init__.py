@@ -11,7 +11,6 @@ from fluxtp.configs._classes import (
     HOPPER_SMS,
     MIN_COPY_ENGINE_TILES,
     REDUCER_MIN_WORK,
-    REDUCER_MIN_WORK_FP8,
     SMEM_LIMIT_BYTES,
     SMEM_RESERVE_BYTES,
     TRANSPORTS,
@@ -46,8 +45,8 @@ from fluxtp.configs._table import (
 )
 
 __all__ = [
-    "FUSED_OPS", "GEMM_ONLY_MODE", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK", "REDUCER_MIN_WORK_FP8",
-    "SMEM_LIMIT_BYTES", "SMEM_RESERVE_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
+    "FUSED_OPS", "GEMM_ONLY_MODE", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK", "SMEM_LIMIT_BYTES",
+    "SMEM_RESERVE_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
     "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig", "MatmulReduceScatterConfig", "candidates", "cdiv",
     "choose", "config_class", "describe", "fits", "heuristic", "load", "m_bucket", "measured_verdict", "narrow_tiles_win", "reload",
     "search_space", "smem_bytes", "tuned_config", "weight_layout_of",

@@ -184,13 +184,12 @@ MAX_COPY_ENGINE_WORLD = 2
 
 
 # Push and copy-engine reduce-scatters run on the reducer kernel from REDUCER_WORLD ranks on, and
-# from REDUCER_MIN_WORLD on where the GEMM has REDUCER_MIN_WORK (bf16 / fp16) or
-# REDUCER_MIN_WORK_FP8 (FP8, precise accumulation) units of 128x256x64 multiply-adds or more: below
-# that at TP=4 its reduction's tail outweighs what it saves (MatmulReduceScatterConfig.on_reducer_kernel).
+# from REDUCER_MIN_WORLD on FP8 ones with precise accumulation and bf16 / fp16 ones where the GEMM
+# has REDUCER_MIN_WORK units of 128x256x64 multiply-adds or more: below that at TP=4 its
+# reduction's tail outweighs what it saves (MatmulReduceScatterConfig.on_reducer_kernel).
 REDUCER_WORLD = 8
 REDUCER_MIN_WORLD = 4
 REDUCER_MIN_WORK = 20_000
-REDUCER_MIN_WORK_FP8 = 20_000
 
 
 @dataclass(frozen=True)
@@ -252,16 +251,17 @@ class MatmulReduceScatterConfig(GemmTiling):
         REDUCER_MIN_WORLD on for GEMMs of REDUCER_MIN_WORK tile K-blocks or more (one H100,
         GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
         TP=8, 0.90-1.02x at TP=4 from 57k blocks; since its tail loads together, 0.97x at 28k blocks
-        and 1.02-1.05x at 14k and 7k; docs/perf-log.md), in
-        128x256x64 tiles and 3 stages (its shared memory holds no more). A scaled call (fp8_precise:
-        its accumulation; out_bytes: its slots') in reducer_fp8_tiling: at TP>=8, and at TP=4 with
-        precise accumulation from REDUCER_MIN_WORK_FP8 (one H100: 0.62-0.89x the Triton kernel's
-        time at TP=8 precise, 0.74-1.04 fast; 0.85-0.95 at TP=4 above the bound, 1.07-1.14 below)."""
+        and 1.02-1.05x at 14k and 7k, and 1.00-1.04x at 14k and 7k after its tail went to four
+        warps; docs/perf-log.md), in 128x256x64 tiles and 3 stages (its shared memory holds no
+        more). A scaled call (fp8_precise: its accumulation; out_bytes: its slots') in
+        reducer_fp8_tiling: at TP>=8, and at TP=4 with precise accumulation (one H100: 0.62-0.89x
+        the Triton kernel's time at TP=8 precise, 0.74-1.04 fast; at TP=4 0.85-0.95 from 20k
+        blocks, 0.90-0.98 below since the fifth stage)."""
         if self.warp_specialized or world < REDUCER_MIN_WORLD or self.transport == "pull":
             return self
         work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
         if fp8_precise is not None:
-            if world < REDUCER_WORLD and (not fp8_precise or work < REDUCER_MIN_WORK_FP8):
+            if world < REDUCER_WORLD and not fp8_precise:
                 return self
             tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n)
             return dataclasses.replace(self, **tiling, warp_specialized=True)

@@ -115,6 +115,16 @@ def _own_slot(PUSH: gl.constexpr, WORLD: gl.constexpr):
 
 
 @gluon.jit
+def _peer_slot(owner, RANK: gl.constexpr, WORLD: gl.constexpr, PUSH: gl.constexpr):
+    """The slot of this rank's partial of a peer owner's rows: its incoming slot at the owner
+    (push), or its outgoing slot here (copy engine: after the W-1 incoming ones)."""
+    if PUSH:
+        return RANK - (owner < RANK).to(gl.int32)
+    else:
+        return (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
+
+
+@gluon.jit
 def _count_own(counter):
     """Count an own half in once its TMA store has completed: every thread of the partition is
     past the wait, then one release at scope gpu (this GPU's reducers read it)."""
@@ -141,13 +151,9 @@ def _band_counter(buffer_ptrs, owner, pid_m, flags_offset, bands, RANK: gl.const
                   BAND_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """The counter of a peer tile's band: at the owner, of this rank's incoming slot there (push),
     or here, of the outgoing slot (copy engine: after the W-1 incoming flags)."""
-    if PUSH:
-        flags = (gl.load(buffer_ptrs + owner) + flags_offset).to(gl.pointer_type(gl.int32))
-        slot = RANK - (owner < RANK).to(gl.int32)
-    else:
-        flags = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32))
-        slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
-    return flags + slot * bands + pid_m // BAND_ROWS
+    holder = owner if PUSH else RANK
+    flags = (gl.load(buffer_ptrs + holder) + flags_offset).to(gl.pointer_type(gl.int32))
+    return flags + _peer_slot(owner, RANK, WORLD, PUSH) * bands + pid_m // BAND_ROWS
 
 
 @gluon.jit
@@ -251,10 +257,8 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
             row = pid_m * BLOCK_M + C * HALF
             if owner == RANK:
                 slot = owner * 0 + _own_slot(PUSH, WORLD)
-            elif PUSH:  # this rank's incoming slot at the owner
-                slot = RANK - (owner < RANK).to(gl.int32)
-            else:  # this rank's outgoing slots follow its W-1 incoming ones
-                slot = (WORLD - 1) + owner - (owner > RANK).to(gl.int32)
+            else:
+                slot = _peer_slot(owner, RANK, WORLD, PUSH)
             tma.store_wait(pendings=0)  # c_smem is free again
             c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
             fence_async_shared()

@@ -25,10 +25,11 @@ use_fast_accum as --fast-accum, as the fused kernel's); `plain` has no FP8 form 
 `--vary FIELD` adds `fused_<FIELD>=<value>`: the fused GEMM-only mode with that boolean field of
 the config negated (an A/B of one knob, interleaved with the rest); `--vary FIELD=INT` (or
 `=true`/`=false`) sets a field instead (e.g. `num_stages=4`), `--vary A=1,B=true` several at
-once; repeat it for more variants. Every output is checked
-against cuBLAS's before timing, and each varied kernel's bitwise against the fused one's (so only
-knobs that keep the order of the sums can be varied, unless --any-bits). The table ends with
-fused/cuBLAS per op and TP degree: geometric mean and worst case.
+once; repeat it for more variants (a case that cannot run a variant, e.g. for shared memory,
+shows "-" and the reason). Every output is checked against cuBLAS's before timing, and each
+varied kernel's bitwise against the fused one's (so only knobs that keep the order of the sums
+can be varied, unless --any-bits). The table ends with fused/cuBLAS per op and TP degree:
+geometric mean and worst case.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from tabulate import tabulate
 from tqdm import tqdm
 
@@ -164,8 +166,10 @@ def _fp8_runs(case: GemmCase, fast: bool):
 
 def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: bool = False, fast_accum: bool = False,
                   any_bits: bool = False):  # fmt: skip
-    """The variants of one case, each output checked against cuBLAS's (and each varied one against
-    the fused kernel's bits, unless any_bits), and the config used."""
+    """(the variants of one case, the config used, {varied label: why it cannot run here}): each
+    output checked against cuBLAS's (and each varied one against the fused kernel's bits, unless
+    any_bits); a varied config that does not fit this case (shared memory, a kernel's refusal) is
+    left out with its reason, not the run."""
     scales = None
     if case.fp8:
         runs, x, weight, config, scales = _fp8_runs(case, fast_accum)
@@ -190,16 +194,21 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
     for name, run in runs.items():
         check_close(name, run(), expected_rows(case, ref) if name == "fused" else ref)
     variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
+    skipped = {}
     for spec in vary:
         changes = varied_fields(config, spec)
         label = ",".join(f"{name}={value}" for name, value in changes.items())
-        varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales, fast_accum)
-        out = varied()
+        try:
+            varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales, fast_accum)
+            out = varied()
+        except (OutOfResources, ValueError) as error:
+            skipped[label] = f"{type(error).__name__}: {error}"
+            continue
         check_close(label, out, expected_rows(case, ref))
         if not any_bits and not torch.equal(out, fused()):
             raise AssertionError(f"{case.label()}: {label} changes the fused kernel's output bits")
         variants.append(Variant(f"fused_{label}", (graphed(varied),)))
-    return variants, config
+    return variants, config, skipped
 
 
 def varied_fields(config, spec: str) -> dict:
@@ -219,8 +228,10 @@ def varied_fields(config, spec: str) -> dict:
     return changes
 
 
-def varied_keys(row: dict) -> list[str]:
-    return [key for key in row if key.startswith("fused_") and key.endswith("_vs_fused")]
+def varied_keys(rows: list[dict]) -> list[str]:
+    """The varied variants' ratio keys over all rows, in first-seen order (a row lacks those it skipped)."""
+    keys = (key for row in rows for key in row if key.startswith("fused_") and key.endswith("_vs_fused"))
+    return list(dict.fromkeys(keys))
 
 
 def gpu_state() -> str:
@@ -262,7 +273,8 @@ def main() -> None:
     print("GPU before:", gpu_state())
     rows = []
     for case in tqdm(todo, unit="case", mininterval=10):
-        variants, config = case_variants(case, tuple(args.vary), args.pointer_epilogue, args.fast_accum, args.any_bits)
+        variants, config, skipped = case_variants(case, tuple(args.vary), args.pointer_epilogue, args.fast_accum,
+                                                  args.any_bits)  # fmt: skip
         timings = measure_rounds(variants, protocol, GroupInfo(None, 0, 1), device)
         ms = {name: round(t, 4) for name, t in timings.ms.items()}
 
@@ -278,7 +290,7 @@ def main() -> None:
             **dataclasses.asdict(case), "ms": ms, **({"fast_accum": args.fast_accum} if case.fp8 else {}),
             **ratio("fused", "cublas"), **plain, **pointer,
             **{key: v for name in ms if name.startswith("fused_") for key, v in ratio(name, "fused").items()},
-            "config": dataclasses.asdict(config),
+            "config": dataclasses.asdict(config), **({"skipped_variants": skipped} if skipped else {}),
         })
         del variants
         torch.cuda.empty_cache()
@@ -288,6 +300,9 @@ def main() -> None:
           "(above 1: slower than the reference)")
     print(format_table(rows))
     print(format_summary(rows))
+    for r in rows:
+        for label, why in r.get("skipped_variants", {}).items():
+            print(f"not run: {GemmCase(**{f: r[f] for f in GemmCase.__dataclass_fields__}).label()} {label}: {why}")
     if args.out:
         worlds = sorted({r["world"] for r in rows})
         data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=worlds[0] if len(worlds) == 1 else 0,
@@ -297,10 +312,12 @@ def main() -> None:
 
 def format_table(rows: list[dict]) -> str:
     def spread(r, key):
+        if key not in r:  # a varied config this case could not run (its row's skipped_variants)
+            return "-"
         low, high = r[key + "_iqr"]
         return f"{r[key]:.3f} ({low:.3f}-{high:.3f})"
 
-    extra = [key for key in ("plain_ptr_epilogue_vs_plain",) if rows and key in rows[0]] + (varied_keys(rows[0]) if rows else [])
+    extra = [key for key in ("plain_ptr_epilogue_vs_plain",) if rows and key in rows[0]] + varied_keys(rows)
     table = [  # FP8 cases have no plain kernel: "-"
         [GemmCase(**{f: r[f] for f in GemmCase.__dataclass_fields__}).label(), r["ms"]["cublas"], r["ms"].get("plain", "-"),
          r["ms"]["fused"], f'{r["plain_vs_cublas"]:.3f}' if "plain_vs_cublas" in r else "-", spread(r, "fused_vs_cublas"),

@@ -378,8 +378,8 @@ def _sum_unit(bufs, buffer, out_ptr, bias_ptr, row0, col0, rows_per_rank, N, str
 
 
 @gluon.jit
-def _tail_first(rows_per_rank, N, RANK: gl.constexpr, WORLD: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, UNIT_ROWS: gl.constexpr):  # fmt: skip
+def _tail_first(rows_per_rank, N, WORLD: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, UNIT_ROWS: gl.constexpr):  # fmt: skip
     """This program's first unit of the tail (module docstring): the units of the own tiles in the
     last round of tiles (own tile j is tile j * W + W - 1), which all complete at the GEMM's end."""
     units_per_tile: gl.constexpr = BLOCK_M // UNIT_ROWS
@@ -408,7 +408,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         pid = gl.program_id(0)
         tail_first = units
         if TAIL_UNITS > 0:
-            tail_first = _tail_first(rows_per_rank, N, RANK, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
+            tail_first = _tail_first(rows_per_rank, N, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
         AHEAD: gl.constexpr = UNITS_IN_FLIGHT * NUM_PROGRAMS  # from this program's unit to the one its buffer takes next
         # Software-pipelined by UNITS_IN_FLIGHT units, the j-th of this program's units in buffer
         # j % UNITS_IN_FLIGHT: a unit's flags are waited for while units before it are on their way
@@ -468,7 +468,7 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
         ring = b_bufs._reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
     PER_WAIT: gl.constexpr = 32 * WARPS // WORLD
     tail_phase = 0
-    first_unit = _tail_first(rows_per_rank, N, RANK, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
+    first_unit = _tail_first(rows_per_rank, N, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
     for first in range(first_unit, units, TAIL_UNITS * NUM_PROGRAMS):
         count = gl.minimum(gl.cdiv(units - first, NUM_PROGRAMS), TAIL_UNITS)
         partition_barrier()  # every warp is done reading the ring's last units before TMA overwrites them

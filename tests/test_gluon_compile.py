@@ -108,14 +108,42 @@ def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k,
     assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES
 
 
-@pytest.mark.parametrize("world, fp8", [(8, False), (4, True)])
-def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, world, fp8):
+WS_WIDE = AllGatherMatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
+
+
+@pytest.mark.parametrize("world, fp8, bands", [(8, False, False), (4, True, False), (8, False, True)])
+def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, world, fp8, bands):
     x, w, scaled = _inputs(256, 3584, 4096, fp8)
-    config = AllGatherMatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
+    config = dataclasses.replace(WS_WIDE, bands_across_segments=bands)
     if fp8:
         config = None  # its heuristic's tiling
     ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
     launch, args = captured_launch[-1]
     assert launch.kernel.__name__ == "all_gather_matmul_pingpong_kernel"
+    assert launch.constexprs["SEGMENT_BANDS"] == bands  # 224 tiles or more: two waves, bands only where asked
     compiled = _compile(launch, args)
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize(
+    "rows, bands, expected",
+    [
+        (128, False, True),  # 8 x 14 = 112 tiles: one wave of 131 programs, bands by themselves
+        (256, False, False),  # 224 tiles: two waves, segment by segment
+        (256, True, True),  # as the config asks
+    ],
+)
+def test_the_all_gather_counts_bands_across_segments_in_one_wave_or_when_asked(captured_launch, rows, bands, expected):
+    x, w, _ = _inputs(rows, 3584, 4096, False)
+    config = dataclasses.replace(WS_WIDE, bands_across_segments=bands)
+    ag.gemm_only(x, w, None, GroupInfo(None, 0, 8), config)()
+    launch, _ = captured_launch[-1]
+    assert launch.grid == SMS - 1 or rows == 128
+    assert launch.constexprs["SEGMENT_BANDS"] == expected
+
+
+def test_bands_across_segments_on_the_triton_kernel_are_refused():
+    x, w, _ = _inputs(128, 512, 256, False)
+    config = AllGatherMatmulConfig(bands_across_segments=True)
+    with pytest.raises(ValueError, match="only the warp-specialized kernel"):
+        ag.gemm_only(x, w, None, GroupInfo(None, 0, 2), config)

@@ -110,6 +110,12 @@ class AllGatherMatmulConfig(GemmTiling):
     # tune chose it (`fluxtp tune --one-gpu` screens it beside Triton's tilings).
     # Optional in tuning tables: entries written before it existed mean False.
     warp_specialized: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
+    # The warp-specialized kernel's tile order: group_m bands of row tiles counted across the
+    # segments (in arrival order) rather than within each, so that concurrent tiles share the
+    # weight's columns where a segment has few row tiles. A communication knob: a call's first
+    # wave then needs more peers' rows. The launcher takes it by itself for a grid of one wave
+    # (every tile starts at once either way). Optional in tuning tables.
+    bands_across_segments: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod
     @functools.cache

@@ -4,7 +4,10 @@ whose config asks for it.
 The same op as _all_gather_matmul's kernel for scaled calls and for plain calls (these in either
 weight layout): tiles in data order, this rank's rows first from its shard, then the peers'
 segments in arrival order, each peer tile after its chunk's signal; scales and bias in the
-epilogue; the last program resets the signals. Built on fluxtp.kernels._pingpong so that an FP8
+epilogue; the last program resets the signals. SEGMENT_BANDS counts the GROUP_M-row bands across
+the segments (same arrival order) instead of within each, so that a wave's tiles share the
+weight's columns where a segment has few row tiles; a call's first wave then needs more peers'
+rows (the launcher's rule: _all_gather_matmul.segment_bands). Built on fluxtp.kernels._pingpong so that an FP8
 call's float32 promotion (PRECISE_ACC) costs no tensor-core time; fast accumulation (FP8 without
 PRECISE_ACC) and plain calls (SCALING 0) accumulate in the MMAs alone:
 - a loader warp: waits for a peer tile's chunk signal (bounded; a wait that gives up records
@@ -28,9 +31,24 @@ from fluxtp.kernels._pingpong import (
 
 
 @gluon.jit
+def _tile_of(tile, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
+             SEGMENT_BANDS: gl.constexpr):  # fmt: skip
+    """(segment, pid_m, pid_n) of the tile-th tile in the kernel's order (module docstring)."""
+    if SEGMENT_BANDS:
+        row, pid_n = grouped_tile(tile, WORLD * tiles_m, tiles_n, GROUP_M)
+        segment = (RANK + row // tiles_m) % WORLD
+        pid_m = row % tiles_m
+    else:
+        tiles_per_segment = tiles_m * tiles_n
+        pid_m, pid_n = grouped_tile(tile % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        segment = (RANK + tile // tiles_per_segment) % WORLD
+    return segment, pid_m, pid_n
+
+
+@gluon.jit
 def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N, K,
             chunk_rows, chunks_per_rank, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
-            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
+            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
@@ -39,9 +57,8 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
     ready_chunk = -1  # the chunk waited for last: signals only go from 0 to 1 during a launch
     loaded = 0
     for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
-        segment = (RANK + tile // tiles_per_segment) % WORLD  # in arrival order from this rank's
-        pid_m, pid_n = grouped_tile(tile % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
-        if tile < tiles_per_segment:  # this rank's rows, from its shard
+        segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS)
+        if segment == RANK:  # this rank's rows, from its shard
             loaded = load_tile(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty, loaded, K,
                                B_KN)  # fmt: skip
         else:
@@ -64,7 +81,8 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
               rows_per_rank, N, K, stride_cm, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
               GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
+              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, B_KN: gl.constexpr,
+              SEGMENT_BANDS: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
@@ -76,8 +94,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     tiles_per_segment = tiles_m * tiles_n
     used = 0
     for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
-        segment = (RANK + tile // tiles_per_segment) % WORLD
-        pid_m, pid_n = grouped_tile(tile % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS)
         if PRECISE_ACC:
             acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
         else:
@@ -88,7 +105,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
         if SCALING == 1:
             acc = acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
         elif SCALING == 2:  # row-wise: this rank's rows' scales from its own, the peers' from the gathered
-            if tile < tiles_per_segment:
+            if segment == RANK:
                 row_scales = scale_own_ptr + rows
             else:
                 row_scales = scale_a_ptr + segment * rows_per_rank + rows
@@ -145,6 +162,7 @@ def all_gather_matmul_pingpong_kernel(
     SCALING: gl.constexpr,  # 0 unscaled (bf16, fp16), 1 per tensor, 2 row-wise
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted into float32 every two K blocks (not use_fast_accum)
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose (backward; bf16 / fp16 only)
+    SEGMENT_BANDS: gl.constexpr,  # GROUP_M bands counted across the segments (module docstring)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
@@ -153,12 +171,13 @@ def all_gather_matmul_pingpong_kernel(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
-                       K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN)),
+                       K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN,
+                       SEGMENT_BANDS)),
         ],
         [4, 1],
         [232, 40],

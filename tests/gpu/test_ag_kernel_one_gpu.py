@@ -27,8 +27,14 @@ NARROW = AllGatherMatmulConfig(block_n=128, num_stages=4)  # the small-M heurist
 GATE_DELAY_S = 0.004
 MAX_SPINS = 1 << 26  # a chunk 4 ms late is far inside it; a lost one still traps
 # The kernels a config can launch: the Triton one flattened (one loop over tile and K) or not,
-# and the warp-specialized Gluon one (Hopper).
-KERNELS = {"flatten": {"flatten": True}, "loop": {"flatten": False}, "warp_specialized": {"warp_specialized": True}}
+# and the warp-specialized Gluon one (Hopper), its bands within segments or (asked) across them; in
+# a grid of one wave it counts them across by itself.
+KERNELS = {
+    "flatten": {"flatten": True},
+    "loop": {"flatten": False},
+    "warp_specialized": {"warp_specialized": True},
+    "warp_specialized_bands": {"warp_specialized": True, "bands_across_segments": True},
+}
 
 
 def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
@@ -53,11 +59,13 @@ def _deliver(x_gathered, source, signals, gates, rank, world, m, chunk_rows):
         # The backward's weight: a transposed view of a [k, n] tensor, read K x N as it is.
         (2, 1, 1000, 1024, 2048, WIDE, 256, torch.bfloat16, True, True),
         (4, 3, 256, 512, 1024, NARROW, 128, torch.float16, False, True),
+        # 4 x 8 x 32 = 1024 tiles: several waves, each program's tiles from several chunks
+        (4, 1, 1024, 4096, 512, NARROW, 256, torch.bfloat16, False, False),
     ],
 )
 def test_waits_hold_tiles_until_their_chunk_arrives(kernel, world, rank, m, n, k, base, chunk_rows, dtype, with_bias,
                                                     transposed):  # fmt: skip
-    if kernel == "warp_specialized":
+    if kernel.startswith("warp_specialized"):
         skip_unless_hopper()
     seed = random.randrange(1 << 30)
     what = f"world={world} rank={rank} m={m} kernel={kernel} transposed={transposed} seed={seed}"
@@ -118,7 +126,7 @@ launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_chunk_that_never_arrives_traps_and_is_named(kernel):
-    if kernel == "warp_specialized":
+    if kernel.startswith("warp_specialized"):
         skip_unless_hopper()
     proc = run_until_trap(_TIMEOUT_SCRIPT, "_all_gather_matmul", json.dumps(KERNELS[kernel]))
     out = proc.stdout

@@ -113,8 +113,9 @@ class AllGatherMatmulConfig(GemmTiling):
     # The warp-specialized kernel's tile order: group_m bands of row tiles counted across the
     # segments (in arrival order) rather than within each, so that concurrent tiles share the
     # weight's columns where a segment has few row tiles. A communication knob: a call's first
-    # wave then needs more peers' rows. The launcher takes it by itself for a grid of one wave
-    # (every tile starts at once either way). Optional in tuning tables.
+    # wave then needs more peers' rows (measured slower on real peers in grids of several waves).
+    # The launcher takes it by itself for a grid of one wave (every tile starts at once either
+    # way). Optional in tuning tables.
     bands_across_segments: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod

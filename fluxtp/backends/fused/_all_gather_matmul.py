@@ -265,8 +265,9 @@ class _PingPong:
 def segment_bands(config: AllGatherMatmulConfig, tiles: int, grid: int) -> bool:
     """Whether the warp-specialized kernel counts its bands across segments: where the config asks,
     and in a grid of one wave, where every tile starts at once in either order, so no wait comes
-    sooner (one H100, GEMM-only: 0.96 / 0.985x the time at llama3-8b / 70b TP=8, 1024 tokens;
-    docs/perf-log.md)."""
+    sooner (one H100, GEMM-only: segment by segment took 1.08 / 1.02x the time at llama3-8b / 70b
+    TP=8, 1024 tokens). In more waves the first one waits for more peers' rows: whole calls on
+    4x H100 took 1.03-1.08x the time (docs/perf-log.md)."""
     return config.bands_across_segments or tiles <= grid
 
 

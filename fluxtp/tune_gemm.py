@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import math
 import multiprocessing
 import os
@@ -38,6 +39,7 @@ from fluxtp.bench.gemm_grid import (
     GemmCase,
     case_inputs,
     expected_rows,
+    fp8_case_inputs,
     gathered,
     gemm_only_case,
     heuristic_config,
@@ -67,6 +69,11 @@ WARP_SPECIALIZED_TILINGS = (
     (128, 256, 64, 8, 3),
     (128, 128, 64, 4, 4),
 )
+# FP8 all-gathers (precise accumulation, the warp-specialized kernel only): its 128x128x128 tiling
+# at these stages (six fit beside a bf16 output's staging) and row bands. On one H100 each moved
+# single cases 10-20% either way with no rule between them (docs/perf-log.md).
+FP8_STAGES = (4, 5, 6)
+FP8_GROUP_MS = (4, 8)
 FINALISTS = 3
 SCREEN = Protocol(rounds=2, warmup_rounds=1, calls_per_sample=1)
 FINAL_ROUNDS = 6
@@ -85,6 +92,11 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
     (warp_specialized_runs; other ops have none to screen)."""
     warp_specialized = warp_specialized and case.op == "all_gather_matmul"
     base = heuristic_config(case, warp_specialized)
+    if case.fp8:
+        if not base.warp_specialized:  # no GPU here that runs it: nothing to screen
+            return [base]
+        fp8 = [dataclasses.replace(base, num_stages=s, group_m=g) for s, g in itertools.product(FP8_STAGES, FP8_GROUP_MS)]
+        return list(dict.fromkeys([base, *fp8]))
     tilings = [(t, False) for t in ONE_GPU_TILINGS] + [(t, True) for t in WARP_SPECIALIZED_TILINGS if warp_specialized]
     out = []
     for (bm, bn, bk, warps, stages), on_warp_specialized in tilings:
@@ -122,24 +134,25 @@ class _Case:
     """A case's inputs (rotated copies when they fit in the cache) and its reference output."""
 
     def __init__(self, case: GemmCase, device: torch.device, generator: torch.Generator):
-        x, w = case_inputs(case, device, generator)
+        x, w, *_ = first = _inputs(case, device, generator)
         copies = input_copies(x.numel() * x.element_size() + w.numel() * w.element_size(), cache_bytes(device))
         self.case = case
-        self.inputs = [(x, w)] + [case_inputs(case, device, generator) for _ in range(copies - 1)]
-        self.full_inputs = [(gathered(case, x), w) for x, w in self.inputs]
-        self.reference = expected_rows(case, F.linear(*self.full_inputs[0]))
+        # (x, w, scale_x, scale_w): an FP8 case's row-wise scales, (None, None) otherwise
+        self.inputs = [first] + [_inputs(case, device, generator) for _ in range(copies - 1)]
+        self.full_inputs = [(gathered(case, x), w, sx if sx is None else gathered(case, sx), sw)
+                            for x, w, sx, sw in self.inputs]  # fmt: skip
+        self.reference = expected_rows(case, _cublas(*self.full_inputs[0]))
 
     def variant(self, name: str, config) -> Variant:
-        return Variant(name, tuple(graphed(gemm_only_case(self.case, x, w, config)) for x, w in self.inputs))
+        return Variant(name, tuple(graphed(_gemm_only(self.case, inputs, config)) for inputs in self.inputs))
 
     def cublas(self) -> Variant:
-        return Variant("cublas", tuple(graphed(lambda x=x, w=w: F.linear(x, w)) for x, w in self.full_inputs))
+        return Variant("cublas", tuple(graphed(lambda full=full: _cublas(*full)) for full in self.full_inputs))
 
     def check(self, config) -> tuple[str | None, bool]:
         """(why the config is dropped, whether it computed a wrong result), or (None, False)."""
-        x, w = self.inputs[0]
         try:
-            out = gemm_only_case(self.case, x, w, config)()
+            out = _gemm_only(self.case, self.inputs[0], config)()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - OutOfResources and other compiler rejections
             return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200], False
@@ -147,6 +160,25 @@ class _Case:
         if not error <= RELATIVE_ERROR_LIMIT:
             return f"relative error {error:.3g} against cuBLAS", True
         return None, False
+
+
+def _inputs(case: GemmCase, device, generator) -> tuple:
+    """(x, weight, scale_x, scale_w) of one rank: an FP8 case's row-wise scales, else (None, None)."""
+    if case.fp8:
+        return fp8_case_inputs(case, device, generator)
+    return (*case_inputs(case, device, generator), None, None)
+
+
+def _gemm_only(case: GemmCase, inputs: tuple, config):
+    x, w, scale_x, scale_w = inputs
+    return gemm_only_case(case, x, w, config, None if scale_x is None else (scale_x, scale_w))
+
+
+def _cublas(x, w, scale_x, scale_w):
+    """cuBLAS on one rank's whole GEMM: F.linear, or precise torch._scaled_mm into bf16 (FP8)."""
+    if scale_x is None:
+        return F.linear(x, w)
+    return torch._scaled_mm(x, w.t(), scale_x, scale_w, out_dtype=torch.bfloat16, use_fast_accum=False)
 
 
 def _calls_per_sample(run, device) -> int:
@@ -229,9 +261,8 @@ def _compile_worker(jobs: list[tuple[GemmCase, object]]) -> int:
     torch.cuda.set_device(0)
     compiled = 0
     for case, config in jobs:
-        x, w = case_inputs(case, "cuda")
         try:
-            gemm_only_case(case, x, w, config)()
+            _gemm_only(case, _inputs(case, "cuda", None), config)()
             compiled += 1
         except Exception:  # noqa: BLE001 - the tuner reports rejections itself
             pass
@@ -358,9 +389,15 @@ def cmd_tune_one_gpu(args) -> int:
             parser.error("--one-gpu needs --grid, or --op and --shapes")
     except ValueError as e:
         parser.error(str(e))
-    if any(case.fp8 for case in cases):
-        parser.error("--one-gpu tunes bf16 and fp16 GEMMs; the FP8 ops take fixed tilings (fluxtp.configs.fp8_tiling)")
+    if any(case.fp8 and case.op != "all_gather_matmul" for case in cases):
+        parser.error("--one-gpu tunes the FP8 all-gather only; the FP8 reduce-scatter takes fixed tilings "
+                     "(fluxtp.configs.reducer_fp8_tiling)")
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE, file=sys.stderr, flush=True)
+        return 2
+    fp8 = [case for case in cases if case.fp8]
+    if fp8 and not warp_specialized_runs(fp8[0], torch.device("cuda", 0)):
+        print("fluxtp tune: FP8 all-gathers are tuned on the warp-specialized kernel, which this GPU or Triton "
+              "cannot run (a Hopper GPU, sm_90)", file=sys.stderr, flush=True)  # fmt: skip
         return 2
     return run(cases, args.cache, getattr(args, "out", None), getattr(args, "command_line", "fluxtp tune --one-gpu"))

@@ -252,7 +252,7 @@ def test_help_defaults_are_the_ones_that_run(monkeypatch, capsys):
     tune_help = _help(monkeypatch, capsys, "tune")
     tune_args = cli.build_parser().parse_args(["tune"])
     assert (tune_args.dtype, tune_args.budget_seconds, tune_args.worlds) == ("bfloat16", 600.0, "2,4,8")
-    assert re.search(r"--dtype \{bfloat16,float16\}\s+default: bfloat16", tune_help)
+    assert re.search(r"--dtype \{bfloat16,float16,float8_e4m3fn\}\s+default: bfloat16", tune_help)
     assert "(default: 600)" in tune_help and "(default 2,4,8)" in tune_help
 
 

@@ -133,6 +133,21 @@ def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
     assert tune_gemm.candidates(rs, warp_specialized=True) == tune_gemm.candidates(rs)
 
 
+def test_one_gpu_candidates_of_an_fp8_all_gather_are_its_stages_and_bands_on_the_warp_specialized_kernel():
+    """An FP8 all-gather (precise accumulation) screens the warp-specialized kernel's 128x128x128
+    tiling at 4-6 stages in bands of 4 or 8 row tiles, the heuristic's first; where the GPU
+    cannot run that kernel there is nothing to screen."""
+    case = GemmCase(AG, 4096, 28672, 8192, 8, "float8_e4m3fn")
+    base = tune_gemm.heuristic_config(case, True)
+    assert base == AllGatherMatmulConfig.heuristic_fp8(512, 3584, 8192, 8, True, warp_specialized=True)
+    space = tune_gemm.candidates(case, warp_specialized=True)
+    assert space[0] == base and len(space) == len(set(space)) == 6
+    assert {(c.num_stages, c.group_m) for c in space} == {(s, g) for s in (4, 5, 6) for g in (4, 8)}
+    assert all(c.warp_specialized and (c.block_m, c.block_n, c.block_k) == (128, 128, 128) for c in space)
+    assert all(c.chunk_rows == base.chunk_rows for c in space)
+    assert tune_gemm.candidates(case) == [tune_gemm.heuristic_config(case)]
+
+
 def test_compile_jobs_name_each_distinct_kernel_once():
     cases = [GemmCase(AG, m, 28672, 8192, 2) for m in (1024, 4096, 8192)]
     jobs = tune_gemm._compile_jobs(cases)
@@ -173,7 +188,9 @@ def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
     proc = fluxtp("tune", "--one-gpu", "--grid", "nope")
     assert proc.returncode == 2 and "unknown grid 'nope'" in proc.stderr
     proc = fluxtp("tune", "--one-gpu", "--grid", "fp8-smoke")
-    assert proc.returncode == 2 and "the FP8 ops take fixed tilings" in proc.stderr
+    assert proc.returncode == 2 and "tunes the FP8 all-gather only" in proc.stderr
+    proc = fluxtp("tune", "--op", AG, "--shapes", "1024x4096x4096", "--dtype", "float8_e4m3fn")
+    assert proc.returncode == 2 and "FP8 all-gathers: --one-gpu" in proc.stderr
     proc = fluxtp("tune")
     assert proc.returncode == 2 and "--op and --shapes are required" in proc.stderr
     if not torch.cuda.is_available():

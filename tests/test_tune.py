@@ -260,6 +260,27 @@ def test_weight_layouts_have_keys_of_their_own_and_fall_back_to_linear(cache):
     assert parsed.key.weight_layout == "linear"
 
 
+def test_an_fp8_all_gather_takes_its_tuned_entry_where_precise_on_the_warp_specialized_kernel(cache, monkeypatch):
+    """A precise FP8 all-gather that can take the warp-specialized kernel launches its table entry
+    (float8 key; capped at four stages beside a float32 output's staging); a fast one, or one
+    on the Triton kernel, its heuristic."""
+    from fluxtp.backends.fused import _all_gather_matmul, _scaled
+
+    x, w = torch.zeros(512, 64).to(torch.float8_e4m3fn), torch.zeros(256, 64).to(torch.float8_e4m3fn)
+    precise, fast = _scaled.Scaled(torch.bfloat16, True, True), _scaled.Scaled(torch.bfloat16, True, False)
+    wide_out = _scaled.Scaled(torch.float32, True, True)
+    assert not _all_gather_matmul._config_for(x, w, 2, None, precise).warp_specialized  # CPU: Triton, untuned
+    monkeypatch.setattr(_scaled, "pingpong_unsupported", lambda *args, **kwargs: None)
+    before = {s: _all_gather_matmul._config_for(x, w, 2, None, s) for s in (precise, fast, wide_out)}
+    tuned = dataclasses.replace(before[precise], num_stages=6, group_m=4, chunk_rows=128)
+    one_gpu = entry(gpu="cpu", world=2, dtype="float8_e4m3fn", n=512, k=64, m=1024)
+    tune.write_entries([tune.Entry(one_gpu.key, tuned, {**one_gpu.measured, "mode": configs.GEMM_ONLY_MODE})])
+    assert _all_gather_matmul._config_for(x, w, 2, None, precise) == tuned.with_communication_heuristic(512)
+    assert _all_gather_matmul._config_for(x, w, 2, None, wide_out).num_stages == 4
+    assert _all_gather_matmul._config_for(x, w, 2, None, fast) == before[fast]
+    assert tune.tuned_config(AG, x.to(torch.bfloat16), w.to(torch.bfloat16), 2) is None  # a bf16 call's key differs
+
+
 def test_a_one_gpu_entry_takes_todays_communication_knobs(cache):
     """An entry tuned on one GPU (GEMM-only) measured its tiling alone: the launcher takes its
     tiling with the heuristic's transport (push at TP=4) and copy chunks; an entry measured with

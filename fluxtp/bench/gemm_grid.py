@@ -115,6 +115,8 @@ GRIDS = {
     "llama3-70b": lambda: model_cases("llama3-70b", layouts=("linear", "transposed")),
     # The FP8 ops (row-wise scales, the layers' recipe): the "full" grid's shapes, linear weights.
     "fp8": lambda: [c for model in MODELS for c in model_cases(model, dtypes=tuple(FP8_DTYPE_NAMES))],
+    # Its all-gathers: what the shipped FP8 tables cover (`fluxtp tune --one-gpu`, precise accumulation).
+    "fp8-all-gather": lambda: [c for c in grid("fp8") if c.op == "all_gather_matmul"],
     "fp8-smoke": lambda: model_cases("llama3-8b", tokens=(1024, 3000), worlds=(2, 8), dtypes=tuple(FP8_DTYPE_NAMES)),
     # A quick look (a few seconds of GPU time): one model, the smallest and a middle M, ragged M too.
     "smoke": lambda: model_cases("llama3-8b", tokens=(1024, 3000), worlds=(2, 8)),
@@ -170,11 +172,16 @@ def expected_rows(case: GemmCase, full: torch.Tensor) -> torch.Tensor:
 
 
 def heuristic_config(case: GemmCase, warp_specialized: bool = False):
-    """The config the launcher takes when no table has an entry for the case; warp_specialized:
-    on a GPU where the all-gather may take its warp-specialized kernel (warp_specialized_runs)."""
+    """The config the launcher takes when no table has an entry for the case (an FP8 one: with
+    precise accumulation and a bf16 output); warp_specialized: on a GPU where the all-gather may
+    take its warp-specialized kernel (warp_specialized_runs)."""
     from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 
     (rows, k), (n, _) = case.shard_shapes
+    if case.fp8:
+        if case.op == "all_gather_matmul":
+            return AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, True, warp_specialized=warp_specialized)
+        return MatmulReduceScatterConfig.heuristic_fp8(case.M, n, k, case.world, True)
     if case.op == "all_gather_matmul":
         return AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
     return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
@@ -192,13 +199,15 @@ def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scale
 
 
 def warp_specialized_runs(case: GemmCase, device) -> bool:
-    """Whether the case's all-gather may take the warp-specialized kernel on `device` (a bf16 /
-    fp16 call on Hopper), as the launcher decides."""
-    from fluxtp.backends.fused import _all_gather_matmul
+    """Whether the case's all-gather may take the warp-specialized kernel on `device` (on Hopper;
+    an FP8 case with precise accumulation), as the launcher decides."""
+    from fluxtp.backends.fused import _all_gather_matmul, _scaled
 
-    return case.op == "all_gather_matmul" and not case.fp8 and _all_gather_matmul.warp_specialized_runs(
-        device, DTYPE_NAMES[case.dtype]
-    )
+    if case.op != "all_gather_matmul":
+        return False
+    if case.fp8:
+        return _scaled.pingpong_unsupported(device, _scaled.Scaled(torch.bfloat16, True, True)) is None
+    return _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype])
 
 
 def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None, scales=None,

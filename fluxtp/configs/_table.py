@@ -293,7 +293,9 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, 
     return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
 
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# float8: the FP8 ops' precise-accumulation tilings (fluxtp tune --one-gpu, all-gather only).
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.float8_e4m3fn: "float8_e4m3fn"}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)

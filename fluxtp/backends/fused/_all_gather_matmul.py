@@ -306,15 +306,21 @@ def warp_specialized_runs(device, dtype: torch.dtype) -> bool:
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
     """The caller's config, else the tuned table's for this shape (as measured, the kernel
     included), else the heuristic's, on the warp-specialized kernel where that runs and measured
-    faster (FP8: its own heuristic, nothing tuned yet)."""
+    faster. FP8: a precise call on the warp-specialized kernel takes its table's entry (float8
+    keys, tuned with a bf16 output: AllGatherMatmulConfig.with_fp8_output), anything else its
+    own heuristic."""
     if config is not None:
         return config
     rows_per_rank, k = x_shard.shape
     device = x_shard.device
     if scaled is not None:
         warp_specialized = _scaled.pingpong_unsupported(device, scaled) is None
+        out_bytes = scaled.out_dtype.itemsize
+        tuned = tuned_config(_OP, x_shard, weight, world) if warp_specialized and scaled.precise_acc else None
+        if tuned is not None and tuned.warp_specialized:
+            return tuned.with_fp8_output(out_bytes)
         return AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
-                                                   num_sms(device), warp_specialized, scaled.out_dtype.itemsize)  # fmt: skip
+                                                   num_sms(device), warp_specialized, out_bytes)  # fmt: skip
     warp_specialized = warp_specialized_runs(device, weight.dtype)
     tuned = tuned_config(_OP, x_shard, weight, world)
     if tuned is None:

@@ -179,6 +179,16 @@ def test_shipped_table_answers_every_grid_case_with_an_exact_entry(gpu):
         assert tune.fits(case.op, entries[key].config)
 
 
+def test_shipped_table_answers_every_fp8_all_gather_of_the_grid_on_h100():
+    """The FP8 all-gathers' tilings (precise accumulation) tuned on one H100: every case of the
+    fp8-all-gather grid has its exact entry, on the warp-specialized kernel."""
+    entries, _ = tune.load(shipped=True)
+    for case in grid("fp8-all-gather"):
+        entry = entries.get(tune_gemm.case_key(case, "NVIDIA H100 80GB HBM3"))
+        assert entry is not None, f"no shipped entry for {case.label()}"
+        assert entry.config.warp_specialized and entry.measured["mode"] == "gemm_only"
+
+
 def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
     def fluxtp(*args):
         return subprocess.run([sys.executable, "-m", "fluxtp", *args], capture_output=True, text=True, timeout=120)

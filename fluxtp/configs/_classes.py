@@ -54,6 +54,9 @@ def fp8_tiling(precise: bool, narrow: bool) -> dict:
 # a promotion buffer each), K blocks of 128 promoted in pairs (every 256 products, as fp8_tiling's
 # precise one), 4 stages of 32 KiB. Measurements: docs/perf-log.md.
 WARP_SPECIALIZED_FP8_TILING = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4}
+# What a precise call with a 2-byte output (bf16, fp16) changes in it: more stages fit beside that
+# output's staging.
+WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT = {"num_stages": 6, "group_m": 4}
 # Its fast-accumulation tiling (no promotion buffer: a 64x256 accumulator per consumer fits): on one
 # H100 it took 0.87-0.99x the Triton kernel's time at 12 all-gather shapes, TP 2 and 8 (docs/perf-log.md).
 WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 4, "num_stages": 3}
@@ -150,9 +153,11 @@ class AllGatherMatmulConfig(GemmTiling):
         if warp_specialized and (precise_acc or fast_fits):
             tiling = WARP_SPECIALIZED_FP8_TILING if precise_acc else WARP_SPECIALIZED_FP8_FAST_TILING
             if precise_acc and out_bytes <= 2:
-                # A fifth stage beside a 2-byte output's staging: one H100 took 0.85-1.09x four
-                # stages' time, 0.93-0.96 in geomean at TP 2 and 8 (docs/perf-log.md).
-                tiling = {**tiling, "num_stages": 5}
+                # Six stages beside a 2-byte output's staging, in bands of four row tiles: one H100's
+                # tune of the FP8 all-gather grid screened it within 1.1% of the best of six
+                # stage / band choices in geomean (worst 1.07), five stages in bands of eight 4.7%
+                # (worst 1.17) (docs/perf-log.md).
+                tiling = {**tiling, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT}
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
         narrow = narrow_tiles_win(tile_rows, n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)

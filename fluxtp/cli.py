@@ -291,6 +291,9 @@ def _add_tune_parser(subparsers) -> None:
     )
     one_gpu.add_argument("--worlds", default="2,4,8", help="with --shapes: the TP degrees to tune for (default 2,4,8)")
     one_gpu.add_argument("--cache", metavar="FILE.json", help="the cache file to write (default: the user's cache)")
+    one_gpu.add_argument(
+        "--fast-accum", action="store_true", help="FP8 cases with fast accumulation (use_fast_accum; default: precise)"
+    )
     tune.add_argument("--dtype", choices=("bfloat16", "float16", "float8_e4m3fn"), default="bfloat16",
                       help="default: bfloat16 (float8_e4m3fn: --one-gpu, the all-gather, precise accumulation)")
     tune.add_argument(

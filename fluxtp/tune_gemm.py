@@ -47,7 +47,8 @@ from fluxtp.bench.gemm_grid import (
     warp_specialized_runs,
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
-from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, load, m_bucket
+from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, key_dtype, load, m_bucket
+from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
 from fluxtp.tune import write_entries
 
 # (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue
@@ -69,9 +70,10 @@ WARP_SPECIALIZED_TILINGS = (
     (128, 256, 64, 8, 3),
     (128, 128, 64, 4, 4),
 )
-# FP8 all-gathers (precise accumulation, the warp-specialized kernel only): its 128x128x128 tiling
-# at these stages (six fit beside a bf16 output's staging) and row bands. On one H100 each moved
-# single cases 10-20% either way with no rule between them (docs/perf-log.md).
+# FP8 all-gathers (the warp-specialized kernel): its 128x128x128 tiling at these stages (six fit
+# beside a bf16 output's staging) and row bands, and with fast accumulation its 128x256x128 one
+# (three stages fit) in either band. On one H100 each moved single cases 10-30% either way with no
+# rule between them (docs/perf-log.md).
 FP8_STAGES = (4, 5, 6)
 FP8_GROUP_MS = (4, 8)
 FINALISTS = 3
@@ -93,10 +95,7 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
     warp_specialized = warp_specialized and case.op == "all_gather_matmul"
     base = heuristic_config(case, warp_specialized)
     if case.fp8:
-        if not base.warp_specialized:  # no GPU here that runs it: nothing to screen
-            return [base]
-        fp8 = [dataclasses.replace(base, num_stages=s, group_m=g) for s, g in itertools.product(FP8_STAGES, FP8_GROUP_MS)]
-        return list(dict.fromkeys([base, *fp8]))
+        return [base, *_fp8_candidates(case, base)] if warp_specialized else [base]
     tilings = [(t, False) for t in ONE_GPU_TILINGS] + [(t, True) for t in WARP_SPECIALIZED_TILINGS if warp_specialized]
     out = []
     for (bm, bn, bk, warps, stages), on_warp_specialized in tilings:
@@ -108,6 +107,16 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
         if fits(case.op, config):
             out.append(config)
     return list(dict.fromkeys([base, *out]))
+
+
+def _fp8_candidates(case: GemmCase, base) -> list:
+    """An FP8 all-gather's warp-specialized tilings (FP8_STAGES, FP8_GROUP_MS), base's left out."""
+    narrow = dataclasses.replace(base, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
+    out = [dataclasses.replace(narrow, num_stages=s, group_m=g) for s, g in itertools.product(FP8_STAGES, FP8_GROUP_MS)]
+    if case.fast_accum:
+        wide = dataclasses.replace(base, **WARP_SPECIALIZED_FP8_FAST_TILING, warp_specialized=True)
+        out += [dataclasses.replace(wide, group_m=g) for g in FP8_GROUP_MS]
+    return [with_communication_heuristic(case, c) for c in dict.fromkeys(out) if c != base]
 
 
 def with_communication_heuristic(case: GemmCase, config):
@@ -141,13 +150,13 @@ class _Case:
         self.inputs = [first] + [_inputs(case, device, generator) for _ in range(copies - 1)]
         self.full_inputs = [(gathered(case, x), w, sx if sx is None else gathered(case, sx), sw)
                             for x, w, sx, sw in self.inputs]  # fmt: skip
-        self.reference = expected_rows(case, _cublas(*self.full_inputs[0]))
+        self.reference = expected_rows(case, _cublas(case, *self.full_inputs[0]))
 
     def variant(self, name: str, config) -> Variant:
         return Variant(name, tuple(graphed(_gemm_only(self.case, inputs, config)) for inputs in self.inputs))
 
     def cublas(self) -> Variant:
-        return Variant("cublas", tuple(graphed(lambda full=full: _cublas(*full)) for full in self.full_inputs))
+        return Variant("cublas", tuple(graphed(lambda full=full: _cublas(self.case, *full)) for full in self.full_inputs))
 
     def check(self, config) -> tuple[str | None, bool]:
         """(why the config is dropped, whether it computed a wrong result), or (None, False)."""
@@ -171,14 +180,15 @@ def _inputs(case: GemmCase, device, generator) -> tuple:
 
 def _gemm_only(case: GemmCase, inputs: tuple, config):
     x, w, scale_x, scale_w = inputs
-    return gemm_only_case(case, x, w, config, None if scale_x is None else (scale_x, scale_w))
+    return gemm_only_case(case, x, w, config, None if scale_x is None else (scale_x, scale_w), case.fast_accum)
 
 
-def _cublas(x, w, scale_x, scale_w):
-    """cuBLAS on one rank's whole GEMM: F.linear, or precise torch._scaled_mm into bf16 (FP8)."""
+def _cublas(case: GemmCase, x, w, scale_x, scale_w):
+    """cuBLAS on one rank's whole GEMM: F.linear, or torch._scaled_mm into bf16 with the case's
+    accumulation (FP8)."""
     if scale_x is None:
         return F.linear(x, w)
-    return torch._scaled_mm(x, w.t(), scale_x, scale_w, out_dtype=torch.bfloat16, use_fast_accum=False)
+    return torch._scaled_mm(x, w.t(), scale_x, scale_w, out_dtype=torch.bfloat16, use_fast_accum=case.fast_accum)
 
 
 def _calls_per_sample(run, device) -> int:
@@ -252,7 +262,7 @@ def _compile_jobs(cases: list[GemmCase], device=None) -> list[tuple[GemmCase, ob
             fields = dataclasses.asdict(config)
             fields.pop("chunk_rows", None)
             spec = (rows % 16 == 0, rows % config.block_m == 0)
-            key = (case.op, case.world, case.dtype, case.weight_layout, spec, tuple(fields.items()))
+            key = (case.op, case.world, case.dtype, case.fast_accum, case.weight_layout, spec, tuple(fields.items()))
             jobs.setdefault(key, (case, config))
     return list(jobs.values())
 
@@ -290,7 +300,8 @@ def multi_gpu_keys() -> set[Key]:
 
 
 def case_key(case: GemmCase, gpu: str) -> Key:
-    return Key(gpu, case.world, case.dtype, case.op, case.N, case.K, m_bucket(case.M), case.weight_layout)
+    dtype = key_dtype(case.dtype, case.fast_accum)
+    return Key(gpu, case.world, dtype, case.op, case.N, case.K, m_bucket(case.M), case.weight_layout)
 
 
 def entry_of(result: CaseResult, gpu: str) -> Entry:
@@ -389,6 +400,10 @@ def cmd_tune_one_gpu(args) -> int:
             parser.error("--one-gpu needs --grid, or --op and --shapes")
     except ValueError as e:
         parser.error(str(e))
+    if getattr(args, "fast_accum", False):
+        if not any(case.fp8 for case in cases):
+            parser.error("--fast-accum: FP8 cases only (--grid fp8-all-gather, or --dtype float8_e4m3fn)")
+        cases = [dataclasses.replace(case, fast_accum=True) if case.fp8 else case for case in cases]
     if any(case.fp8 and case.op != "all_gather_matmul" for case in cases):
         parser.error("--one-gpu tunes the FP8 all-gather only; the FP8 reduce-scatter takes fixed tilings "
                      "(fluxtp.configs.reducer_fp8_tiling)")

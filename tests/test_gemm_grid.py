@@ -146,6 +146,16 @@ def test_one_gpu_candidates_of_an_fp8_all_gather_are_its_stages_and_bands_on_the
     assert all(c.warp_specialized and (c.block_m, c.block_n, c.block_k) == (128, 128, 128) for c in space)
     assert all(c.chunk_rows == base.chunk_rows for c in space)
     assert tune_gemm.candidates(case) == [tune_gemm.heuristic_config(case)]
+    # Fast accumulation: its 128x256x128 tiling in either band beside them, under its own key.
+    fast = dataclasses.replace(case, fast_accum=True)
+    fast_space = tune_gemm.candidates(fast, warp_specialized=True)
+    assert fast_space[0] == tune_gemm.heuristic_config(fast, True) and (fast_space[0].block_n, fast_space[0].num_stages) == (256, 3)
+    assert {(c.block_n, c.num_stages, c.group_m) for c in fast_space} == {
+        *((128, s, g) for s in (4, 5, 6) for g in (4, 8)), (256, 3, 4), (256, 3, 8)}  # fmt: skip
+    assert tune_gemm.case_key(fast, "H").dtype == "float8_e4m3fn+fast_accum" and tune_gemm.case_key(case, "H").dtype == "float8_e4m3fn"
+    assert fast.label().endswith(" fast")
+    with pytest.raises(ValueError, match="FP8 case's choice"):
+        GemmCase(AG, 4096, 28672, 8192, 8, fast_accum=True)
 
 
 def test_compile_jobs_name_each_distinct_kernel_once():
@@ -199,6 +209,8 @@ def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
     assert proc.returncode == 2 and "unknown grid 'nope'" in proc.stderr
     proc = fluxtp("tune", "--one-gpu", "--grid", "fp8-smoke")
     assert proc.returncode == 2 and "tunes the FP8 all-gather only" in proc.stderr
+    proc = fluxtp("tune", "--one-gpu", "--grid", "smoke", "--fast-accum")
+    assert proc.returncode == 2 and "--fast-accum: FP8 cases only" in proc.stderr
     proc = fluxtp("tune", "--op", AG, "--shapes", "1024x4096x4096", "--dtype", "float8_e4m3fn")
     assert proc.returncode == 2 and "FP8 all-gathers: --one-gpu" in proc.stderr
     proc = fluxtp("tune")

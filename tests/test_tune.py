@@ -260,25 +260,34 @@ def test_weight_layouts_have_keys_of_their_own_and_fall_back_to_linear(cache):
     assert parsed.key.weight_layout == "linear"
 
 
-def test_an_fp8_all_gather_takes_its_tuned_entry_where_precise_on_the_warp_specialized_kernel(cache, monkeypatch):
-    """A precise FP8 all-gather that can take the warp-specialized kernel launches its table entry
-    (float8 key; capped at four stages beside a float32 output's staging); a fast one, or one
-    on the Triton kernel, its heuristic."""
+def test_an_fp8_all_gather_takes_its_tuned_entry_for_its_accumulation_on_the_warp_specialized_kernel(cache, monkeypatch):
+    """An FP8 all-gather that can take the warp-specialized kernel launches its table entry for its
+    accumulation (float8 keys; capped at four stages beside a float32 output's staging, and its
+    heuristic where the entry's tiles leave that staging no room); one on the Triton kernel its
+    heuristic."""
     from fluxtp.backends.fused import _all_gather_matmul, _scaled
 
     x, w = torch.zeros(512, 64).to(torch.float8_e4m3fn), torch.zeros(256, 64).to(torch.float8_e4m3fn)
     precise, fast = _scaled.Scaled(torch.bfloat16, True, True), _scaled.Scaled(torch.bfloat16, True, False)
-    wide_out = _scaled.Scaled(torch.float32, True, True)
+    wide_out, fast_wide_out = _scaled.Scaled(torch.float32, True, True), _scaled.Scaled(torch.float32, True, False)
     assert not _all_gather_matmul._config_for(x, w, 2, None, precise).warp_specialized  # CPU: Triton, untuned
     monkeypatch.setattr(_scaled, "pingpong_unsupported", lambda *args, **kwargs: None)
-    before = {s: _all_gather_matmul._config_for(x, w, 2, None, s) for s in (precise, fast, wide_out)}
+    before = {s: _all_gather_matmul._config_for(x, w, 2, None, s) for s in (precise, fast, wide_out, fast_wide_out)}
     tuned = dataclasses.replace(before[precise], num_stages=6, group_m=4, chunk_rows=128)
     one_gpu = entry(gpu="cpu", world=2, dtype="float8_e4m3fn", n=512, k=64, m=1024)
     tune.write_entries([tune.Entry(one_gpu.key, tuned, {**one_gpu.measured, "mode": configs.GEMM_ONLY_MODE})])
     assert _all_gather_matmul._config_for(x, w, 2, None, precise) == tuned.with_communication_heuristic(512)
     assert _all_gather_matmul._config_for(x, w, 2, None, wide_out).num_stages == 4
-    assert _all_gather_matmul._config_for(x, w, 2, None, fast) == before[fast]
+    assert _all_gather_matmul._config_for(x, w, 2, None, fast) == before[fast]  # its own key
     assert tune.tuned_config(AG, x.to(torch.bfloat16), w.to(torch.bfloat16), 2) is None  # a bf16 call's key differs
+    # Fast accumulation's key: "+fast_accum"; its 128x256 tiles leave no room for a float32 output.
+    fast_key = dataclasses.replace(one_gpu.key, dtype=configs.key_dtype("float8_e4m3fn", fast_accum=True))
+    assert fast_key.dtype == "float8_e4m3fn+fast_accum"
+    wide = dataclasses.replace(tuned, block_n=256, num_stages=3, group_m=4)
+    tune.write_entries([tune.Entry(fast_key, wide, {**one_gpu.measured, "mode": configs.GEMM_ONLY_MODE})])
+    assert _all_gather_matmul._config_for(x, w, 2, None, fast) == wide.with_communication_heuristic(512)
+    assert _all_gather_matmul._config_for(x, w, 2, None, fast_wide_out) == before[fast_wide_out]
+    assert _all_gather_matmul._config_for(x, w, 2, None, precise) == tuned.with_communication_heuristic(512)
 
 
 def test_a_one_gpu_entry_takes_todays_communication_knobs(cache):

@@ -50,12 +50,15 @@ class GemmCase:
     dtype: str = "bfloat16"
     weight_layout: str = "linear"
     model: str = ""
+    fast_accum: bool = False  # an FP8 case's accumulation (use_fast_accum); precise by default
 
     def __post_init__(self):
         if self.op not in OP_NAMES.values():
             raise ValueError(f"op must be one of {', '.join(OP_NAMES.values())}, got {self.op!r}")
         if self.dtype not in DTYPE_NAMES and self.dtype not in FP8_DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join([*DTYPE_NAMES, *FP8_DTYPE_NAMES])}, got {self.dtype!r}")
+        if self.fast_accum and not self.fp8:
+            raise ValueError(f"{self}: fast accumulation is an FP8 case's choice")
         if self.fp8 and self.weight_layout != "linear":
             raise ValueError(f"{self}: FP8 weights are row-major [n, k] (FP8 tensor cores read both operands K-major)")
         if self.weight_layout not in ("linear", "transposed"):
@@ -87,7 +90,8 @@ class GemmCase:
     def label(self) -> str:
         short = {v: k for k, v in OP_NAMES.items()}[self.op]
         layout = " T" if self.weight_layout == "transposed" else ""
-        return f"{short} {self.M}x{self.N}x{self.K} TP{self.world} {self.dtype}{layout}"
+        fast = " fast" if self.fast_accum else ""
+        return f"{short} {self.M}x{self.N}x{self.K} TP{self.world} {self.dtype}{layout}{fast}"
 
 
 def model_cases(model: str, tokens=TOKENS, worlds=TP_DEGREES, dtypes=("bfloat16",), layouts=("linear",)):
@@ -173,15 +177,16 @@ def expected_rows(case: GemmCase, full: torch.Tensor) -> torch.Tensor:
 
 def heuristic_config(case: GemmCase, warp_specialized: bool = False):
     """The config the launcher takes when no table has an entry for the case (an FP8 one: with
-    precise accumulation and a bf16 output); warp_specialized: on a GPU where the all-gather may
+    its accumulation and a bf16 output); warp_specialized: on a GPU where the all-gather may
     take its warp-specialized kernel (warp_specialized_runs)."""
     from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 
     (rows, k), (n, _) = case.shard_shapes
     if case.fp8:
+        precise = not case.fast_accum
         if case.op == "all_gather_matmul":
-            return AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, True, warp_specialized=warp_specialized)
-        return MatmulReduceScatterConfig.heuristic_fp8(case.M, n, k, case.world, True)
+            return AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, precise, warp_specialized=warp_specialized)
+        return MatmulReduceScatterConfig.heuristic_fp8(case.M, n, k, case.world, precise)
     if case.op == "all_gather_matmul":
         return AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
     return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
@@ -199,14 +204,14 @@ def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scale
 
 
 def warp_specialized_runs(case: GemmCase, device) -> bool:
-    """Whether the case's all-gather may take the warp-specialized kernel on `device` (on Hopper;
-    an FP8 case with precise accumulation), as the launcher decides."""
+    """Whether the case's all-gather may take the warp-specialized kernel on `device` (on Hopper),
+    as the launcher decides."""
     from fluxtp.backends.fused import _all_gather_matmul, _scaled
 
     if case.op != "all_gather_matmul":
         return False
     if case.fp8:
-        return _scaled.pingpong_unsupported(device, _scaled.Scaled(torch.bfloat16, True, True)) is None
+        return _scaled.pingpong_unsupported(device, _scaled.Scaled(torch.bfloat16, True, not case.fast_accum)) is None
     return _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype])
 
 

@@ -36,6 +36,7 @@ from fluxtp.configs._table import (
     Entry,
     Key,
     choose,
+    key_dtype,
     load,
     m_bucket,
     measured_verdict,
@@ -48,6 +49,7 @@ __all__ = [
     "FUSED_OPS", "GEMM_ONLY_MODE", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK", "SMEM_LIMIT_BYTES",
     "SMEM_RESERVE_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
     "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig", "MatmulReduceScatterConfig", "candidates", "cdiv",
-    "choose", "config_class", "describe", "fits", "heuristic", "load", "m_bucket", "measured_verdict", "narrow_tiles_win", "reload",
+    "choose", "config_class", "describe", "fits", "heuristic", "key_dtype", "load", "m_bucket", "measured_verdict",
+    "narrow_tiles_win", "reload",
     "search_space", "smem_bytes", "tuned_config", "weight_layout_of",
 ]  # fmt: skip

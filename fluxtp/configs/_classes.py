@@ -162,13 +162,16 @@ class AllGatherMatmulConfig(GemmTiling):
         narrow = narrow_tiles_win(tile_rows, n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 
-    def with_fp8_output(self, out_bytes: int) -> AllGatherMatmulConfig:
-        """This FP8 warp-specialized config for an output of out_bytes a value: FP8 tables are
-        tuned with a bf16 output, whose staging leaves room for up to six 32 KiB stages; a float32
-        output's leaves room for four (as heuristic_fp8)."""
-        if out_bytes > 2 and self.num_stages > WARP_SPECIALIZED_FP8_TILING["num_stages"]:
-            return dataclasses.replace(self, num_stages=WARP_SPECIALIZED_FP8_TILING["num_stages"])
-        return self
+    def with_fp8_output(self, out_bytes: int) -> AllGatherMatmulConfig | None:
+        """This FP8 warp-specialized config for an output of out_bytes a value, or None where it
+        cannot take it: FP8 tables are tuned with a bf16 output, whose staging leaves room for up
+        to six 32 KiB stages of 128x128 tiles; a float32 output's for four of them and none of
+        128x256 tiles (as heuristic_fp8)."""
+        if out_bytes <= 2:
+            return self
+        if self.block_n > WARP_SPECIALIZED_FP8_TILING["block_n"]:
+            return None
+        return dataclasses.replace(self, num_stages=min(self.num_stages, WARP_SPECIALIZED_FP8_TILING["num_stages"]))
 
     def on_warp_specialized_kernel(self) -> AllGatherMatmulConfig:
         """This bf16 / fp16 config on the warp-specialized kernel where that measured faster: a

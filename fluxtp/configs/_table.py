@@ -293,9 +293,16 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, 
     return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
 
 
-# float8: the FP8 ops' precise-accumulation tilings (fluxtp tune --one-gpu, all-gather only).
+# float8: the FP8 ops' tilings (fluxtp tune --one-gpu, all-gather only), by accumulation (key_dtype).
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                 torch.float8_e4m3fn: "float8_e4m3fn"}  # fmt: skip
+FAST_ACCUM_SUFFIX = "+fast_accum"
+
+
+def key_dtype(dtype: str | None, fast_accum: bool = False) -> str | None:
+    """A key's dtype: the operands' (bfloat16, float8_e4m3fn, ...), an FP8 call with fast
+    accumulation's with FAST_ACCUM_SUFFIX (its tilings differ from a precise call's)."""
+    return dtype + FAST_ACCUM_SUFFIX if fast_accum and dtype is not None else dtype
 
 
 @functools.lru_cache(maxsize=64)
@@ -328,20 +335,22 @@ def _version(path: str):
     return _table_versions[path]
 
 
-def _launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) -> tuple[Entry | None, str]:
+def _launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int,
+                  fast_accum: bool = False) -> tuple[Entry | None, str]:  # fmt: skip
     """The entry the launchers' lookup answers with for this call, and how it was found
     ("exact", "nearest"), or (None, "heuristic"). x and weight are what the launcher holds:
     all_gather_matmul x_shard [M/W, K] and weight [N/W, K]; matmul_reduce_scatter x [M, K/W]
-    and weight [N, K/W], in either layout (weight_layout_of). Reads the tables as they were
-    at their first use (see reload()); never raises for a bad file (warns once)."""
+    and weight [N, K/W], in either layout (weight_layout_of); fast_accum: an FP8 call's
+    (key_dtype). Reads the tables as they were at their first use (see reload()); never raises
+    for a bad file (warns once)."""
     path = _cache_file(os.environ.get("FLUXTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
     shipped = SHIPPED_TABLE if SHIPPED_TABLE is not None else _package_table()
-    call = (op, path, shipped, x.shape, x.dtype, x.device, weight.shape, weight.stride(), world)
+    call = (op, path, shipped, x.shape, x.dtype, x.device, weight.shape, weight.stride(), world, fast_accum)
     known = _launch_answers.get(call)
     if known is not None:
         return known
     tables = ((path, _version(path), False), (shipped, _version(shipped), True))
-    answer = _find_launch_entry(op, x, weight, world, tables)
+    answer = _find_launch_entry(op, x, weight, world, tables, fast_accum)
     if len(_launch_answers) >= _MAX_LAUNCH_ANSWERS:
         _launch_answers.clear()
     _launch_answers[call] = answer
@@ -365,20 +374,21 @@ def _as_launched(entry: Entry, m_total: int, n: int, world: int):
     return entry.config.with_communication_heuristic(m_total, n, world)
 
 
-def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int, tables) -> tuple[Entry | None, str]:
+def _find_launch_entry(op: str, x: torch.Tensor, weight: torch.Tensor, world: int, tables,
+                       fast_accum: bool) -> tuple[Entry | None, str]:  # fmt: skip
     if tables[0][1] is None and tables[1][1] is None:
         return None, HEURISTIC
     m_total, n, k = _global_sizes(op, x, weight, world)
     device = x.device
     gpu = _gpu_name(device.type, device.index)
-    dtype = _DTYPE_NAMES.get(x.dtype)
+    dtype = key_dtype(_DTYPE_NAMES.get(x.dtype), fast_accum)
     return _first_answer(tables, gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout_of(weight))
 
 
-def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int):
+def tuned_config(op: str, x: torch.Tensor, weight: torch.Tensor, world: int, fast_accum: bool = False):
     """The launchers' lookup: the config of the user's cache or else of the shipped table for
     this call (see _launch_entry) as _as_launched gives it, or None (use the heuristic)."""
-    entry, _ = _launch_entry(op, x, weight, world)
+    entry, _ = _launch_entry(op, x, weight, world, fast_accum)
     if entry is None:
         return None
     m_total, n, _ = _global_sizes(op, x, weight, world)

@@ -306,9 +306,9 @@ def warp_specialized_runs(device, dtype: torch.dtype) -> bool:
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
     """The caller's config, else the tuned table's for this shape (as measured, the kernel
     included), else the heuristic's, on the warp-specialized kernel where that runs and measured
-    faster. FP8: a precise call on the warp-specialized kernel takes its table's entry (float8
-    keys, tuned with a bf16 output: AllGatherMatmulConfig.with_fp8_output), anything else its
-    own heuristic."""
+    faster. FP8: a call that may take the warp-specialized kernel takes its table's entry for its
+    accumulation (float8 keys, tuned with a bf16 output: AllGatherMatmulConfig.with_fp8_output,
+    None where the call's output does not fit it), else its own heuristic."""
     if config is not None:
         return config
     rows_per_rank, k = x_shard.shape
@@ -316,9 +316,11 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     if scaled is not None:
         warp_specialized = _scaled.pingpong_unsupported(device, scaled) is None
         out_bytes = scaled.out_dtype.itemsize
-        tuned = tuned_config(_OP, x_shard, weight, world) if warp_specialized and scaled.precise_acc else None
+        tuned = tuned_config(_OP, x_shard, weight, world, not scaled.precise_acc) if warp_specialized else None
         if tuned is not None and tuned.warp_specialized:
-            return tuned.with_fp8_output(out_bytes)
+            tuned = tuned.with_fp8_output(out_bytes)
+        if tuned is not None:
+            return tuned
         return AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
                                                    num_sms(device), warp_specialized, out_bytes)  # fmt: skip
     warp_specialized = warp_specialized_runs(device, weight.dtype)

@@ -226,3 +226,7 @@ def test_a_tiling_replaces_the_heuristics_only_on_a_clear_lead():
     assert tune_gemm.winner_of({"heuristic": 1.0, "f1": 0.995, "f2": 1.2}, names) == "heuristic"
     assert tune_gemm.winner_of({"heuristic": 1.0, "f1": 1.1, "f2": lead * 0.999}, names) == "f2"
     assert tune_gemm.winner_of({"heuristic": 1.0, "f1": 1.0, "f2": 1.1}, names) == "heuristic"  # a tie keeps it
+    # ... and its lead must hold in the second measurement of the two alone.
+    assert tune_gemm.confirmed({"heuristic": 1.0, "f2": lead * 0.999}, "f2")
+    assert not tune_gemm.confirmed({"heuristic": 1.0, "f2": 0.995}, "f2")
+    assert tune_gemm.confirmed({"heuristic": 1.0}, "heuristic")

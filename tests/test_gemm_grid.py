@@ -189,14 +189,16 @@ def test_shipped_table_answers_every_grid_case_with_an_exact_entry(gpu):
         assert tune.fits(case.op, entries[key].config)
 
 
-def test_shipped_table_answers_every_fp8_all_gather_of_the_grid_on_h100():
-    """The FP8 all-gathers' tilings (precise accumulation) tuned on one H100: every case of the
-    fp8-all-gather grid has its exact entry, on the warp-specialized kernel."""
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_shipped_table_answers_every_fp8_all_gather_of_the_grid_on_h100(fast_accum):
+    """The FP8 all-gathers' tilings tuned on one H100, per accumulation: every case of the
+    fp8-all-gather grid has its exact entry (precise ones on the warp-specialized kernel)."""
     entries, _ = tune.load(shipped=True)
     for case in grid("fp8-all-gather"):
+        case = dataclasses.replace(case, fast_accum=fast_accum)
         entry = entries.get(tune_gemm.case_key(case, "NVIDIA H100 80GB HBM3"))
         assert entry is not None, f"no shipped entry for {case.label()}"
-        assert entry.config.warp_specialized and entry.measured["mode"] == "gemm_only"
+        assert entry.measured["mode"] == "gemm_only" and (fast_accum or entry.config.warp_specialized)
 
 
 def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():

@@ -1071,7 +1071,8 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     """From REDUCER_WORLD ranks on, an unscaled push or copy-engine config the caller did not pass
     (a table entry or the heuristic) runs on the reducer kernel where it can (Hopper, rows of
     16-byte multiples, its shared memory, push to at most 8 ranks); from REDUCER_MIN_WORLD on only
-    GEMMs of REDUCER_MIN_WORK tile K-blocks; pull, fewer ranks and the caller's own config stay."""
+    GEMMs of REDUCER_MIN_WORK tile K-blocks; FP8 precise from TP=2; pull, fewer ranks and the
+    caller's own config stay."""
     from fluxtp.backends.fused import _matmul_reduce_scatter
     from fluxtp.configs import REDUCER_MIN_WORK, MatmulReduceScatterConfig
     from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
@@ -1121,7 +1122,13 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, True, out_bytes=4) == fp8_reducer
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 2) is None
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 4)
-    assert fp8.on_reducer_kernel(2, 16384, 8192, 14336, True) == fp8
+    # TP=2: precise on it too (bf16 slots, the copy engine's transport kept), fast on Triton.
+    fp8_tp2 = MatmulReduceScatterConfig.heuristic_fp8(16384, 8192, 14336, 2, True)
+    assert fp8_tp2.transport == "copy_engine"
+    assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, True) == dataclasses.replace(
+        fp8_tp2, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)  # fmt: skip
+    assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, False) == fp8_tp2
+    assert push.on_reducer_kernel(2, 16384, 8192, 14336, None) == push  # bf16 at TP=2: Triton
     # 1-byte operands, a float32 output's slots
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None
     assert "multiple of 4" in _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4098, 8, 1, 4)

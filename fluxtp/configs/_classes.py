@@ -206,12 +206,13 @@ MIN_COPY_ENGINE_TILES = 256
 MAX_COPY_ENGINE_WORLD = 2
 
 
-# Push and copy-engine reduce-scatters run on the reducer kernel from REDUCER_WORLD ranks on, and
-# from REDUCER_MIN_WORLD on FP8 ones with precise accumulation and bf16 / fp16 ones where the GEMM
-# has REDUCER_MIN_WORK units of 128x256x64 multiply-adds or more: below that at TP=4 its
-# reduction's tail outweighs what it saves (MatmulReduceScatterConfig.on_reducer_kernel).
+# Push and copy-engine reduce-scatters run on the reducer kernel from REDUCER_WORLD ranks on, FP8
+# ones with precise accumulation from REDUCER_FP8_PRECISE_MIN_WORLD, and bf16 / fp16 ones from
+# REDUCER_MIN_WORLD where the GEMM has REDUCER_MIN_WORK units of 128x256x64 multiply-adds or more:
+# below that at TP=4 its reduction's tail outweighs what it saves (MatmulReduceScatterConfig.on_reducer_kernel).
 REDUCER_WORLD = 8
 REDUCER_MIN_WORLD = 4
+REDUCER_FP8_PRECISE_MIN_WORLD = 2
 REDUCER_MIN_WORK = 20_000
 
 
@@ -277,18 +278,18 @@ class MatmulReduceScatterConfig(GemmTiling):
         and 1.02-1.05x at 14k and 7k, and 1.00-1.04x at 14k and 7k after its tail went to four
         warps; docs/perf-log.md), in 128x256x64 tiles and 3 stages (its shared memory holds no
         more). A scaled call (fp8_precise: its accumulation; out_bytes: its slots') in
-        reducer_fp8_tiling: at TP>=8, and at TP=4 with precise accumulation (one H100: 0.62-0.89x
+        reducer_fp8_tiling: at TP>=8, and from TP=2 with precise accumulation (one H100: 0.62-0.89x
         the Triton kernel's time at TP=8 precise, 0.74-1.04 fast; at TP=4 0.85-0.95 from 20k
-        blocks, 0.90-0.98 below since the fifth stage)."""
-        if self.warp_specialized or world < REDUCER_MIN_WORLD or self.transport == "pull":
+        blocks, 0.90-0.98 below since the fifth stage; at TP=2 0.83-1.02, 0.91 in geomean)."""
+        if self.warp_specialized or self.transport == "pull":
             return self
-        work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
         if fp8_precise is not None:
-            if world < REDUCER_WORLD and not fp8_precise:
+            if world < (REDUCER_FP8_PRECISE_MIN_WORLD if fp8_precise else REDUCER_WORLD):
                 return self
             tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n)
             return dataclasses.replace(self, **tiling, warp_specialized=True)
-        if world < REDUCER_WORLD and work < REDUCER_MIN_WORK:
+        work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
+        if world < REDUCER_MIN_WORLD or (world < REDUCER_WORLD and work < REDUCER_MIN_WORK):
             return self
         return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
 

@@ -302,12 +302,17 @@ def main() -> None:
     print(format_summary(rows))
     for r in rows:
         for label, why in r.get("skipped_variants", {}).items():
-            print(f"not run: {GemmCase(**{f: r[f] for f in GemmCase.__dataclass_fields__}).label()} {label}: {why}")
+            print(f"not run: {case_of(r).label()} {label}: {why}")
     if args.out:
         worlds = sorted({r["world"] for r in rows})
         data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=worlds[0] if len(worlds) == 1 else 0,
                         command=command_line())
         print("wrote", write_json(data, args.out))
+
+
+def case_of(row: dict) -> GemmCase:
+    """The case of a results row (fields a row of an older file lacks take their defaults)."""
+    return GemmCase(**{f: row[f] for f in GemmCase.__dataclass_fields__ if f in row})
 
 
 def format_table(rows: list[dict]) -> str:
@@ -319,7 +324,8 @@ def format_table(rows: list[dict]) -> str:
 
     extra = [key for key in ("plain_ptr_epilogue_vs_plain",) if rows and key in rows[0]] + varied_keys(rows)
     table = [  # FP8 cases have no plain kernel: "-"
-        [GemmCase(**{f: r[f] for f in GemmCase.__dataclass_fields__}).label(), r["ms"]["cublas"], r["ms"].get("plain", "-"),
+        [case_of(r).label(), r["ms"]["cublas"],
+         r["ms"].get("plain", "-"),
          r["ms"]["fused"], f'{r["plain_vs_cublas"]:.3f}' if "plain_vs_cublas" in r else "-", spread(r, "fused_vs_cublas"),
          f'{r["fused_vs_plain"]:.3f}' if "fused_vs_plain" in r else "-"]
         + [spread(r, key) for key in extra]

@@ -131,7 +131,7 @@ def test_all_gather_fp8_waits_for_rows_and_scales(warp_specialized, world, rank,
 def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_here():
     """On this Hopper GPU, scaled all-gathers go to the warp-specialized kernel, precise ones and
     fast ones whose wide tiles fill the waves; reduce-scatters to theirs (the reducer kernel)
-    precise from TP=2, fast from TP=4."""
+    precise from TP=2, fast from TP=8."""
     from fluxtp.backends.fused._all_gather_matmul import _config_for
     from fluxtp.backends.fused._matmul_reduce_scatter import _config_for as rs_config_for
 
@@ -142,10 +142,9 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
     wide = torch.zeros(7168, 1024, device="cuda").to(torch.float8_e4m3fn)  # fast: where 128x256 tiles fill the waves
     assert _config_for(x, wide, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
     assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
-    # The reduce-scatter's: precise from TP=2, fast from TP=4 (docs/perf-log.md).
+    # The reduce-scatter's: precise from TP=2, fast only from TP=8 (docs/perf-log.md).
     assert rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
     assert not rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
-    assert rs_config_for(x, w, 4, None, Scaled(torch.bfloat16, True, False)).warp_specialized
     assert pingpong_unsupported(x.device, Scaled(torch.bfloat16, True, False)) is None
 
 

@@ -13,8 +13,9 @@ dtype, op, N, K, M bucket, weight layout; the cache's key):
    kernels alone are timed, not the host's launch (fluxtp.bench.harness.graphed).
 3. the fastest there (the heuristic's, unless another leads it by MIN_GAIN), once it leads the
    heuristic's by MIN_GAIN again in a second interleaved measurement of the two (the fastest of
-   several noisy times is partly the luckiest), is written to the cache (the same file and lookup as `fluxtp tune`), with "measured" {M, ms, heuristic_ms,
-   cublas_ms, mode "gemm_only", date, versions, commit}.
+   several noisy times is partly the luckiest), is written to the cache (the same file and
+   lookup as `fluxtp tune`), with "measured" {M, ms, heuristic_ms, cublas_ms, mode "gemm_only",
+   date, versions, commit}.
 Keys whose shipped entry was measured with communication (any mode but "gemm_only") are left
 alone: a multi-GPU `fluxtp tune` measured their tiling and their communication knobs together.
 Before any timing, the distinct kernels of the whole job are compiled by a pool of processes

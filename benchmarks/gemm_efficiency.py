@@ -40,7 +40,6 @@ import math
 import subprocess
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
@@ -53,6 +52,7 @@ from fluxtp.bench.gemm_grid import (
     GRIDS,
     GemmCase,
     case_inputs,
+    cublas_reference,
     fp8_case_inputs,
     expected_rows,
     gathered,
@@ -159,8 +159,7 @@ def _fp8_runs(case: GemmCase, fast: bool):
     scales = (scale_x, scale_w)
     config = launched_config(case, x, weight, scales, fast)
     fused = gemm_only_case(case, x, weight, scales=scales, use_fast_accum=fast)
-    cublas = lambda: torch._scaled_mm(full, weight.t(), full_scales, scale_w, out_dtype=torch.bfloat16,  # noqa: E731
-                                      use_fast_accum=fast)
+    cublas = lambda: cublas_reference(full, weight, (full_scales, scale_w), fast)  # noqa: E731
     return {"cublas": cublas, "fused": fused}, x, weight, config, scales
 
 
@@ -179,7 +178,7 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
         full = gathered(case, x)  # what cuBLAS multiplies after the collective
         config = launched_config(case, x, weight)
         fused = gemm_only_case(case, x, weight)
-        cublas = lambda: F.linear(full, weight)  # noqa: E731
+        cublas = lambda: cublas_reference(full, weight)  # noqa: E731
         ref = cublas().float()
         runs = {"cublas": cublas, "fused": fused, "plain": plain_matmul(full, weight, config)}
     fused = runs["fused"]

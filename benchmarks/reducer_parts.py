@@ -26,12 +26,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import fluxtp.kernels._matmul_reduce_scatter_reducer as reducer_module
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _matmul_reduce_scatter
-from fluxtp.bench.gemm_grid import case_inputs, expected_rows, fp8_case_inputs, launched_config, relative_error
+from fluxtp.bench.gemm_grid import case_inputs, cublas_reference, expected_rows, fp8_case_inputs, launched_config, relative_error
 from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,15 +73,11 @@ def reducer_case(case, fast_accum: bool = False):
     reference: torch._scaled_mm for an FP8 case, row-wise scales, bf16 out) of a case."""
     if case.fp8:
         x, w, scale_x, scale_w = fp8_case_inputs(case, "cuda")
-
-        def reference():
-            return torch._scaled_mm(x, w.t(), scale_a=scale_x, scale_b=scale_w, out_dtype=torch.bfloat16,
-                                    use_fast_accum=fast_accum)  # fmt: skip
-
         scaled = {"scales": (scale_x, scale_w), "use_fast_accum": fast_accum}
+        reference = lambda: cublas_reference(x, w, (scale_x, scale_w), fast_accum)  # noqa: E731
         return x, w, scaled, launched_config(case, x, w, (scale_x, scale_w), fast_accum), reference
     x, w = case_inputs(case, "cuda")
-    return x, w, {}, launched_config(case, x, w), lambda: F.linear(x, w)
+    return x, w, {}, launched_config(case, x, w), lambda: cublas_reference(x, w)
 
 
 def reducer_parser(doc: str, models: str, tokens: str, variants: dict):

@@ -34,10 +34,10 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from fluxtp._dist import GroupInfo
 from fluxtp.bench.gemm_grid import (
+    cublas_reference,
     GemmCase,
     case_inputs,
     expected_rows,
@@ -186,11 +186,8 @@ def _gemm_only(case: GemmCase, inputs: tuple, config):
 
 
 def _cublas(case: GemmCase, x, w, scale_x, scale_w):
-    """cuBLAS on one rank's whole GEMM: F.linear, or torch._scaled_mm into bf16 with the case's
-    accumulation (FP8)."""
-    if scale_x is None:
-        return F.linear(x, w)
-    return torch._scaled_mm(x, w.t(), scale_x, scale_w, out_dtype=torch.bfloat16, use_fast_accum=case.fast_accum)
+    """cuBLAS on one rank's whole GEMM (cublas_reference), with the case's accumulation (FP8)."""
+    return cublas_reference(x, w, None if scale_x is None else (scale_x, scale_w), case.fast_accum)
 
 
 def _calls_per_sample(run, device) -> int:

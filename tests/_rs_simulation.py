@@ -1,9 +1,10 @@
 """W ranks of the fused GEMM+ReduceScatter simulated in one process, on one device (CPU under the
 Triton interpreter, or one GPU): the "symmetric buffers" are ordinary tensors addressed through
 the same int64 address table the GPUs use, and a stand-in handle gives the launcher its views of
-them. Used by tests/_interpret_gemm_rs.py, tests/_interpret_fp8.py and tests/gpu/test_rs_kernel_one_gpu.py.
+them. Used by tests/_interpret_gemm_rs.py, tests/_interpret_fp8.py and tests/gpu/test_{rs_kernel,fp8}_one_gpu.py;
+owner_with_late_partials (one GPU) makes the owner's waits really wait.
 A scaled (FP8) run passes `scaled` (fluxtp.backends.fused._scaled.Scaled) and every rank's
-(scale_x, scale_w) as `rank_scales`: its partial slots are float32."""
+(scale_x, scale_w) as `rank_scales`: its partial slots are in its out_dtype (partial_dtype)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, _Workspace, launch_kernel, partial_dtype, uses_reducer
 from fluxtp.symm import SymmBuffer
 from fluxtp.testing import SimulatedHandle
+from tests._gates import HostGates
 
 
 def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
@@ -93,3 +95,62 @@ def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=Fa
         launch_kernel(xr, wr, b, outs[r], ptrs, layout.flags_offset, r, world, cfg, world - 1, world - 1, max_spins,
                       None, *_scaling(scaled, rank_scales, r), layout.own_offset, buffers)  # fmt: skip
     return outs, flag_views(buffers, layout)
+
+
+def deliveries(layout, cfg, owner, world):
+    """What the owner's own-rows step waits for: (holder, slot, flag index, rows, cols) per
+    (peer, tile), or per (peer, band) with the copy engine and the reducer kernel's push; rows
+    and cols within the slot."""
+    out = []
+    for src in range(world):
+        if src == owner:
+            continue
+        holder, slot = (src, owner - (owner > src)) if cfg.transport == "pull" else (owner, src - (src > owner))
+        if cfg.copy_engine or layout.counts_bands:
+            for band in range(layout.bands):
+                first, end, _ = layout.band(band)
+                out.append((holder, slot, slot * layout.bands + band, slice(first, end), slice(0, layout.n)))
+        else:
+            for pid_m in range(layout.tiles_m):
+                for pid_n in range(layout.tiles_n):
+                    rows = slice(pid_m * cfg.block_m, min((pid_m + 1) * cfg.block_m, layout.rows_per_rank))
+                    cols = slice(pid_n * cfg.block_n, min((pid_n + 1) * cfg.block_n, layout.n))
+                    flag = slot * layout.tiles_m * layout.tiles_n + pid_m * layout.tiles_n + pid_n
+                    out.append((holder, slot, flag, rows, cols))
+    return out
+
+
+def owner_with_late_partials(x, w, b, world, k_local, cfg, owner, delay_s, max_spins, what, scaled=None, rank_scales=None):
+    """One GPU, waits that really wait: every rank's peer steps, then the owner's partials and
+    flags taken back (NaN, flag 0) and delivered again by a copy stream, last first, each behind a
+    host gate opened `delay_s` apart (tests/_gates.py), while the owner's own-rows step runs.
+    Returns the owner's output [M/W, N]."""
+    m, n = x.shape[0] // world, w.shape[0]
+    part = partial_dtype(x, scaled)
+    layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, float("nan"), 1 << 20, False, scaled, rank_scales)
+    parts = [buf[: layout.slots * m * n * part.itemsize].view(part).view(layout.slots, m, n) for buf in buffers]
+    flags = flag_views(buffers, layout)
+    complete = layout.complete_flags(cfg.copy_engine).tolist()
+    owed = deliveries(layout, cfg, owner, world)
+    saved = []
+    for holder, slot, flag, rows, cols in owed:  # take them back: NaN and flag 0 until delivered again
+        assert flags[holder][flag].item() == complete[flag], f"{what}: flag {flag} of rank {holder} was never set"
+        saved.append(parts[holder][slot, rows, cols].clone())
+        parts[holder][slot, rows, cols] = float("nan")
+        flags[holder][flag] = 0
+    compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
+    copy.wait_stream(compute)
+    finished = torch.cuda.Event()
+    xr, wr = shards(x, w, owner, k_local)
+    launch_kernel(xr, wr, b, outs[owner], ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, max_spins,
+                  None, *_scaling(scaled, rank_scales, owner), layout.own_offset, buffers)  # fmt: skip
+    finished.record(compute)
+    gates = HostGates(len(owed))
+    with torch.cuda.stream(copy):  # last tile first: every program of the kernel waits for a while
+        for (holder, slot, flag, rows, cols), data in reversed(list(zip(owed, saved))):
+            gates.hold()
+            parts[holder][slot, rows, cols].copy_(data)
+            torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, complete[flag])
+    gates.open_slowly(finished, delay_s, what)
+    torch.cuda.synchronize()
+    return outs[owner]

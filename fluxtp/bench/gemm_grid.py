@@ -229,6 +229,15 @@ def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config
                             use_fast_accum=use_fast_accum)  # fmt: skip
 
 
+def cublas_reference(x: torch.Tensor, weight: torch.Tensor, scales=None, use_fast_accum: bool = False) -> torch.Tensor:
+    """What the fused GEMM-only modes are timed against: x @ weight^T by F.linear, or, with FP8
+    scales, torch._scaled_mm into bf16 with that accumulation. Called directly, not through
+    fluxtp.fp8.scaled_linear, which falls back to a dequantized product where _scaled_mm does not run."""
+    if scales is None:
+        return torch.nn.functional.linear(x, weight)
+    return torch._scaled_mm(x, weight.t(), scales[0], scales[1], out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in float32 (NaN compares as an error of inf)."""
     got, want = got.float(), want.float()

@@ -20,8 +20,7 @@ import torch
 from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel, uses_reducer
 from tests._cases import TOLERANCE, draw, rel_error
-from tests._gates import HostGates
-from tests._rs_simulation import flag_views, peer_steps, shards, simulate
+from tests._rs_simulation import owner_with_late_partials, simulate
 
 pytestmark = pytest.mark.gpus(1)
 
@@ -100,29 +99,6 @@ def test_reducer_kernel_refuses_what_it_cannot_run_before_launching():
                           own_offset=layout.own_offset, buffers=[buffer, buffer])  # fmt: skip
 
 
-def _deliveries(layout, cfg, owner, world):
-    """What the owner's own-rows step waits for: (holder, slot, flag index, rows, cols) per
-    (peer, tile), or per (peer, band) with the copy engine and the reducer kernel's push; rows
-    and cols within the slot."""
-    out = []
-    for src in range(world):
-        if src == owner:
-            continue
-        holder, slot = (src, owner - (owner > src)) if cfg.transport == "pull" else (owner, src - (src > owner))
-        if cfg.copy_engine or layout.counts_bands:
-            for band in range(layout.bands):
-                first, end, _ = layout.band(band)
-                out.append((holder, slot, slot * layout.bands + band, slice(first, end), slice(0, layout.n)))
-        else:
-            for pid_m in range(layout.tiles_m):
-                for pid_n in range(layout.tiles_n):
-                    rows = slice(pid_m * cfg.block_m, min((pid_m + 1) * cfg.block_m, layout.rows_per_rank))
-                    cols = slice(pid_n * cfg.block_n, min((pid_n + 1) * cfg.block_n, layout.n))
-                    flag = slot * layout.tiles_m * layout.tiles_n + pid_m * layout.tiles_n + pid_n
-                    out.append((holder, slot, flag, rows, cols))
-    return out
-
-
 @pytest.mark.parametrize("transport", _matmul_reduce_scatter.TRANSPORTS)
 @pytest.mark.parametrize(
     "world, owner, m, n, k_local, base, dtype, with_bias",
@@ -140,32 +116,6 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     what = f"{transport} world={world} owner={owner} seed={seed}"
     x, w, b = _inputs(seed, world, m, n, k_local, dtype, with_bias)
     cfg = dataclasses.replace(base, transport=transport)
-    # Every rank's peer steps (and the copy plan): the partials the owner will read.
-    layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, float("nan"), max_spins=1 << 20)
-    parts = [buf[: layout.slots * m * n * x.element_size()].view(dtype).view(layout.slots, m, n) for buf in buffers]
-    flags = flag_views(buffers, layout)
-    complete = layout.complete_flags(cfg.copy_engine).tolist()
-    deliveries = _deliveries(layout, cfg, owner, world)
-    saved = []
-    for holder, slot, flag, rows, cols in deliveries:  # take them back: NaN and flag 0 until delivered again
-        assert flags[holder][flag].item() == complete[flag], f"{what}: flag {flag} of rank {holder} was never set"
-        saved.append(parts[holder][slot, rows, cols].clone())
-        parts[holder][slot, rows, cols] = float("nan")
-        flags[holder][flag] = 0
-    compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
-    copy.wait_stream(compute)
-    finished = torch.cuda.Event()
-    xr, wr = shards(x, w, owner, k_local)
-    launch_kernel(xr, wr, b, outs[owner], ptrs, layout.flags_offset, owner, world, cfg, world - 1, world - 1, MAX_SPINS,
-                  own_offset=layout.own_offset, buffers=buffers)  # fmt: skip
-    finished.record(compute)
-    gates = HostGates(len(deliveries))
-    with torch.cuda.stream(copy):  # last tile first: every program of the kernel waits for a while
-        for (holder, slot, flag, rows, cols), data in reversed(list(zip(deliveries, saved))):
-            gates.hold()
-            parts[holder][slot, rows, cols].copy_(data)
-            torch.ops.symm_mem.stream_write_value32_(flags[holder].view(torch.uint32), flag, complete[flag])
-    gates.open_slowly(finished, GATE_DELAY_S, what)
-    torch.cuda.synchronize()
-    err = rel_error(outs[owner], _reference(x, w, b, owner, world))
+    out = owner_with_late_partials(x, w, b, world, k_local, cfg, owner, GATE_DELAY_S, MAX_SPINS, what)
+    err = rel_error(out, _reference(x, w, b, owner, world))
     assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"

@@ -88,12 +88,13 @@ REDUCER = MatmulReduceScatterConfig(warp_specialized=True)
     [
         (8, 1024, 4096, 1792, False, "push"),  # a tail after the join; one copy a unit
         (4, 2048, 4096, 3584, False, "copy_engine"),  # a copy a slot
-        (8, 4096, 4096, 1792, True, "push"),  # FP8 precise: two units in flight
+        (8, 4096, 4096, 1792, "precise", "push"),  # FP8 precise: two units in flight
+        (4, 1024, 4096, 3584, "fast", "push"),  # FP8 fast: the wide tiling at TP=4
     ],
 )
 def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k, fp8, transport):
-    x, w, scaled = _inputs(m, n, k, fp8)
-    fp8_call = _scaled.Scaled.of(*scaled["scales"], torch.bfloat16, False) if fp8 else None
+    x, w, scaled = _inputs(m, n, k, bool(fp8))
+    fp8_call = _scaled.Scaled.of(*scaled["scales"], torch.bfloat16, fp8 == "fast") if fp8 else None
     config = dataclasses.replace(REDUCER, transport=transport)
     if fp8:
         config = dataclasses.replace(rs._config_for(x, w, world, None, fp8_call), transport=transport)

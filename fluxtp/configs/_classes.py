@@ -207,9 +207,10 @@ MAX_COPY_ENGINE_WORLD = 2
 
 
 # Push and copy-engine reduce-scatters run on the reducer kernel from REDUCER_WORLD ranks on, FP8
-# ones with precise accumulation from REDUCER_FP8_PRECISE_MIN_WORLD, and bf16 / fp16 ones from
-# REDUCER_MIN_WORLD where the GEMM has REDUCER_MIN_WORK units of 128x256x64 multiply-adds or more:
-# below that at TP=4 its reduction's tail outweighs what it saves (MatmulReduceScatterConfig.on_reducer_kernel).
+# ones with precise accumulation from REDUCER_FP8_PRECISE_MIN_WORLD, fast ones from REDUCER_MIN_WORLD,
+# and bf16 / fp16 ones from REDUCER_MIN_WORLD where the GEMM has REDUCER_MIN_WORK units of 128x256x64
+# multiply-adds or more: below that at TP=4 its reduction's tail outweighs what it saves
+# (MatmulReduceScatterConfig.on_reducer_kernel).
 REDUCER_WORLD = 8
 REDUCER_MIN_WORLD = 4
 REDUCER_FP8_PRECISE_MIN_WORLD = 2
@@ -278,13 +279,14 @@ class MatmulReduceScatterConfig(GemmTiling):
         and 1.02-1.05x at 14k and 7k, and 1.00-1.04x at 14k and 7k after its tail went to four
         warps; docs/perf-log.md), in 128x256x64 tiles and 3 stages (its shared memory holds no
         more). A scaled call (fp8_precise: its accumulation; out_bytes: its slots') in
-        reducer_fp8_tiling: at TP>=8, and from TP=2 with precise accumulation (one H100: 0.62-0.89x
-        the Triton kernel's time at TP=8 precise, 0.74-1.04 fast; at TP=4 0.85-0.95 from 20k
-        blocks, 0.90-0.98 below since the fifth stage; at TP=2 0.83-1.02, 0.91 in geomean)."""
+        reducer_fp8_tiling: from TP=2 with precise accumulation, from TP=4 with fast (one H100,
+        precise: 0.62-0.89x the Triton kernel's time at TP=8; at TP=4 0.85-0.95 from 20k blocks,
+        0.90-0.98 below since the fifth stage; at TP=2 0.83-1.02, 0.91 in geomean; fast: 0.74-1.04
+        at TP=8, 0.78-1.04 at TP=4, 0.935 in geomean; level at TP=2)."""
         if self.warp_specialized or self.transport == "pull":
             return self
         if fp8_precise is not None:
-            if world < (REDUCER_FP8_PRECISE_MIN_WORLD if fp8_precise else REDUCER_WORLD):
+            if world < (REDUCER_FP8_PRECISE_MIN_WORLD if fp8_precise else REDUCER_MIN_WORLD):
                 return self
             tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n)
             return dataclasses.replace(self, **tiling, warp_specialized=True)

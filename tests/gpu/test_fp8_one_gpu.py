@@ -10,6 +10,7 @@ bitwise repeatable. Ragged rows, per-tensor and row-wise scales, bf16 / fp16 / f
 precise and fast accumulation, the heuristic's FP8 tilings.
 """
 
+import dataclasses
 import random
 import re
 
@@ -26,7 +27,7 @@ from fluxtp.backends.fused._scaled import Scaled, flat, pingpong_unsupported
 from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING
 from tests._fp8_cases import partial_rounding, quantize, rel_error, tolerance
 from tests._gates import HostGates
-from tests._rs_simulation import simulate
+from tests._rs_simulation import owner_with_late_partials, simulate
 from tests.gpu import run_until_trap, skip_unless_hopper
 
 pytestmark = pytest.mark.gpus(1)
@@ -131,7 +132,7 @@ def test_all_gather_fp8_waits_for_rows_and_scales(warp_specialized, world, rank,
 def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_here():
     """On this Hopper GPU, scaled all-gathers go to the warp-specialized kernel, precise ones and
     fast ones whose wide tiles fill the waves; reduce-scatters to theirs (the reducer kernel)
-    precise from TP=2, fast from TP=8."""
+    precise from TP=2, fast from TP=4."""
     from fluxtp.backends.fused._all_gather_matmul import _config_for
     from fluxtp.backends.fused._matmul_reduce_scatter import _config_for as rs_config_for
 
@@ -142,9 +143,11 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
     wide = torch.zeros(7168, 1024, device="cuda").to(torch.float8_e4m3fn)  # fast: where 128x256 tiles fill the waves
     assert _config_for(x, wide, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
     assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
-    # The reduce-scatter's: precise from TP=2, fast only from TP=8 (docs/perf-log.md).
+    # The reduce-scatter's: precise from TP=2, fast from TP=4 (docs/perf-log.md).
     assert rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
     assert not rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
+    fast_tp4 = rs_config_for(x, w, 4, None, Scaled(torch.bfloat16, True, False))
+    assert fast_tp4.warp_specialized and fast_tp4.block_n == WARP_SPECIALIZED_FP8_FAST_TILING["block_n"]
     assert pingpong_unsupported(x.device, Scaled(torch.bfloat16, True, False)) is None
 
 
@@ -220,6 +223,7 @@ REDUCE_SCATTER_CASES = [
     (8, 200, 1024, 512, True, torch.float16, False),  # the unrolled reduction
     (4, 384, 640, 640, False, torch.float32, True),  # per tensor, an odd number of 128-wide K blocks
     (8, 200, 1024, 384, True, torch.float16, True),  # under two tiles of rows a rank, three K blocks
+    (4, 300, 1280, 640, True, torch.bfloat16, False),  # fast into 2-byte slots: the wide tiling at TP=4, ragged
 ]
 
 
@@ -235,12 +239,7 @@ def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, 
         skip_unless_hopper()
     seed = random.randrange(1 << 30)
     what = f"{transport} ws={warp_specialized} world={world} m={m} row_wise={row_wise} {out_dtype} precise={precise} seed={seed}"
-    parts, scales = [], []
-    for r in range(world):  # each rank quantizes its own slice of K
-        xq, sx, wq, sw = _operands(seed + r, world * m, n, k_local, row_wise)
-        parts.append((xq, wq))
-        scales.append((flat(sx), flat(sw)))
-    x, w = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    x, w, scales, partials, parts = _rank_operands(seed, world, m, n, k_local, row_wise)
     bias = torch.randn(n, device="cuda", dtype=torch.float32)
     if warp_specialized:
         base = MatmulReduceScatterConfig.warp_specialized_fp8(world * m, n, world, precise, out_dtype.itemsize)
@@ -250,7 +249,6 @@ def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, 
     scaled = Scaled(out_dtype, row_wise, precise)
     outs, _ = simulate(x, w, bias, world, k_local, cfg, float("nan"), MAX_SPINS, scaled=scaled, rank_scales=scales)
     again, _ = simulate(x, w, bias, world, k_local, cfg, 12345.0, MAX_SPINS, scaled=scaled, rank_scales=scales)
-    partials = [_reference(xq, s[0].reshape(-1, 1), wq, s[1], None).cpu() for (xq, wq), s in zip(parts, scales)]
     ref = sum(partials) + bias.double().cpu()
     for r in range(world):
         rows = slice(r * m, (r + 1) * m)
@@ -265,6 +263,50 @@ def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, 
                       scales[0][1], bias)  # fmt: skip
     assert rel_error(own, want.cpu()) <= tolerance(out_dtype, k_local, not precise, hopper=True), f"{what}: gemm_only"
 
+
+@pytest.mark.parametrize("transport", ["push", "copy_engine"])
+@pytest.mark.parametrize(
+    "world, owner, m, n, k_local, precise",
+    [
+        (4, 2, 300, 1280, 640, False),  # fast: the wide tiling at TP=4, ragged rows
+        (4, 1, 384, 1024, 512, True),  # precise: the narrow tiling, five stages
+        (8, 5, 200, 1024, 384, True),
+    ],
+)
+def test_reduce_scatter_fp8_owner_waits_for_late_partials(transport, world, owner, m, n, k_local, precise):
+    """The reducer kernel's FP8 tilings as the ops route them (bf16 slots, row-wise scales): the
+    owner's partials and flags taken back after the peer steps and delivered again by a copy
+    stream behind host gates, last first, while its kernel runs; its rows against float64."""
+    skip_unless_hopper()
+    seed = random.randrange(1 << 30)
+    what = f"{transport} world={world} owner={owner} precise={precise} seed={seed}"
+    x, w, scales, partials, _ = _rank_operands(seed, world, m, n, k_local, True)
+    bias = torch.randn(n, device="cuda", dtype=torch.float32)
+    base = MatmulReduceScatterConfig.heuristic_fp8(world * m, n, world * k_local, world, precise)
+    cfg = dataclasses.replace(base, transport=transport).on_reducer_kernel(world, world * m, n, world * k_local, precise)
+    assert cfg.warp_specialized, f"{what}: not routed to the reducer kernel"
+    scaled = Scaled(torch.bfloat16, True, precise)
+    out = owner_with_late_partials(x, w, bias, world, k_local, cfg, owner, GATE_DELAY_S, MAX_SPINS, what, scaled, scales)
+    rows = slice(owner * m, (owner + 1) * m)
+    ref = sum(partials)[rows] + bias.double().cpu()
+    allowed = tolerance(torch.bfloat16, world * k_local, not precise, hopper=True)
+    allowed += partial_rounding(torch.bfloat16, [p[rows] for p in partials], ref)
+    err = rel_error(out, ref)
+    assert err <= allowed, f"{what}: rel err {err:.2e}"
+
+
+
+def _rank_operands(seed, world, m, n, k_local, row_wise):
+    """Every rank's own K slice quantized by itself: x [W*m, W*k_local], w [n, W*k_local], each
+    rank's flat (scale_x, scale_w), and each rank's float64 partial product [W*m, n] (on CPU)."""
+    parts, scales = [], []
+    for r in range(world):
+        xq, sx, wq, sw = _operands(seed + r, world * m, n, k_local, row_wise)
+        parts.append((xq, wq))
+        scales.append((flat(sx), flat(sw)))
+    x, w = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    partials = [_reference(xq, s[0].reshape(-1, 1), wq, s[1], None).cpu() for (xq, wq), s in zip(parts, scales)]
+    return x, w, scales, partials, parts
 
 @pytest.mark.parametrize("row_wise", [True, False])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])

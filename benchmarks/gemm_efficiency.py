@@ -30,6 +30,13 @@ shows "-" and the reason). Every output is checked against cuBLAS's before timin
 varied kernel's bitwise against the fused one's (so only knobs that keep the order of the sums
 can be varied, unless --any-bits). The table ends with fused/cuBLAS per op and TP degree:
 geometric mean and worst case.
+
+    python benchmarks/gemm_efficiency.py --report FILE.json [FILE.json ...]
+
+reads result files instead (a case in several: the last file's row) and prints them against the
+GEMM-parity targets (TARGETS): per op, dtype and TP degree the geometric mean and worst case, then
+every case over its target with what its kernel's GEMM costs (plain/cuBLAS), what the fusion
+costs (fused/plain) and its launched tiles in waves of the SMs.
 """
 
 from __future__ import annotations
@@ -64,8 +71,15 @@ from fluxtp.bench.gemm_grid import (
 )
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
+from fluxtp.configs import HOPPER_SMS, cdiv
 from fluxtp.kernels._matmul_reduce_scatter import _halves
 from fluxtp.kernels._tiles import dot_k_block, grouped_tile
+
+# The GEMM-parity targets, fused / cuBLAS (or torch._scaled_mm): (geometric mean over a grid,
+# every case) per op, and the FP8 ops' for either; the reduce-scatter's every-case bound is
+# RS_CASE_TARGET_TP8 from 8 ranks on (its owner sums the most partials there).
+TARGETS = {"all_gather_matmul": (1.00, 1.02), "matmul_reduce_scatter": (1.02, 1.05), "fp8": (1.00, 1.03)}
+RS_CASE_TARGET_TP8 = 1.08
 
 # The issues' shapes at TP=2 (LLaMA-70B and GPT-3-175B layer dims), both ops.
 DEFAULT_SHAPES = ",".join(
@@ -261,7 +275,12 @@ def main() -> None:
                         help="--vary may change the output bits (knobs that reorder the sums, e.g. block_k): "
                              "varied kernels are checked against cuBLAS only")
     parser.add_argument("--out")
+    parser.add_argument("--report", nargs="+", metavar="FILE",
+                        help="print result files against the targets instead of timing (no GPU needed)")
     args = parser.parse_args()
+    if args.report:
+        print(format_targets(report_rows(args.report)))
+        return
     if args.grid:
         todo = grid(args.grid)
     else:
@@ -344,6 +363,70 @@ def format_summary(rows: list[dict]) -> str:
         for (op, world, is_fp8), v in sorted(groups.items())
     ]
     return tabulate(table, headers=["op", "TP", "cases", "fused/cuBLAS geomean", "worst"])
+
+
+def case_target(row: dict) -> tuple[float, float]:
+    """(geometric mean, every case) targets of a results row's group (TARGETS)."""
+    if case_of(row).fp8:
+        return TARGETS["fp8"]
+    mean, each = TARGETS[row["op"]]
+    if row["op"] == "matmul_reduce_scatter" and row["world"] >= 8:
+        each = RS_CASE_TARGET_TP8
+    return mean, each
+
+
+def waves(row: dict) -> float:
+    """The row's launched tiles over the SMs of an H100 / H200: the all-gather's per segment of
+    rows (a rank's), the reduce-scatter's over the whole per-rank GEMM."""
+    case, config = case_of(row), row["config"]
+    m, n, _ = case.gemm_shape
+    if case.op == "all_gather_matmul":
+        tiles = case.world * cdiv(m // case.world, config["block_m"]) * cdiv(n, config["block_n"])
+    else:
+        tiles = cdiv(m, config["block_m"]) * cdiv(n, config["block_n"])
+    return tiles / HOPPER_SMS
+
+
+def report_rows(paths: list[str]) -> list[dict]:
+    """The rows of result files, one per case: a later file's row replaces an earlier one's."""
+    import json
+
+    rows = {}
+    for path in paths:
+        with open(path) as f:
+            for row in json.load(f)["rows"]:
+                rows[dataclasses.replace(case_of(row), model="")] = row  # older rows name no model
+    return list(rows.values())
+
+
+def format_targets(rows: list[dict]) -> str:
+    """Per (op, dtype, accumulation, weight layout, TP degree): cases, fused/cuBLAS geomean and
+    worst against the targets; then every case over its own target, cost split in two."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        case = case_of(r)
+        groups.setdefault((case.op, case.dtype + (" fast" if case.fast_accum else ""), case.weight_layout, case.world), []).append(r)
+    summary, over = [], []
+    for (op, dtype, layout, world), group in sorted(groups.items()):
+        ratios = [r["fused_vs_cublas"] for r in group]
+        mean_target, case_limit = case_target(group[0])
+        misses = [r for r in group if r["fused_vs_cublas"] > case_limit]
+        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        summary.append([op, dtype, layout, world, len(group), f"{geomean:.3f}", f"{mean_target:.2f}", f"{max(ratios):.3f}",
+                        f"{case_limit:.2f}", len(misses)])  # fmt: skip
+        over += [
+            [case_of(r).label(), f'{r["fused_vs_cublas"]:.3f}', f"{case_limit:.2f}",
+             f'{r["plain_vs_cublas"]:.3f}' if "plain_vs_cublas" in r else "-",
+             f'{r["fused_vs_plain"]:.3f}' if "fused_vs_plain" in r else "-", f"{waves(r):.2f}",
+             "warp-specialized" if r["config"].get("warp_specialized") else "Triton"]
+            for r in sorted(misses, key=lambda r: -r["fused_vs_cublas"])
+        ]  # fmt: skip
+    headers = ["op", "dtype", "weight", "TP", "cases", "geomean", "target", "worst", "case target", "over"]
+    text = tabulate(summary, headers=headers, disable_numparse=True)  # keep the strings' digits
+    if over:
+        headers = ["case over its target", "fused/cuBLAS", "target", "plain/cuBLAS", "fused/plain", "waves", "kernel"]
+        text += "\n\n" + tabulate(over, headers=headers, disable_numparse=True)
+    return text
 
 
 if __name__ == "__main__":

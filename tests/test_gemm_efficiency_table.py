@@ -26,3 +26,38 @@ def test_a_variant_a_case_could_not_run_shows_a_dash_and_keeps_its_column():
     table = gemm_efficiency.format_table([skipped, ran]).splitlines()
     assert "fused_num_stages=5/ref" in table[0]
     assert table[2].rstrip().endswith("-") and "0.950 (0.940-0.960)" in table[3]
+
+
+def _target_row(op: str, m: int, world: int, fused: float, plain: float, block_n: int = 256) -> dict:
+    n, k = (14336, 4096) if op == "all_gather_matmul" else (4096, 14336)
+    return {"op": op, "M": m, "N": n, "K": k, "world": world, "dtype": "bfloat16", "weight_layout": "linear",
+            "model": "llama3-8b", "ms": {}, "fused_vs_cublas": fused, "plain_vs_cublas": plain,
+            "fused_vs_plain": round(fused / plain, 4),
+            "config": {"block_m": 128, "block_n": block_n, "warp_specialized": block_n == 256}}  # fmt: skip
+
+
+def test_the_targets_report_lists_each_case_over_its_groups_bound_with_its_costs_apart(tmp_path):
+    """A reduce-scatter at TP=8 may read up to 1.08, at TP=4 up to 1.05; an all-gather 1.02. A case
+    in two files counts once, the later file's; the report splits the cost and counts the waves."""
+    import json
+
+    first = [_target_row("matmul_reduce_scatter", 1024, 8, 1.30, 1.01), _target_row("all_gather_matmul", 1024, 8, 1.5, 1.1)]
+    later = [
+        {**_target_row("all_gather_matmul", 1024, 8, 1.179, 1.1, block_n=128), "model": ""},  # an older file's row
+        _target_row("matmul_reduce_scatter", 1024, 4, 1.06, 1.02),
+        _target_row("matmul_reduce_scatter", 2048, 8, 1.07, 1.00),  # within TP=8's bound
+    ]
+    paths = []
+    for name, rows in (("a.json", first), ("b.json", later)):
+        (tmp_path / name).write_text(json.dumps({"rows": rows}))
+        paths.append(str(tmp_path / name))
+    rows = gemm_efficiency.report_rows(paths)
+    assert len(rows) == 4
+    text = gemm_efficiency.format_targets(rows)
+    summary, misses = text.split("\n\n")
+    assert "1.5" not in summary and "1.179" in summary  # the later row replaced the earlier one
+    over = misses.splitlines()[2:]
+    assert [line.split()[:3] for line in over] == [["ag", "1024x14336x4096", "TP8"], ["rs", "1024x4096x14336", "TP4"],
+                                                  ["rs", "1024x4096x14336", "TP8"]]  # fmt: skip
+    assert over[0].split()[4:10] == ["1.179", "1.02", "1.100", "1.072", "0.85", "Triton"]  # 8 x 14 tiles: 0.85 waves
+    assert over[1].split()[4:6] == ["1.060", "1.05"] and over[2].split()[4:6] == ["1.300", "1.08"]

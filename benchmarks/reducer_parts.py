@@ -7,8 +7,8 @@ Per reduce-scatter case of the named models' grid (fluxtp/bench/gemm_grid.py) th
 on the reducer kernel (fluxtp/kernels/_matmul_reduce_scatter_reducer.py), its GEMM-only mode
 beside copies of its source with one part switched off, and cuBLAS (torch._scaled_mm for FP8
 cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benchmark harness:
-- `no_reducer`: the reducer warp does nothing (nothing is reduced; the consumers still store and
-  count every half);
+- `no_reducer`: the reducer warp and the tail after it do nothing (nothing is reduced; the
+  consumers still store and count every half);
 - `no_reducer_no_peer_counts`: and the peers' halves are never handed to the counter warp nor
   counted;
 - `no_reducer_no_counts`: and no own half is counted either (the GEMM and its partial stores alone);
@@ -36,7 +36,10 @@ from fluxtp.bench.harness import graphed
 sys.path.insert(0, str(Path(__file__).parent))
 from _kernel_variants import case_parser, cases_of, chosen_variants, report, time_case, variant_kernels  # noqa: E402
 
-NO_REDUCER = [("    if last_step == WORLD - 1:\n        UNIT_ROWS", "    if last_step == WORLD + 99:\n        UNIT_ROWS")]
+NO_REDUCER = [
+    ("    if last_step == WORLD - 1:\n        UNIT_ROWS", "    if last_step == WORLD + 99:\n        UNIT_ROWS"),
+    ("    if TAIL_UNITS > 0:\n        if last_step == WORLD - 1:\n            _tail(", "    if TAIL_UNITS < 0:\n        if last_step == WORLD - 1:\n            _tail("),
+]
 NO_PEER_COUNTS = [
     ("            if pending != 0:  # its store", "            if pending < 0:  # its store"),
     ("    if pending != 0:\n        handed =", "    if pending < 0:\n        handed ="),

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import subprocess
 
@@ -389,8 +390,6 @@ def waves(row: dict) -> float:
 
 def report_rows(paths: list[str]) -> list[dict]:
     """The rows of result files, one per case: a later file's row replaces an earlier one's."""
-    import json
-
     rows = {}
     for path in paths:
         with open(path) as f:

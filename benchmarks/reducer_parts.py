@@ -38,7 +38,8 @@ from _kernel_variants import case_parser, cases_of, chosen_variants, report, tim
 
 NO_REDUCER = [
     ("    if last_step == WORLD - 1:\n        UNIT_ROWS", "    if last_step == WORLD + 99:\n        UNIT_ROWS"),
-    ("    if TAIL_UNITS > 0:\n        if last_step == WORLD - 1:\n            _tail(", "    if TAIL_UNITS < 0:\n        if last_step == WORLD - 1:\n            _tail("),
+    ("    if TAIL_UNITS > 0:\n        if last_step == WORLD - 1:\n            _tail(",
+     "    if TAIL_UNITS < 0:\n        if last_step == WORLD - 1:\n            _tail("),
 ]
 NO_PEER_COUNTS = [
     ("            if pending != 0:  # its store", "            if pending < 0:  # its store"),

@@ -13,7 +13,6 @@ import torch
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, _Workspace, launch_kernel, partial_dtype, uses_reducer
 from fluxtp.symm import SymmBuffer
 from fluxtp.testing import SimulatedHandle
-from tests._gates import HostGates
 
 
 def make_buffers(world, layout, poison, dtype=torch.float16, device="cpu"):
@@ -125,6 +124,9 @@ def owner_with_late_partials(x, w, b, world, k_local, cfg, owner, delay_s, max_s
     flags taken back (NaN, flag 0) and delivered again by a copy stream, last first, each behind a
     host gate opened `delay_s` apart (tests/_gates.py), while the owner's own-rows step runs.
     Returns the owner's output [M/W, N]."""
+    # Imported here: the interpreter scripts run this module from tests/ by path, outside the package.
+    from tests._gates import HostGates
+
     m, n = x.shape[0] // world, w.shape[0]
     part = partial_dtype(x, scaled)
     layout, buffers, ptrs, outs = peer_steps(x, w, b, world, k_local, cfg, float("nan"), 1 << 20, False, scaled, rank_scales)

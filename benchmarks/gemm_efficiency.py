@@ -167,8 +167,10 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     return run
 
 
-def _fp8_runs(case: GemmCase, fast: bool):
-    """(runs, x, weight, config, scales) of an FP8 case: torch._scaled_mm and the fused GEMM-only mode."""
+def _fp8_runs(case: GemmCase):
+    """(runs, x, weight, config, scales) of an FP8 case: torch._scaled_mm and the fused GEMM-only
+    mode, both with the case's accumulation."""
+    fast = case.fast_accum
     x, weight, scale_x, scale_w = fp8_case_inputs(case, "cuda")
     full, full_scales = gathered(case, x), gathered(case, scale_x)  # the row scales travel with the rows
     scales = (scale_x, scale_w)
@@ -178,15 +180,14 @@ def _fp8_runs(case: GemmCase, fast: bool):
     return {"cublas": cublas, "fused": fused}, x, weight, config, scales
 
 
-def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: bool = False, fast_accum: bool = False,
-                  any_bits: bool = False):  # fmt: skip
+def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: bool = False, any_bits: bool = False):
     """(the variants of one case, the config used, {varied label: why it cannot run here}): each
     output checked against cuBLAS's (and each varied one against the fused kernel's bits, unless
     any_bits); a varied config that does not fit this case (shared memory, a kernel's refusal) is
     left out with its reason, not the run."""
     scales = None
     if case.fp8:
-        runs, x, weight, config, scales = _fp8_runs(case, fast_accum)
+        runs, x, weight, config, scales = _fp8_runs(case)
         ref = runs["cublas"]().float()
     else:
         x, weight = case_inputs(case, "cuda")
@@ -213,7 +214,7 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
         changes = varied_fields(config, spec)
         label = ",".join(f"{name}={value}" for name, value in changes.items())
         try:
-            varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales, fast_accum)
+            varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales, case.fast_accum)
             out = varied()
         except (OutOfResources, ValueError) as error:
             skipped[label] = f"{type(error).__name__}: {error}"
@@ -286,14 +287,15 @@ def main() -> None:
         todo = grid(args.grid)
     else:
         todo = parse_cases(args.shapes, args.world, args.dtype, args.weight_layout)
+    if args.fast_accum:
+        todo = [dataclasses.replace(c, fast_accum=True) if c.fp8 else c for c in todo]
     protocol = Protocol(rounds=args.rounds, warmup_rounds=GPU_PROTOCOL.warmup_rounds,
                         calls_per_sample=GPU_PROTOCOL.calls_per_sample)
     device = torch.device("cuda", torch.cuda.current_device())
     print("GPU before:", gpu_state())
     rows = []
     for case in tqdm(todo, unit="case", mininterval=10):
-        variants, config, skipped = case_variants(case, tuple(args.vary), args.pointer_epilogue, args.fast_accum,
-                                                  args.any_bits)  # fmt: skip
+        variants, config, skipped = case_variants(case, tuple(args.vary), args.pointer_epilogue, args.any_bits)
         timings = measure_rounds(variants, protocol, GroupInfo(None, 0, 1), device)
         ms = {name: round(t, 4) for name, t in timings.ms.items()}
 
@@ -306,7 +308,7 @@ def main() -> None:
         pointer = ratio("plain_ptr_epilogue", "plain") if "plain_ptr_epilogue" in ms else {}
         plain = {**ratio("plain", "cublas"), **ratio("fused", "plain")} if "plain" in ms else {}
         rows.append({
-            **dataclasses.asdict(case), "ms": ms, **({"fast_accum": args.fast_accum} if case.fp8 else {}),
+            **dataclasses.asdict(case), "ms": ms,
             **ratio("fused", "cublas"), **plain, **pointer,
             **{key: v for name in ms if name.startswith("fused_") for key, v in ratio(name, "fused").items()},
             "config": dataclasses.asdict(config), **({"skipped_variants": skipped} if skipped else {}),
@@ -404,7 +406,8 @@ def format_targets(rows: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         case = case_of(r)
-        groups.setdefault((case.op, case.dtype + (" fast" if case.fast_accum else ""), case.weight_layout, case.world), []).append(r)
+        dtype = case.dtype + (" fast" if case.fast_accum else "")
+        groups.setdefault((case.op, dtype, case.weight_layout, case.world), []).append(r)
     summary, over = [], []
     for (op, dtype, layout, world), group in sorted(groups.items()):
         ratios = [r["fused_vs_cublas"] for r in group]

@@ -30,7 +30,15 @@ import torch
 import fluxtp.kernels._matmul_reduce_scatter_reducer as reducer_module
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _matmul_reduce_scatter
-from fluxtp.bench.gemm_grid import case_inputs, cublas_reference, expected_rows, fp8_case_inputs, launched_config, relative_error
+from fluxtp.bench.gemm_grid import (
+    FP8_DTYPE_NAMES,
+    case_inputs,
+    cublas_reference,
+    expected_rows,
+    fp8_case_inputs,
+    launched_config,
+    relative_error,
+)
 from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,14 +80,14 @@ def gemm_only_with(kernel, x, w, world, config, **scaled):
         setattr(reducer_module, KERNEL, shipped)
 
 
-def reducer_case(case, fast_accum: bool = False):
+def reducer_case(case):
     """(x, w, the GEMM-only mode's scale arguments, the config a call launches, the cuBLAS
-    reference: torch._scaled_mm for an FP8 case, row-wise scales, bf16 out) of a case."""
+    reference: torch._scaled_mm for an FP8 case, row-wise scales, bf16 out, its accumulation) of a case."""
     if case.fp8:
         x, w, scale_x, scale_w = fp8_case_inputs(case, "cuda")
-        scaled = {"scales": (scale_x, scale_w), "use_fast_accum": fast_accum}
-        reference = lambda: cublas_reference(x, w, (scale_x, scale_w), fast_accum)  # noqa: E731
-        return x, w, scaled, launched_config(case, x, w, (scale_x, scale_w), fast_accum), reference
+        scales, fast = (scale_x, scale_w), case.fast_accum
+        reference = lambda: cublas_reference(x, w, scales, fast)  # noqa: E731
+        return x, w, {"scales": scales, "use_fast_accum": fast}, launched_config(case, x, w, scales, fast), reference
     x, w = case_inputs(case, "cuda")
     return x, w, {}, launched_config(case, x, w), lambda: cublas_reference(x, w)
 
@@ -96,8 +104,9 @@ def reducer_parser(doc: str, models: str, tokens: str, variants: dict):
 def reducer_cases(args):
     """(case, x, w, scaled, config, reference, its expected rows) of each case of reducer_parser's
     arguments that a call runs on the reducer kernel; the others are named and skipped."""
-    for case in [dataclasses.replace(c, dtype=args.dtype) for c in cases_of(args, "matmul_reduce_scatter")]:
-        x, w, scaled, config, reference = reducer_case(case, args.fast_accum)
+    fast = args.fast_accum and args.dtype in FP8_DTYPE_NAMES
+    for case in [dataclasses.replace(c, dtype=args.dtype, fast_accum=fast) for c in cases_of(args, "matmul_reduce_scatter")]:
+        x, w, scaled, config, reference = reducer_case(case)
         if not config.warp_specialized:
             print(f"{case.label()}: a call runs the Triton kernel here, not the reducer kernel; skipped", flush=True)
             continue

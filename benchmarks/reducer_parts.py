@@ -12,6 +12,8 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `no_reducer_no_peer_counts`: and the peers' halves are never handed to the counter warp nor
   counted;
 - `no_reducer_no_counts`: and no own half is counted either (the GEMM and its partial stores alone);
+- `no_sums`: the reducer warp and the tail wait for and load every unit but sum and store none
+  (what their sums cost beside their waits and loads);
 - `own_flag_only`: the shipped kernel whose reducers wait for their tiles' own flags only, not the
   peers' bands (one GPU: the peers' counts are preset, so it computes the op);
 - `no_waits`: the shipped kernel whose reducers wait for nothing (they sum unready rows).
@@ -55,12 +57,17 @@ NO_PEER_COUNTS = [
     ("& (owner != RANK):\n            counter = _band_counter", "& (owner == RANK + 99):\n            counter = _band_counter"),
 ]
 NO_OWN_COUNTS = [("                _count_own(own_flags + pid_m * tiles_n + pid_n)", "                pass")]
+NO_SUMS = [  # the units still wait and load; nothing is summed or stored
+    ("                _sum_unit(unit_bufs, buffer, out_ptr", "                if row0 < 0:\n                    _sum_unit(unit_bufs, buffer, out_ptr"),
+    ("                _sum_unit(ring, k, out_ptr", "                if row0 < 0:\n                    _sum_unit(ring, k, out_ptr"),
+]
 OWN_FLAG_ONLY = [("    waited = lanes < count * WORLD\n", "    waited = (lanes < count * WORLD) & (srcs == RANK)\n")]
 NO_WAITS = [("    waited = lanes < count * WORLD\n", "    waited = lanes < 0\n")]
 VARIANTS = {
     "no_reducer": NO_REDUCER,
     "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
     "no_reducer_no_counts": NO_REDUCER + NO_PEER_COUNTS + NO_OWN_COUNTS,
+    "no_sums": NO_SUMS,
     "own_flag_only": OWN_FLAG_ONLY,
     "no_waits": NO_WAITS,
 }

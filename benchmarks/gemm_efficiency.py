@@ -170,13 +170,12 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
 def _fp8_runs(case: GemmCase):
     """(runs, x, weight, config, scales) of an FP8 case: torch._scaled_mm and the fused GEMM-only
     mode, both with the case's accumulation."""
-    fast = case.fast_accum
     x, weight, scale_x, scale_w = fp8_case_inputs(case, "cuda")
     full, full_scales = gathered(case, x), gathered(case, scale_x)  # the row scales travel with the rows
     scales = (scale_x, scale_w)
-    config = launched_config(case, x, weight, scales, fast)
-    fused = gemm_only_case(case, x, weight, scales=scales, use_fast_accum=fast)
-    cublas = lambda: cublas_reference(full, weight, (full_scales, scale_w), fast)  # noqa: E731
+    config = launched_config(case, x, weight, scales)
+    fused = gemm_only_case(case, x, weight, scales=scales)
+    cublas = lambda: cublas_reference(full, weight, (full_scales, scale_w), case.fast_accum)  # noqa: E731
     return {"cublas": cublas, "fused": fused}, x, weight, config, scales
 
 
@@ -214,7 +213,7 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
         changes = varied_fields(config, spec)
         label = ",".join(f"{name}={value}" for name, value in changes.items())
         try:
-            varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales, case.fast_accum)
+            varied = gemm_only_case(case, x, weight, dataclasses.replace(config, **changes), scales)
             out = varied()
         except (OutOfResources, ValueError) as error:
             skipped[label] = f"{type(error).__name__}: {error}"
@@ -345,9 +344,8 @@ def format_table(rows: list[dict]) -> str:
 
     extra = [key for key in ("plain_ptr_epilogue_vs_plain",) if rows and key in rows[0]] + varied_keys(rows)
     table = [  # FP8 cases have no plain kernel: "-"
-        [case_of(r).label(), r["ms"]["cublas"],
-         r["ms"].get("plain", "-"),
-         r["ms"]["fused"], f'{r["plain_vs_cublas"]:.3f}' if "plain_vs_cublas" in r else "-", spread(r, "fused_vs_cublas"),
+        [case_of(r).label(), r["ms"]["cublas"], r["ms"].get("plain", "-"), r["ms"]["fused"],
+         f'{r["plain_vs_cublas"]:.3f}' if "plain_vs_cublas" in r else "-", spread(r, "fused_vs_cublas"),
          f'{r["fused_vs_plain"]:.3f}' if "fused_vs_plain" in r else "-"]
         + [spread(r, key) for key in extra]
         for r in rows

@@ -94,7 +94,7 @@ def reducer_case(case):
         x, w, scale_x, scale_w = fp8_case_inputs(case, "cuda")
         scales, fast = (scale_x, scale_w), case.fast_accum
         reference = lambda: cublas_reference(x, w, scales, fast)  # noqa: E731
-        return x, w, {"scales": scales, "use_fast_accum": fast}, launched_config(case, x, w, scales, fast), reference
+        return x, w, {"scales": scales, "use_fast_accum": fast}, launched_config(case, x, w, scales), reference
     x, w = case_inputs(case, "cuda")
     return x, w, {}, launched_config(case, x, w), lambda: cublas_reference(x, w)
 

@@ -37,9 +37,9 @@ import torch
 
 from fluxtp._dist import GroupInfo
 from fluxtp.bench.gemm_grid import (
-    cublas_reference,
     GemmCase,
     case_inputs,
+    cublas_reference,
     expected_rows,
     fp8_case_inputs,
     gathered,
@@ -182,7 +182,7 @@ def _inputs(case: GemmCase, device, generator) -> tuple:
 
 def _gemm_only(case: GemmCase, inputs: tuple, config):
     x, w, scale_x, scale_w = inputs
-    return gemm_only_case(case, x, w, config, None if scale_x is None else (scale_x, scale_w), case.fast_accum)
+    return gemm_only_case(case, x, w, config, None if scale_x is None else (scale_x, scale_w))
 
 
 def _cublas(case: GemmCase, x, w, scale_x, scale_w):

@@ -96,7 +96,7 @@ def simulate(x, w, b, world, k_local, cfg, poison, max_spins=1000, transposed=Fa
     return outs, flag_views(buffers, layout)
 
 
-def deliveries(layout, cfg, owner, world):
+def _deliveries(layout, cfg, owner, world):
     """What the owner's own-rows step waits for: (holder, slot, flag index, rows, cols) per
     (peer, tile), or per (peer, band) with the copy engine and the reducer kernel's push; rows
     and cols within the slot."""
@@ -133,7 +133,7 @@ def owner_with_late_partials(x, w, b, world, k_local, cfg, owner, delay_s, max_s
     parts = [buf[: layout.slots * m * n * part.itemsize].view(part).view(layout.slots, m, n) for buf in buffers]
     flags = flag_views(buffers, layout)
     complete = layout.complete_flags(cfg.copy_engine).tolist()
-    owed = deliveries(layout, cfg, owner, world)
+    owed = _deliveries(layout, cfg, owner, world)
     saved = []
     for holder, slot, flag, rows, cols in owed:  # take them back: NaN and flag 0 until delivered again
         assert flags[holder][flag].item() == complete[flag], f"{what}: flag {flag} of rank {holder} was never set"

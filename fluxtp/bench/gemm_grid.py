@@ -192,14 +192,14 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
     return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
 
 
-def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scales=None, use_fast_accum: bool = False):
+def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scales=None):
     """The config a call of the case launches now (the user's cache, the shipped table, or the
-    heuristic; FP8 cases (scales given): the FP8 heuristic)."""
+    heuristic; FP8 cases (scales given): with the case's accumulation)."""
     from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
     from fluxtp.backends.fused._scaled import Scaled
 
     module = _all_gather_matmul if case.op == "all_gather_matmul" else _matmul_reduce_scatter
-    scaled = None if scales is None else Scaled.of(*scales, torch.bfloat16, use_fast_accum)
+    scaled = None if scales is None else Scaled.of(*scales, torch.bfloat16, case.fast_accum)
     return module._config_for(x, weight, case.world, None, scaled)
 
 
@@ -215,18 +215,17 @@ def warp_specialized_runs(case: GemmCase, device) -> bool:
     return _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype])
 
 
-def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None, scales=None,
-                   use_fast_accum: bool = False):  # fmt: skip
+def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None, scales=None):
     """A zero-argument callable launching the fused kernel of rank 0 of the case with
     communication switched off, with `config` (default: the one a call would launch); an FP8
-    case passes its scales (the scaled op's kernel, bf16 out)."""
+    case passes its scales (the scaled op's kernel, bf16 out, the case's accumulation)."""
     from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
 
     module = _all_gather_matmul if case.op == "all_gather_matmul" else _matmul_reduce_scatter
     if scales is None:
         return module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config=config)
     return module.gemm_only(x, weight, None, GroupInfo(None, 0, case.world), config=config, scales=scales,
-                            use_fast_accum=use_fast_accum)  # fmt: skip
+                            use_fast_accum=case.fast_accum)  # fmt: skip
 
 
 def cublas_reference(x: torch.Tensor, weight: torch.Tensor, scales=None, use_fast_accum: bool = False) -> torch.Tensor:

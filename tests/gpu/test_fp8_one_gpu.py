@@ -49,6 +49,19 @@ def _reference(xq, sx, wq, sw, bias):
     return ref + bias.double() if bias is not None else ref
 
 
+def _rank_operands(seed, world, m, n, k_local, row_wise):
+    """Every rank's own K slice quantized by itself: x [W*m, W*k_local], w [n, W*k_local], each
+    rank's flat (scale_x, scale_w), and each rank's float64 partial product [W*m, n] (on CPU)."""
+    parts, scales = [], []
+    for r in range(world):
+        xq, sx, wq, sw = _operands(seed + r, world * m, n, k_local, row_wise)
+        parts.append((xq, wq))
+        scales.append((flat(sx), flat(sw)))
+    x, w = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    partials = [_reference(xq, s[0].reshape(-1, 1), wq, s[1], None).cpu() for (xq, wq), s in zip(parts, scales)]
+    return x, w, scales, partials, parts
+
+
 ALL_GATHER_CASES = [
     (2, 1, 1000, 1000, 2048, True, torch.bfloat16, True, 256),  # ragged rows, N not a tile multiple, 4 chunks
     (2, 0, 512, 2048, 4096, False, torch.float32, False, 512),  # per tensor, fast accumulation, one chunk
@@ -294,19 +307,6 @@ def test_reduce_scatter_fp8_owner_waits_for_late_partials(transport, world, owne
     err = rel_error(out, ref)
     assert err <= allowed, f"{what}: rel err {err:.2e}"
 
-
-
-def _rank_operands(seed, world, m, n, k_local, row_wise):
-    """Every rank's own K slice quantized by itself: x [W*m, W*k_local], w [n, W*k_local], each
-    rank's flat (scale_x, scale_w), and each rank's float64 partial product [W*m, n] (on CPU)."""
-    parts, scales = [], []
-    for r in range(world):
-        xq, sx, wq, sw = _operands(seed + r, world * m, n, k_local, row_wise)
-        parts.append((xq, wq))
-        scales.append((flat(sx), flat(sw)))
-    x, w = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
-    partials = [_reference(xq, s[0].reshape(-1, 1), wq, s[1], None).cpu() for (xq, wq), s in zip(parts, scales)]
-    return x, w, scales, partials, parts
 
 @pytest.mark.parametrize("row_wise", [True, False])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -16,9 +16,13 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
   (what their sums cost beside their waits and loads);
 - `own_flag_only`: the shipped kernel whose reducers wait for their tiles' own flags only, not the
   peers' bands (one GPU: the peers' counts are preset, so it computes the op);
-- `no_waits`: the shipped kernel whose reducers wait for nothing (they sum unready rows).
-Only the shipped kernel and `own_flag_only` compute the op's result (checked first; the peers'
-partials read are zeros). Time over cuBLAS's, medians.
+- `no_waits`: the shipped kernel whose reducers wait for nothing (they sum unready rows);
+- `one_unit_a_wait`: the reducer's waits read one unit's flags, not the next ones' too;
+- `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
+- `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
+- `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn.
+The shipped kernel and the variants that change only how it waits or sums (COMPUTES_THE_OP)
+compute the op's result (checked first; the peers' partials read are zeros). Time over cuBLAS's, medians.
 """
 
 from __future__ import annotations
@@ -63,6 +67,19 @@ NO_SUMS = [  # the units still wait and load; nothing is summed or stored
 ]
 OWN_FLAG_ONLY = [("    waited = lanes < count * WORLD\n", "    waited = (lanes < count * WORLD) & (srcs == RANK)\n")]
 NO_WAITS = [("    waited = lanes < count * WORLD\n", "    waited = lanes < 0\n")]
+ONE_UNIT_A_WAIT = [  # the reducer's wait reads one unit's flags, not the next ones' too
+    ("count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)",
+     "count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 1)"),
+]
+ATOMIC_READS = [  # the flags read by atomic adds of 0 with acquire (the waited ones), not by acquire loads
+    ("    arrived = (_acquire_read(flag_ptrs) == expected) | ~waited\n",
+     "    arrived = (gl.atomic_add(flag_ptrs, gl.zeros_like(expected), mask=waited, sem='acquire', scope='sys')\n"
+     "               == expected) | ~waited\n"),
+    ("        arrived = arrived | (_acquire_read(flag_ptrs) == expected)\n",
+     "        arrived = arrived | (gl.atomic_add(flag_ptrs, gl.zeros_like(expected), mask=waited & ~arrived,\n"
+     "                                           sem='acquire', scope='sys') == expected)\n"),
+]
+TWO_REDUCER_WARPS = [("REDUCER_WARPS = gl.constexpr(1)", "REDUCER_WARPS = gl.constexpr(2)")]
 VARIANTS = {
     "no_reducer": NO_REDUCER,
     "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
@@ -70,8 +87,13 @@ VARIANTS = {
     "no_sums": NO_SUMS,
     "own_flag_only": OWN_FLAG_ONLY,
     "no_waits": NO_WAITS,
+    "one_unit_a_wait": ONE_UNIT_A_WAIT,
+    "atomic_reads": ATOMIC_READS,
+    "one_unit_atomic_reads": ONE_UNIT_A_WAIT + ATOMIC_READS,
+    "two_reducer_warps": TWO_REDUCER_WARPS,
 }
-COMPUTES_THE_OP = ("fused", "own_flag_only")
+COMPUTES_THE_OP = ("fused", "own_flag_only", "one_unit_a_wait", "atomic_reads", "one_unit_atomic_reads",
+                   "two_reducer_warps")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 

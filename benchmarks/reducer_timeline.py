@@ -75,8 +75,8 @@ def _stamp(event):
         ("        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)\n        units = ",
          "        _stamp(0)\n        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)\n        units = "),
         ("        phases = 0  # bit b", "        _stamp(1)\n        phases = 0  # bit b"),
-        ("        for unit in range(pid, gl.minimum(tail_first, units), NUM_PROGRAMS):\n",
-         "        for unit in range(pid, gl.minimum(tail_first, units), NUM_PROGRAMS):\n"
+        ("        for unit in range(pid, last, NUM_PROGRAMS):\n",
+         "        for unit in range(pid, last, NUM_PROGRAMS):\n"
          f"            nth = unit // NUM_PROGRAMS\n            if nth < {UNITS}:\n                _stamp(2 + 5 * nth)\n"),
         ("            if row0 < rows_per_rank:\n                mbarrier.wait(unit_bar",
          f"            if nth < {UNITS}:\n                _stamp(3 + 5 * nth)\n"

@@ -17,9 +17,10 @@ tensor-core time:
   FP8 GEMM at TP=8; docs/perf-log.md);
 - a reducer warp sums this rank's rows while the consumers compute: units of a few rows of an
   own tile (units_desc's block: the launcher's reducer_unit_rows), unit u going to program
-  u % NUM_PROGRAMS, in order. A unit waits (acquire, bounded) for its tile's own flag and its
-  band from every peer (copy engine: the band's flag; push: the band's counter at all its tiles'
-  halves), TMA-loads the W slots' rows into shared memory (many bytes in flight for few
+  u % NUM_PROGRAMS, in order. A unit waits (acquire loads, bounded) for its tile's own flag and
+  its band from every peer (copy engine: the band's flag; push: the band's counter at all its
+  tiles' halves), in a read that also learns which of the program's next units have arrived
+  (their waits are skipped), TMA-loads the W slots' rows into shared memory (many bytes in flight for few
   registers; UNITS_IN_FLIGHT units at once, as shared memory allows), adds them in float32 (its
   own partial, then the peers' in rank order: deterministic), adds the bias and rounds once into
   out.
@@ -70,12 +71,14 @@ from fluxtp.kernels._pingpong import (
     record_and_trap,
     tma_load,
     tma_store,
-    wait_flags,
 )
 
 TILE_ARRIVALS = gl.constexpr(2)  # one count per consumer warpgroup (its half of the tile)
 MAX_PUSH_WORLD = gl.constexpr(8)  # push stores through a descriptor per rank, passed one by one
 REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
+# The reducer partition's warps, each summing a unit's rows in turn: with the loader and the
+# counter, a warpgroup's four warps at no cost in registers.
+REDUCER_WARPS = gl.constexpr(1)
 
 
 @gluon.jit
@@ -280,14 +283,41 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
 
 
 @gluon.jit
-def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, tiles_m, tiles_n, flags_offset, max_spins,
-                RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr,
+def _acquire_read(flag_ptrs):
+    """Each int32 flag at flag_ptrs, read with acquire at scope sys by a load: every program polls
+    the same band counters, which atomics (read-modify-writes) would serialize."""
+    return gl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [flag_ptrs], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _wait_flags(flag_ptrs, waited, expected, lanes, needed, max_spins):
+    """Read the flags of flag_ptrs (each a valid address, waited or not) all at once until every
+    lane below `needed` (`lanes`: 0, 1, ...) that is `waited` reads `expected`, for at most
+    max_spins rounds; returns the first lane whose flag has not arrived (lanes not waited count
+    as arrived; the lane count if none): below `needed`, the caller records and traps."""
+    LANES: gl.constexpr = lanes.shape[0]
+    arrived = (_acquire_read(flag_ptrs) == expected) | ~waited
+    missing = gl.min(gl.where(arrived, LANES, lanes), 0)
+    spins = 0
+    while (missing < needed) & (spins < max_spins):
+        arrived = arrived | (_acquire_read(flag_ptrs) == expected)
+        missing = gl.min(gl.where(arrived, LANES, lanes), 0)
+        spins += 1
+    return missing
+
+
+@gluon.jit
+def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, needed, tiles_m, tiles_n, flags_offset,
+                max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
+                NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr,
                 WARPS: gl.constexpr = 1):  # fmt: skip
-    """Until, for each of the `count` (at most 32 * WARPS // W) units first_unit, first_unit +
-    NUM_PROGRAMS, ..., this rank's own partial of its tile and every peer's band of it have arrived
-    (acquire; every flag read at once by the calling WARPS warps, thread k * W + r for unit k and
-    rank r: one round trip for them all); gives up after max_spins rounds (record and trap)."""
+    """Of the `count` (at most 32 * WARPS // W) units first_unit, first_unit + NUM_PROGRAMS, ...,
+    how many in a row have arrived (this rank's own partial of its tile and every peer's band of
+    it; acquire), waiting until the first `needed` have: every flag read at once by the calling
+    WARPS warps, thread k * W + r for unit k and rank r, one round trip for them all (a reducer
+    behind the GEMM learns of several ready units from one); gives up after max_spins rounds
+    (record and trap)."""
     LANES: gl.constexpr = 32 * WARPS
     gl.static_assert(WORLD <= LANES)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -305,15 +335,32 @@ def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, tiles_m, 
     flags = (gl.load(buffer_ptrs + RANK) + flags_offset).to(gl.pointer_type(gl.int32))
     band_flags = flags + (srcs - (srcs > RANK).to(gl.int32)) * bands + band
     flag_ptrs = gl.where(srcs == RANK, own_flags + tile, band_flags)
+    flag_ptrs = gl.where(waited, flag_ptrs, own_flags)  # lanes past `count` read a flag that exists
     band_complete = band_tiles * TILE_ARRIVALS if PUSH else band_tiles * 0 + 1
     expected = gl.where(srcs == RANK, TILE_ARRIVALS, band_complete)
-    arrived = wait_flags(flag_ptrs, waited, expected, max_spins)
-    if gl.min(arrived.to(gl.int32), 0) == 0:
-        late = gl.min(gl.where(arrived, LANES, lanes), 0)
-        record_and_trap(report_ptr, late % WORLD, gl.min(gl.where(lanes == late, tile, 1 << 30), 0), RANK)
+    missing = _wait_flags(flag_ptrs, waited, expected, lanes, needed * WORLD, max_spins)
+    if missing < needed * WORLD:
+        record_and_trap(report_ptr, missing % WORLD, gl.min(gl.where(lanes == missing, tile, 1 << 30), 0), RANK)
     # Generic-proxy accesses before (the acquire) are ordered before the async proxy's after (TMA).
     gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [first_unit], dtype=gl.int32,
                               is_pure=False, pack=1)  # fmt: skip
+    return gl.minimum(missing // WORLD, count)
+
+
+@gluon.jit
+def _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, tiles_m, tiles_n, flags_offset, max_spins,
+                RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+    """The reducer's wait for `unit` (of this program's units below `last`): none where it is below
+    ready_below (this program's units below it have arrived), else one that reads the flags of
+    the units after it too; returns the new ready_below."""
+    if unit >= ready_below:
+        count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)
+        ready = _wait_units(buffer_ptrs, own_flags, report_ptr, unit, count, 1, tiles_m, tiles_n, flags_offset,
+                            max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH,
+                            REDUCER_WARPS)  # fmt: skip
+        ready_below = unit + ready * NUM_PROGRAMS
+    return ready_below
 
 
 @gluon.jit
@@ -416,33 +463,40 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
         # its buffer's last unit is summed. With one buffer, the wait comes before that sum (it
         # overlaps the sum's loads); with more, after it (the other buffers' loads are in flight,
         # and a ready unit is not held back by a wait for one further ahead).
+        last = gl.minimum(tail_first, units)
+        ready_below = pid  # this program's units below it have arrived (_await_unit)
         for j in gl.static_range(UNITS_IN_FLIGHT):
             unit = pid + j * NUM_PROGRAMS
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             if (unit < tail_first) & (row0 < rows_per_rank):
-                _wait_units(buffer_ptrs, own_flags, report_ptr, unit, 1, tiles_m, tiles_n, flags_offset, max_spins,
-                            RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                ready_below = _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, tiles_m, tiles_n,
+                                          flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
+                                          UNIT_ROWS, PUSH)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)
         phases = 0  # bit b: the phase buffer b's barrier completes next
         buffer = 0
-        for unit in range(pid, gl.minimum(tail_first, units), NUM_PROGRAMS):
+        for unit in range(pid, last, NUM_PROGRAMS):
             pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             next_m, next_n, next_row0 = _unit(unit + AHEAD, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
             # A ragged segment's last tile: its units past the end hold no rows (nothing loaded).
             next_valid = (unit + AHEAD < tail_first) & (next_row0 < rows_per_rank)
             if UNITS_IN_FLIGHT == 1:
                 if next_valid:
-                    _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
-                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                    ready_below = _await_unit(ready_below, unit + AHEAD, last, buffer_ptrs, own_flags, report_ptr,
+                                              tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS,
+                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
                 phases ^= 1 << buffer
                 _sum_unit(unit_bufs, buffer, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,
-                          WORLD, HAS_BIAS)  # fmt: skip
+                          WORLD, HAS_BIAS, REDUCER_WARPS)  # fmt: skip
             if next_valid:
                 if UNITS_IN_FLIGHT > 1:
-                    _wait_units(buffer_ptrs, own_flags, report_ptr, unit + AHEAD, 1, tiles_m, tiles_n, flags_offset,
-                                max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                    ready_below = _await_unit(ready_below, unit + AHEAD, last, buffer_ptrs, own_flags, report_ptr,
+                                              tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS,
+                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                if REDUCER_WARPS > 1:  # every warp is done reading the buffer before TMA overwrites it
+                    partition_barrier()
                 _issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,
                             PUSH)  # fmt: skip
             buffer = (buffer + 1) % UNITS_IN_FLIGHT
@@ -473,8 +527,9 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
         count = gl.minimum(gl.cdiv(units - first, NUM_PROGRAMS), TAIL_UNITS)
         partition_barrier()  # every warp is done reading the ring's last units before TMA overwrites them
         for k0 in range(0, count, PER_WAIT):
-            _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS, gl.minimum(count - k0, PER_WAIT),
-                        tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
+            batch = gl.minimum(count - k0, PER_WAIT)
+            _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS, batch, batch, tiles_m, tiles_n,
+                        flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
                         UNIT_ROWS, PUSH, WARPS)  # fmt: skip
             for k in range(k0, gl.minimum(count, k0 + PER_WAIT)):
                 unit = first + k * NUM_PROGRAMS
@@ -578,7 +633,7 @@ def matmul_reduce_scatter_reducer_kernel(
             (_counter, (buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first_step, last_step, RANK, WORLD,
                         BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, PUSH)),
         ],
-        [4, 1, 1, 1],
+        [4, 1, REDUCER_WARPS, 1],
         # The loader, reducer and counter warps share a warpgroup and its register count; what
         # they take, the consumers lose (the default partition gets the rest, 224), and with fewer
         # than that ptxas serializes the MMAs.

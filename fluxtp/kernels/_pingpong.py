@@ -45,22 +45,6 @@ def record_and_trap(report_ptr, a, b, rank):
 
 
 @gluon.jit
-def wait_flags(flag_ptrs, waited, expected, max_spins):
-    """Acquire-read (scope sys) the flags of flag_ptrs where `waited`, all at once, until each
-    reads `expected`, for at most max_spins rounds; returns which arrived (lanes not waited count
-    as arrived): the caller records and traps on a miss (record_and_trap)."""
-    zero = gl.zeros_like(expected)  # (Gluon 3.6: no scalar operand)
-    values = gl.atomic_add(flag_ptrs, zero, mask=waited, sem="acquire", scope="sys")
-    arrived = (values == expected) | ~waited
-    spins = 0
-    while (gl.min(arrived.to(gl.int32), 0) == 0) & (spins < max_spins):
-        values = gl.atomic_add(flag_ptrs, zero, mask=waited & ~arrived, sem="acquire", scope="sys")
-        arrived = arrived | (waited & (values == expected))
-        spins += 1
-    return arrived
-
-
-@gluon.jit
 def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
     """NUM_STAGES stages of A and B tiles (B's as b_desc's block: [BLOCK_N, BLOCK_K], or
     [BLOCK_K, BLOCK_N] over a K x N weight), and per stage a `ready` barrier (the loader's TMA

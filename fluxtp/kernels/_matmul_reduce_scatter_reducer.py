@@ -76,8 +76,9 @@ from fluxtp.kernels._pingpong import (
 TILE_ARRIVALS = gl.constexpr(2)  # one count per consumer warpgroup (its half of the tile)
 MAX_PUSH_WORLD = gl.constexpr(8)  # push stores through a descriptor per rank, passed one by one
 REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
-# The reducer partition's warps, each summing a unit's rows in turn: with the loader and the
-# counter, a warpgroup's four warps at no cost in registers.
+# The reducer partition's warps, each summing a unit's rows in turn (two fill the loader's and
+# counter's warpgroup at no cost in registers): one, as two halved the sums but not the kernel's
+# time, which its loads set (docs/perf-log.md).
 REDUCER_WARPS = gl.constexpr(1)
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
+import statistics
 import subprocess
 
 import torch
@@ -360,7 +360,7 @@ def format_summary(rows: list[dict]) -> str:
     for r in rows:
         groups.setdefault((r["op"], r["world"], r["dtype"] in ("float8_e4m3fn",)), []).append(r["fused_vs_cublas"])
     table = [
-        [op + (" fp8" if is_fp8 else ""), world, len(v), f"{math.exp(sum(map(math.log, v)) / len(v)):.3f}", f"{max(v):.3f}"]
+        [op + (" fp8" if is_fp8 else ""), world, len(v), f"{statistics.geometric_mean(v):.3f}", f"{max(v):.3f}"]
         for (op, world, is_fp8), v in sorted(groups.items())
     ]
     return tabulate(table, headers=["op", "TP", "cases", "fused/cuBLAS geomean", "worst"])
@@ -411,7 +411,7 @@ def format_targets(rows: list[dict]) -> str:
         ratios = [r["fused_vs_cublas"] for r in group]
         mean_target, case_limit = case_target(group[0])
         misses = [r for r in group if r["fused_vs_cublas"] > case_limit]
-        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        geomean = statistics.geometric_mean(ratios)
         summary.append([op, dtype, layout, world, len(group), f"{geomean:.3f}", f"{mean_target:.2f}", f"{max(ratios):.3f}",
                         f"{case_limit:.2f}", len(misses)])  # fmt: skip
         over += [

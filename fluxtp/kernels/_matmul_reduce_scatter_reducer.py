@@ -20,10 +20,10 @@ tensor-core time:
   u % NUM_PROGRAMS, in order. A unit waits (acquire loads, bounded) for its tile's own flag and
   its band from every peer (copy engine: the band's flag; push: the band's counter at all its
   tiles' halves), in a read that also learns which of the program's next units have arrived
-  (their waits are skipped), TMA-loads the W slots' rows into shared memory (many bytes in flight for few
-  registers; UNITS_IN_FLIGHT units at once, as shared memory allows), adds them in float32 (its
-  own partial, then the peers' in rank order: deterministic), adds the bias and rounds once into
-  out.
+  (their waits are skipped), TMA-loads the W slots' rows into shared memory (many bytes in
+  flight for few registers; UNITS_IN_FLIGHT units at once, as shared memory allows), adds them in
+  float32 (its own partial, then the peers' in rank order: deterministic), adds the bias and
+  rounds once into out.
   The tail (the launcher's reducer_tail_units, where a unit is otherwise alone in flight): the
   units of the own tiles of the last round of tiles, which all complete at the GEMM's end, are
   left to the default partition's four warps once every partition is done (after

@@ -36,17 +36,18 @@ def test_matmul_reduce_scatter_counts_rows_at_any_width():
 
 
 @pytest.mark.parametrize("op", ["all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"])
-def test_fp8_ops_fuse_only_where_measured_faster(op):
-    """Row-wise scales at TP=2 measured faster fused (2x H100), the reduce-scatter only with fast
-    accumulation; per-tensor scales and more ranks go to NCCL then torch._scaled_mm."""
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_fp8_ops_fuse_only_where_the_training_step_gained(op, world):
+    """The reduce-scatter with fast accumulation (the FP8 recipe's forward) at any TP degree and
+    either scaling; all-gathers and precise reduce-scatters go to NCCL then torch._scaled_mm."""
+    info = GroupInfo(None, 0, world)
     x, w = torch.empty(1024, 8192, device="meta"), torch.empty(14336, 8192, device="meta")
-    details = {"out_dtype": torch.bfloat16, "use_fast_accum": True}
-    assert fused.preferred(op, x, w, TWO, row_wise=True, **details)
-    precise = {**details, "use_fast_accum": False}
-    assert fused.preferred(op, x, w, TWO, row_wise=True, **precise) == (op == "all_gather_scaled_matmul")
-    assert not fused.preferred(op, x, w, TWO, row_wise=False, **details)
-    assert not fused.preferred(op, x, w, GroupInfo(None, 0, 4), row_wise=True, **details)
-    assert not fused.preferred(op, x, w, TWO)  # no scaling said: not row-wise
+    fast = {"out_dtype": torch.bfloat16, "use_fast_accum": True}
+    precise = {**fast, "use_fast_accum": False}
+    for row_wise in (True, False):
+        assert fused.preferred(op, x, w, info, row_wise=row_wise, **fast) == (op == "scaled_matmul_reduce_scatter")
+        assert not fused.preferred(op, x, w, info, row_wise=row_wise, **precise)
+    assert not fused.preferred(op, x, w, info)  # no accumulation said: precise
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import fluxtp
-from fluxtp import cli
-from fluxtp._dist import resolve_group
+from fluxtp import cli, fp8
+from fluxtp._dist import GroupInfo, resolve_group
+from fluxtp.backends import reference
 from fluxtp.bench import nccl_reordered, no_comm, train
 from fluxtp.bench.harness import Protocol
 from fluxtp.bench.harness import Timings
@@ -30,6 +31,7 @@ ROW_KEYS = {
     "seq",
     "batch",
     "dtype",
+    "fp8",
     "ms",
     "tokens_per_s",
     "speedup_vs_nccl",
@@ -104,6 +106,7 @@ LOSS_ROW_KEYS = {
     "seq",
     "batch",
     "dtype",
+    "fp8",
     "lr",
     "warmup_steps",
     "final_lr_fraction",
@@ -216,8 +219,8 @@ def test_reordered_backend_sums_the_gemm_in_another_order():
 
 def test_loss_rows_have_their_own_table_and_plot(tmp_path):
     config = train.TrainConfig("tiny", train.MODELS["tiny"], 2, (64,), 2, torch.bfloat16, None, train.CPU_PROTOCOL)
-    common = {"phase": "loss", "model": "tiny", "layers": 2, "seq": 64, "batch": 2, "dtype": "bfloat16", "lr": 1e-3,
-              "warmup_steps": 8, "final_lr_fraction": 0.1}  # fmt: skip
+    common = {"phase": "loss", "model": "tiny", "layers": 2, "seq": 64, "batch": 2, "dtype": "bfloat16", "fp8": None,
+              "lr": 1e-3, "warmup_steps": 8, "final_lr_fraction": 0.1}  # fmt: skip
     rows = [
         train._row(config, 64, ["nccl"], _timings({"nccl": 10.0, "no_comm": 8.0})),
         {**common, "backend": "nccl", "losses": [5.0, 4.0, 3.0], "max_rel_diff_vs_nccl": 0.0, "within_noise": None},
@@ -252,7 +255,7 @@ COLLECTIVES = (
 )
 
 
-def _no_comm_rank(rank, world):
+def _no_comm_rank(rank, world, fp8):
     calls = []
     for name in COLLECTIVES:
         original = getattr(dist, name)
@@ -271,6 +274,7 @@ def _no_comm_rank(rank, world):
         torch.float32,
         None,
         Protocol(1, 0, 1),
+        fp8=fp8,
     )
     trainer = train.Trainer(config, resolve_group(None), torch.device("cpu"))
     trainer.set_input(16)
@@ -300,8 +304,10 @@ def _no_comm_rank(rank, world):
     assert "reduce_scatter_tensor" in calls
 
 
-def test_no_comm_step_issues_no_collective_and_keeps_the_shapes():
-    run_on_ranks(_no_comm_rank, 2, backend="gloo", timeout_s=120)
+@pytest.mark.parametrize("fp8", [None, train.TRAIN_FP8])
+def test_no_comm_step_issues_no_collective_and_keeps_the_shapes(fp8):
+    """Also with the layers' GEMMs in FP8, through the scaled ops' stand-ins."""
+    run_on_ranks(_no_comm_rank, 2, fp8, backend="gloo", timeout_s=120)
 
 
 def test_no_comm_stand_ins_compute_the_shapes_of_the_ops():
@@ -313,6 +319,60 @@ def test_no_comm_stand_ins_compute_the_shapes_of_the_ops():
     assert torch.allclose(no_comm.matmul_all_reduce(x, w, None, one), x @ w.t())
     assert torch.equal(no_comm.gather_rows(x, one), x)
     assert no_comm.all_reduce_sum(x, one, async_op=True) is None
+
+
+def test_scaled_stand_ins_repeat_the_fp8_rows_and_sum_the_blocks():
+    two = GroupInfo(None, 0, 2)  # no collective is issued: any world size runs in one process
+    x = torch.randn(6, 32).to(torch.float8_e4m3fn)
+    w = torch.randn(5, 32).to(torch.float8_e4m3fn)
+    scale_x, scale_w, bias = torch.rand(6, 1) + 0.5, torch.rand(1, 5) + 0.5, torch.randn(5)
+    y, (gathered, scales) = no_comm.all_gather_scaled_matmul(x, w, scale_x, scale_w, bias, two, torch.float32,
+                                                             False, True)  # fmt: skip
+    assert torch.equal(gathered.view(torch.uint8), x.view(torch.uint8).repeat(2, 1))
+    assert torch.equal(scales, scale_x.repeat(2, 1))
+    full = fp8.scaled_linear(gathered, w, scales, scale_w, bias, torch.float32)
+    assert torch.equal(y, full)
+    out = no_comm.scaled_matmul_reduce_scatter(x, w, scale_x, scale_w, bias, two, torch.float32, False)
+    partial = fp8.scaled_linear(x, w, scale_x, scale_w, None, torch.float32)
+    assert torch.allclose(out, partial[:3] + partial[3:] + bias)
+    per_tensor = torch.tensor(0.5)
+    _, (_, kept) = no_comm.all_gather_scaled_matmul(x, w, per_tensor, per_tensor, None, two, torch.float32, False, True)
+    assert kept is per_tensor  # one scale of the whole x: as it is
+
+
+def _reordered_scaled_rank(rank, world):
+    info = resolve_group(None)
+    generator = torch.Generator().manual_seed(7)  # the same weight on every rank; x its own
+    w = torch.randn(4, 64, generator=generator).to(torch.float8_e4m3fn)
+    scale_w = torch.rand(1, 4, generator=generator) + 0.5
+    x = torch.randn(8, 64).mul_(rank + 1).to(torch.float8_e4m3fn)
+    scale_x = torch.rand(8, 1) + 0.5
+    y, (gathered, scales) = nccl_reordered.all_gather_scaled_matmul(x, w, scale_x, scale_w, None, info, torch.float32,
+                                                                    False, True)  # fmt: skip
+    ref_y, (ref_gathered, ref_scales) = reference.all_gather_scaled_matmul(x, w, scale_x, scale_w, None, info,
+                                                                           torch.float32, False, True)  # fmt: skip
+    assert torch.equal(gathered.view(torch.uint8), ref_gathered.view(torch.uint8)) and torch.equal(scales, ref_scales)
+    assert torch.allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+    out = nccl_reordered.scaled_matmul_reduce_scatter(x, w, scale_x, scale_w, None, info, torch.float32, False)
+    ref_out = reference.scaled_matmul_reduce_scatter(x, w, scale_x, scale_w, None, info, torch.float32, False)
+    assert out.shape == (8 // world, 4) and torch.allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_reordered_scaled_ops_compute_the_reference_function():
+    """The scaled ops with K's halves swapped: the same gathered bytes and scales, the same
+    products (the FP8 row scales stay with their rows)."""
+    run_on_ranks(_reordered_scaled_rank, 2, backend="gloo", timeout_s=120)
+
+
+def test_cpu_bench_train_with_fp8_gemms(tmp_path):
+    out = tmp_path / "train.json"
+    done = fluxtp_cli("bench", "train", "--fp8", "row-wise", "--seq", "32", "--rounds", "1", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "float32, FP8 GEMMs (row-wise scales)" in done.stdout, done.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["fp8"] == "row-wise" and set(row["ms"]) == {"nccl", "no_comm"}
+    args = cli.build_parser().parse_args(["bench", "train"])
+    assert train.make_config(args, 2, "cpu").fp8 is None
 
 
 def test_row_arithmetic():
@@ -357,6 +417,8 @@ def test_row_arithmetic():
         (("--model", "llama2"), "invalid choice: 'llama2'"),
         (("--loss-steps", "-1"), "--loss-steps must be 0 (no loss curves) or more, got -1"),
         (("--loss-lr", "0"), "--loss-lr must be a positive number, got 0.0"),
+        (("--fp8", "tensor"), "--fp8 tensor: train runs fluxtp.nn's FP8 recipe, whose scales are row-wise"),
+        (("--fp8", "row-wise", "--fast-accum"), "--fast-accum: train runs fluxtp.nn's FP8 recipe"),
     ],
 )
 def test_bench_train_rejects_bad_options_before_launching(args, message, capsys):

@@ -154,7 +154,8 @@ def add_arguments(group) -> None:
         "--fp8",
         choices=FP8_SCALINGS,
         help="time the scaled (FP8) all-gather and reduce-scatter ops instead: float8_e4m3fn operands with "
-        "row-wise or per-tensor scales, bfloat16 outputs, torch._scaled_mm as the gemm",
+        "row-wise or per-tensor scales, bfloat16 outputs, torch._scaled_mm as the gemm; train: row-wise, the "
+        "layers' GEMMs in FP8 (fluxtp.nn's recipe)",
     )
     group.add_argument(
         "--fast-accum",

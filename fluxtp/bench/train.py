@@ -20,6 +20,10 @@ What a step contains (each rank; T = batch*seq tokens, W ranks):
   so every gradient is that of a real loss of the whole layer stack); backward; AdamW over the
   layers' parameters; zero_grad.
 
+With `--fp8 row-wise` every parallel linear runs its three GEMMs in FP8 (parallelize(fp8=True):
+dynamic row-wise scales, the forward's accumulation fast, the gradients' precise), through the
+scaled ops of each backend.
+
 Variants: `nccl` (the baseline), `torch`, `fused` (those usable here, or --backends), and
 `no_comm`: the step with every communication of the layers removed, the whole model switched
 (fluxtp.nn.set_backend) to the bench's no_comm backend, fluxtp/bench/no_comm.py, which the
@@ -143,6 +147,10 @@ VERIFY_TOLERANCE = {
     torch.float32: 1e-3,
     torch.float64: 1e-9,
 }
+# With FP8 GEMMs (--fp8): an activation one backend rounds the other way before its e4m3
+# quantization lands up to 2^-4 of itself away, and the layers carry that to the output.
+VERIFY_TOLERANCE_FP8 = 0.125
+TRAIN_FP8 = "row-wise"  # the only scaling of fluxtp.nn's FP8 recipe
 
 # Loss curves (module docstring). The learning rate: AdamW's first steps move every weight by
 # about lr, coherently along a row, so a logit moves by about lr * sum|h| ~ lr * hidden; below
@@ -173,6 +181,7 @@ class TrainConfig:
     protocol: Protocol
     loss_steps: int = 0  # 0: no loss curves
     loss_lr: float | None = None  # None: LOSS_LEARNING_RATE[model]
+    fp8: str | None = None  # "row-wise": every parallel linear's GEMMs in FP8 (parallelize's fp8 recipe)
 
 
 def add_arguments(group) -> None:
@@ -244,6 +253,13 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> Train
     if loss_lr is not None and not (loss_lr > 0 and math.isfinite(loss_lr)):
         raise ValueError(f"--loss-lr must be a positive number, got {loss_lr}")
     dtype_name = args.dtype or DEFAULT_DTYPE[device_type]
+    fp8 = getattr(args, "fp8", None)
+    if fp8 not in (None, TRAIN_FP8):
+        raise ValueError(f"--fp8 {fp8}: train runs fluxtp.nn's FP8 recipe, whose scales are {TRAIN_FP8} "
+                         f"(--fp8 {TRAIN_FP8})")  # fmt: skip
+    if getattr(args, "fast_accum", False):
+        raise ValueError("--fast-accum: train runs fluxtp.nn's FP8 recipe, which accumulates the forward fast and "
+                         "the gradients precisely")  # fmt: skip
     protocol = GPU_PROTOCOL if device_type == "cuda" else CPU_PROTOCOL
     if args.rounds is not None:
         protocol = Protocol(args.rounds, protocol.warmup_rounds, protocol.calls_per_sample)
@@ -258,6 +274,7 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> Train
         protocol,
         loss_steps,
         loss_lr,
+        fp8,
     )
 
 
@@ -288,7 +305,7 @@ def build_layers(config: TrainConfig, info: GroupInfo, device: torch.device):
     with torch.device(device):
         model = LlamaForCausalLM(llama).to(config.dtype)
     model.train()
-    parallelize(model, info.group, backend=BASELINE)
+    parallelize(model, info.group, backend=BASELINE, fp8=config.fp8 is not None)
     return model, list(model.model.layers)
 
 
@@ -382,6 +399,8 @@ def _select_backends(config: TrainConfig, info: GroupInfo, device) -> tuple[list
 def verify(trainer: Trainer, names: list[str], info: GroupInfo, where: str) -> None:
     """Each backend's forward output of the stack against nccl's; BenchError on every rank if one differs."""
     tolerance = VERIFY_TOLERANCE[trainer.config.dtype]
+    if trainer.config.fp8 is not None:
+        tolerance = max(tolerance, VERIFY_TOLERANCE_FP8)
     with torch.no_grad():
         ref = trainer.forward(BASELINE)
         for name in names:
@@ -498,6 +517,7 @@ def loss_curves(config: TrainConfig, trainer: Trainer, names: list[str], info: G
             "seq": seq,
             "batch": config.batch,
             "dtype": str(config.dtype).removeprefix("torch."),
+            "fp8": config.fp8,
             "lr": lr,
             "warmup_steps": LOSS_WARMUP_STEPS,
             "final_lr_fraction": LOSS_FINAL_LR_FRACTION,
@@ -579,6 +599,7 @@ def _row(config: TrainConfig, seq: int, names: list[str], timings: Timings) -> d
         "seq": seq,
         "batch": config.batch,
         "dtype": str(config.dtype).removeprefix("torch."),
+        "fp8": config.fp8,
         **step_metrics(timings, names, config.batch * seq, ms_digits=4),
     }
 
@@ -623,6 +644,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n\n".join(tables)
 
 
+def _precision(row: dict) -> str:
+    """A row's dtype, and its GEMMs' FP8 scaling where they ran in FP8."""
+    return row["dtype"] if row["fp8"] is None else f"{row['dtype']}, FP8 GEMMs ({row['fp8']} scales)"
+
+
 def _format_losses(rows: list[dict]) -> str:
     body = []
     for r in rows:
@@ -641,7 +667,7 @@ def _format_losses(rows: list[dict]) -> str:
     first = rows[0]
     title = (
         f"loss curves ({len(first['losses'])} steps, {first['model']} x{first['layers']} layers, seq {first['seq']}, "
-        f"batch {first['batch']}, {first['dtype']}, lr {first['lr']:g})"
+        f"batch {first['batch']}, {_precision(first)}, lr {first['lr']:g})"
     )
     headers = ["backend", "first loss", "last loss", "min loss", "max rel diff vs nccl", "within noise"]
     return title + "\n" + tabulate(body, headers=headers, disable_numparse=True, stralign="right")
@@ -668,7 +694,7 @@ def step_table(rows: list[dict], key_columns: list[str], title: str) -> str:
 
 def _format_timing(rows: list[dict]) -> str:
     title = (
-        f"train steps (forward + backward + AdamW; {rows[0]['dtype']}; {NO_COMM}: the nccl step with its "
+        f"train steps (forward + backward + AdamW; {_precision(rows[0])}; {NO_COMM}: the nccl step with its "
         "communication removed)"
     )
     return step_table(rows, ["model", "layers", "seq", "batch"], title)

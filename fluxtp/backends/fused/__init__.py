@@ -64,13 +64,11 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     if op in _UNSCALED:
-        # Where the FP8 ops were measured against NCCL then torch._scaled_mm into bf16 (2x H100,
-        # LLaMA-70B MLP, 1024-8192 tokens, docs/fp8.md), row-wise scales (fluxtp.nn's recipe) at
-        # TP=2: the all-gather fused 1.03-1.49x faster, the reduce-scatter 1.12-1.20x with fast
-        # accumulation but 0.84-0.99x from 2048 tokens with precise; per-tensor scales slower
-        # from 2048 tokens (reduce-scatter); more ranks unmeasured.
-        fast_enough = op == "all_gather_scaled_matmul" or bool(details.get("use_fast_accum"))
-        return info.world_size == 2 and bool(details.get("row_wise")) and fast_enough
+        # The FP8 training step (fluxtp.nn's recipe, LLaMA-70B, TP 2 and 4, H100s) gained only from
+        # the fused reduce-scatter with fast accumulation (its forward): 1.005-1.011x NCCL's step;
+        # fused all-gathers and precise reduce-scatters cost it 0.5-3%, though the ops alone, eager,
+        # ran fused 1.02-2.8x faster (docs/fp8.md). More ranks are taken as TP=4.
+        return op == "scaled_matmul_reduce_scatter" and bool(details.get("use_fast_accum"))
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:
         return verdict

@@ -1,0 +1,104 @@
+"""Which scaled calls of an FP8 training step should run fused: the step under per-call policies.
+
+    torchrun --nproc-per-node N benchmarks/fp8_train_policies.py [--model llama3-70b] [--layers 2]
+        [--seq 4096,8192] [--rounds 20] [--out policies.json]
+
+The step of `fluxtp bench train --fp8 row-wise` (fluxtp.bench.train.Trainer: fluxtp.nn's FP8
+recipe, whose forward accumulates fast and whose gradient GEMMs precisely). A policy sends each
+scaled call to the fused backend or to nccl by its op and accumulation, registered as a backend
+of its own (fluxtp.backends.register) whose plan is the fused or the reference one; the variants
+(nccl, fused, the POLICIES and no_comm, the step without communication) are interleaved by the
+bench's harness. Rank 0 prints each variant's median step and its speedup over nccl and writes
+the JSON (fluxtp.bench/1 envelope, scenario "fp8_train_policies"). What `auto` does with the
+scaled ops follows from it (fluxtp/backends/fused/__init__.py, docs/fp8.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import types
+
+import torch
+from tabulate import tabulate
+
+from fluxtp import backends
+from fluxtp._dist import destroy_process_group, init_torchrun_cuda
+from fluxtp.backends import fused, reference
+from fluxtp.bench import train
+from fluxtp.bench.harness import Variant, measure_rounds, speedup, speedup_iqr
+from fluxtp.bench.results import envelope, write_json
+
+ALL_GATHER, REDUCE_SCATTER = "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"
+# name -> whether a call of (op, use_fast_accum) goes fused; fast accumulation is the forward's.
+POLICIES = {
+    "forward_fused": lambda op, fast: fast,
+    "backward_fused": lambda op, fast: not fast,
+    "all_gathers_fused": lambda op, fast: op == ALL_GATHER,
+    "forward_all_gathers_fused": lambda op, fast: op == ALL_GATHER and fast,
+    "forward_reduce_scatters_fused": lambda op, fast: op == REDUCE_SCATTER and fast,
+}
+
+
+def register_policy(name: str, goes_fused) -> str:
+    """A backend running each scaled call through the fused plan where goes_fused(op,
+    use_fast_accum) says so, else through the reference (NCCL then torch._scaled_mm)."""
+    module = types.ModuleType(name)
+    module.unsupported_reason = lambda op, x, weight, info, **details: None
+
+    def plan(op, x, weight, bias, info, *options):  # options: out_dtype, use_fast_accum[, return_gathered]
+        if goes_fused(op, options[1]):
+            return fused.plan(op, x, weight, bias, info, *options)
+        impl = getattr(reference, op)
+        return lambda x, weight, scale_x, scale_w, bias: impl(x, weight, scale_x, scale_w, bias, info, *options)
+
+    module.plan = plan
+    module.all_gather_scaled_matmul = reference.all_gather_scaled_matmul  # the registry asks that the ops exist
+    module.scaled_matmul_reduce_scatter = reference.scaled_matmul_reduce_scatter
+    backends.register(name, module)
+    return name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-70b", choices=tuple(train.MODELS))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", default="4096,8192")
+    parser.add_argument("--rounds", type=int, default=None, help="default: the train scenario's")
+    parser.add_argument("--out", help="write the results JSON here")
+    args = parser.parse_args()
+    device, info = init_torchrun_cuda()
+    namespace = argparse.Namespace(model=args.model, layers=args.layers, seq=args.seq, batch=1, dtype=None,
+                                   backends=None, rounds=args.rounds, fp8=train.TRAIN_FP8)  # fmt: skip
+    config = train.make_config(namespace, info.world_size, "cuda")
+    names = ["nccl", "fused", *(register_policy(name, rule) for name, rule in POLICIES.items())]
+    trainer = train.Trainer(config, info, device)
+    rows = []
+    for seq in config.seqs:
+        trainer.set_input(seq)
+        train.verify(trainer, names, info, f"{args.model} x{args.layers} layers, seq {seq}")
+        variants = [Variant(v, ((lambda v=v: trainer.step(v)),)) for v in (*names, train.NO_COMM)]
+        timings = measure_rounds(variants, config.protocol, info, device)
+        ms = timings.ms
+        rows.append({"model": args.model, "layers": args.layers, "seq": seq, "fp8": train.TRAIN_FP8,
+                     "ms": {k: round(v, 3) for k, v in ms.items()},
+                     "speedup_vs_nccl": {k: round(speedup(ms["nccl"], v), 4) for k, v in ms.items()},
+                     "speedup_vs_nccl_iqr": speedup_iqr(timings, "nccl", list(ms))})  # fmt: skip
+    if info.rank == 0:
+        variants = list(rows[0]["ms"])
+        print(tabulate([[r["seq"], *(f"{r['ms'][v]:.2f} ({r['speedup_vs_nccl'][v]:.3f})" for v in variants)]
+                        for r in rows], headers=["seq", *variants]))  # fmt: skip
+        if args.out:
+            data = envelope(
+                "fp8_train_policies", rows, device=torch.cuda.get_device_name(device), gpus=torch.cuda.device_count(),
+                world=info.world_size,
+                command=f"torchrun --nproc-per-node {info.world_size} benchmarks/fp8_train_policies.py "
+                + shlex.join(sys.argv[1:]),
+            )
+            print("wrote", write_json(data, args.out))
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Where a training step's time goes, per backend: GPU time by kernel kind, and the idle gaps.
 
     torchrun --nproc-per-node 2 benchmarks/train_step_profile.py [--model llama3-70b] [--layers 2]
-        [--seq 4096] [--variants nccl,fused,no_comm] [--steps 4] [--out profile.json]
+        [--seq 4096] [--variants nccl,fused,no_comm] [--steps 4] [--fp8] [--out profile.json]
 
 The same model and steps as `fluxtp bench train` (fluxtp.bench.train.Trainer, whose no_comm
 variant is the nccl step with every communication removed). For each variant: a few warm-up
@@ -102,12 +102,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--variants", default="nccl,fused,no_comm")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--fp8", action="store_true", help="the layers' GEMMs in FP8 (bench train --fp8 row-wise)")
     parser.add_argument("--out", help="write the results JSON here")
     args = parser.parse_args()
     device, info = init_torchrun_cuda()
     rank = info.rank
     namespace = argparse.Namespace(
-        model=args.model, layers=args.layers, seq=str(args.seq), batch=1, dtype=None, backends=None, rounds=None
+        model=args.model, layers=args.layers, seq=str(args.seq), batch=1, dtype=None, backends=None, rounds=None,
+        fp8=train.TRAIN_FP8 if args.fp8 else None,
     )
     config = train.make_config(namespace, info.world_size, "cuda")
     trainer = train.Trainer(config, info, device)
@@ -123,7 +125,8 @@ def main() -> None:
             print(tabulate(r["top_kernels_ms"], floatfmt=".3f"))
         if args.out:
             for r in rows:
-                r.update(model=args.model, layers=args.layers, seq=args.seq, steps=args.steps)
+                r.update(model=args.model, layers=args.layers, seq=args.seq, steps=args.steps,
+                         fp8=train.TRAIN_FP8 if args.fp8 else None)
             data = envelope(
                 "train_profile", rows, device=torch.cuda.get_device_name(device), gpus=torch.cuda.device_count(),
                 world=info.world_size,

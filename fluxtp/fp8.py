@@ -14,6 +14,9 @@ nothing to the first scale.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 # The formats fluxtp's scaled ops take: e4m3 (activations and weights) and e5m2 (wider range),
@@ -38,9 +41,33 @@ def quantize_rows(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> 
     """(t_fp8 [rows, cols], scale float32 [rows, 1]) with t ~= t_fp8 * scale, one scale per row.
 
     scale = 2^ceil(log2(amax_row / fp8_max)): the smallest power of two with |t| / scale <=
-    fp8_max, so nothing saturates; values are rounded to nearest by the cast."""
+    fp8_max, so nothing saturates; values are rounded to nearest by the cast. On CUDA one
+    kernel computes it (fluxtp.kernels._quantize), bit for bit as the eager reference here."""
     if t.dim() != 2:
         raise ValueError(f"quantize_rows takes a 2-D tensor, got shape {tuple(t.shape)}")
+    if _kernel_quantizes(t, dtype):
+        return _quantize_by_kernel(t.detach(), None, dtype)
+    return _quantize_rows_eager(t, dtype)
+
+
+def quantize_columns(rows, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows of the transpose of `rows`: a tensor [T, K], or (FP8 [T, K], their scales)
+    dequantized exactly on the way (power-of-two scales): (FP8 [K, T], scale [K, 1]), each of
+    the K columns scaled along the T rows (the layers' weight gradient, quantized along tokens)."""
+    source, scale = rows if isinstance(rows, tuple) else (rows, None)
+    if source.dim() != 2:
+        raise ValueError(f"quantize_columns takes a 2-D tensor, got shape {tuple(source.shape)}")
+    if _kernel_quantizes(source, dtype, scaled=scale is not None):
+        source_scale = None
+        if scale is not None:
+            expanded = scale.float().expand(source.shape)
+            source_scale = (expanded, expanded.stride(1), expanded.stride(0))  # strides along the transpose
+        return _quantize_by_kernel(source.detach().t(), source_scale, dtype)
+    values = source.float() if scale is None else dequantize(source, scale)
+    return _quantize_rows_eager(values.t(), dtype)
+
+
+def _quantize_rows_eager(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     amax = t.detach().abs().amax(dim=1, keepdim=True).float().clamp_min(_MIN_AMAX)
     # frexp: amax / max = mantissa * 2^exp with mantissa in [0.5, 1); the power of two at or above
     # it is 2^(exp - 1) when the mantissa is exactly 0.5, else 2^exp (exact, unlike log2).
@@ -50,6 +77,43 @@ def quantize_rows(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> 
     limit = fp8_max(dtype)
     t_fp8 = (t.float() / scale).clamp(-limit, limit).to(dtype).contiguous()  # row-major, views included
     return t_fp8, scale
+
+
+# The kernel's sources: what it loads and converts to float32 (FP8 only with scales).
+_KERNEL_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
+_KERNEL_TARGETS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _kernel_quantizes(t: torch.Tensor, dtype: torch.dtype, scaled: bool = False) -> bool:
+    """Whether quantize_rows's kernel runs for t: on CUDA, a source it reads, triton importable."""
+    sources = FP8_DTYPES if scaled else _KERNEL_SOURCES
+    runs = t.device.type == "cuda" and t.dtype in sources and dtype in _KERNEL_TARGETS and t.numel() > 0
+    return runs and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _quantize_by_kernel(view: torch.Tensor, source_scale, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows of the 2-D `view` (any strides) by one kernel launch; source_scale: (float32
+    scales, their stride along the view's rows, along its columns) of an FP8 view, or None."""
+    import triton
+
+    from fluxtp.kernels._quantize import quantize_rows_kernel
+
+    rows, cols = view.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=view.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=view.device)
+    scales, scale_stride_r, scale_stride_c = source_scale if source_scale is not None else (view, 0, 0)
+    # Coalesced loads: wide blocks along a contiguous row, tall ones down a transposed view's columns.
+    block_r, block_c = (4, 512) if view.stride(1) == 1 else (32, 64)
+    quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
+        view, scales, out, scale, rows, cols, view.stride(0), view.stride(1), scale_stride_r, scale_stride_c,
+        fp8_max(dtype), _MIN_AMAX, HAS_SRC_SCALE=source_scale is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+    )  # fmt: skip
+    return out, scale
 
 
 def dequantize(t_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

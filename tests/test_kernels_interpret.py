@@ -48,6 +48,11 @@ def test_fp8_kernels_and_launcher():
     run_interpreted("_interpret_fp8.py")
 
 
+def test_fp8_quantization_kernel():
+    """fluxtp.fp8's quantization kernel against the eager reference: scales bit for bit."""
+    run_interpreted("_interpret_quantize.py")
+
+
 def test_weight_operand_reads_transposed_views_in_place():
     """The backward's W^T views go to the kernels' [k, n] path without a copy, unless TMA cannot
     read the [k, n] rows (n * element size not a multiple of 16 bytes): then a row-major [n, k]."""

@@ -40,13 +40,6 @@ def _rows(t: torch.Tensor):
     return fp8.quantize_rows(t, torch.float8_e4m3fn)
 
 
-def _high(rows) -> torch.Tensor:
-    """A tensor in float32: high-precision rows as they are, (FP8 rows, scales) dequantized."""
-    if isinstance(rows, tuple):
-        return fp8.dequantize(*rows)
-    return rows.float()
-
-
 class Fp8Gemms:
     """fluxtp.nn.linear._Gemms in FP8 (the same methods, the module docstring's recipe);
     `gathered` is (FP8 rows [T, K], their scales [T, 1])."""
@@ -79,8 +72,8 @@ class Fp8Gemms:
     @staticmethod
     def weight_grad(grad_rows, input_rows, dtype):
         """grad_rows^T @ input_rows [n, K], both quantized along the tokens (their columns)."""
-        g_q, scale_g = _rows(_high(grad_rows).t())
-        x_q, scale_x = _rows(_high(input_rows).t())
+        g_q, scale_g = fp8.quantize_columns(grad_rows)
+        x_q, scale_x = fp8.quantize_columns(input_rows)
         return fp8.scaled_linear(g_q, x_q, scale_g, scale_x.view(1, -1), None, dtype)
 
     @staticmethod

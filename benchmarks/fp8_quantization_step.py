@@ -13,36 +13,24 @@ writes the JSON (fluxtp.bench/1 envelope, scenario "fp8_quantization_step").
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
+from pathlib import Path
 
-import torch
 from tabulate import tabulate
 
 from fluxtp import fp8
 from fluxtp._dist import destroy_process_group, init_torchrun_cuda
 from fluxtp.bench import train
 from fluxtp.bench.harness import Variant, measure_rounds
-from fluxtp.bench.results import envelope, write_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _train_steps import step_parser, trainer, write_results  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama3-70b", choices=tuple(train.MODELS))
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seq", default="4096,8192")
-    parser.add_argument("--rounds", type=int, default=None, help="default: the train scenario's")
-    parser.add_argument("--out", help="write the results JSON here")
-    args = parser.parse_args()
+    args = step_parser(__doc__.splitlines()[0]).parse_args()
     device, info = init_torchrun_cuda()
-
-    def trainer(fp8_scaling):
-        namespace = argparse.Namespace(model=args.model, layers=args.layers, seq=args.seq, batch=1, dtype=None,
-                                       backends=None, rounds=args.rounds, fp8=fp8_scaling)  # fmt: skip
-        return train.Trainer(train.make_config(namespace, info.world_size, "cuda"), info, device)
-
-    fp8_model, bf16_model = trainer(train.TRAIN_FP8), trainer(None)
+    fp8_model, bf16_model = trainer(args, info, device, train.TRAIN_FP8), trainer(args, info, device, None)
     kernel_quantizes = fp8._kernel_quantizes
 
     def step(model, backend, kernel: bool):
@@ -71,13 +59,7 @@ def main() -> None:
     if info.rank == 0:
         print(tabulate([[r["seq"], *r["ms"].values()] for r in rows], headers=["seq", *variants], floatfmt=".2f"))
         if args.out:
-            data = envelope(
-                "fp8_quantization_step", rows, device=torch.cuda.get_device_name(device),
-                gpus=torch.cuda.device_count(), world=info.world_size,
-                command=f"torchrun --nproc-per-node {info.world_size} benchmarks/fp8_quantization_step.py "
-                + shlex.join(sys.argv[1:]),
-            )  # fmt: skip
-            print("wrote", write_json(data, args.out))
+            write_results("fp8_quantization_step", rows, args.out, info, device)
     destroy_process_group()
 
 

@@ -15,12 +15,10 @@ scaled ops follows from it (fluxtp/backends/fused/__init__.py, docs/fp8.md).
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
 import types
+from pathlib import Path
 
-import torch
 from tabulate import tabulate
 
 from fluxtp import backends
@@ -28,7 +26,9 @@ from fluxtp._dist import destroy_process_group, init_torchrun_cuda
 from fluxtp.backends import fused, reference
 from fluxtp.bench import train
 from fluxtp.bench.harness import Variant, measure_rounds, speedup, speedup_iqr
-from fluxtp.bench.results import envelope, write_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _train_steps import step_parser, trainer, write_results  # noqa: E402
 
 ALL_GATHER, REDUCE_SCATTER = "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"
 # name -> whether a call of (op, use_fast_accum) goes fused; fast accumulation is the forward's.
@@ -61,25 +61,16 @@ def register_policy(name: str, goes_fused) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama3-70b", choices=tuple(train.MODELS))
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seq", default="4096,8192")
-    parser.add_argument("--rounds", type=int, default=None, help="default: the train scenario's")
-    parser.add_argument("--out", help="write the results JSON here")
-    args = parser.parse_args()
+    args = step_parser(__doc__.splitlines()[0]).parse_args()
     device, info = init_torchrun_cuda()
-    namespace = argparse.Namespace(model=args.model, layers=args.layers, seq=args.seq, batch=1, dtype=None,
-                                   backends=None, rounds=args.rounds, fp8=train.TRAIN_FP8)  # fmt: skip
-    config = train.make_config(namespace, info.world_size, "cuda")
     names = ["nccl", "fused", *(register_policy(name, rule) for name, rule in POLICIES.items())]
-    trainer = train.Trainer(config, info, device)
+    model = trainer(args, info, device, train.TRAIN_FP8)
     rows = []
-    for seq in config.seqs:
-        trainer.set_input(seq)
-        train.verify(trainer, names, info, f"{args.model} x{args.layers} layers, seq {seq}")
-        variants = [Variant(v, ((lambda v=v: trainer.step(v)),)) for v in (*names, train.NO_COMM)]
-        timings = measure_rounds(variants, config.protocol, info, device)
+    for seq in model.config.seqs:
+        model.set_input(seq)
+        train.verify(model, names, info, f"{args.model} x{args.layers} layers, seq {seq}")
+        variants = [Variant(v, ((lambda v=v: model.step(v)),)) for v in (*names, train.NO_COMM)]
+        timings = measure_rounds(variants, model.config.protocol, info, device)
         ms = timings.ms
         rows.append({"model": args.model, "layers": args.layers, "seq": seq, "fp8": train.TRAIN_FP8,
                      "ms": {k: round(v, 3) for k, v in ms.items()},
@@ -90,13 +81,7 @@ def main() -> None:
         print(tabulate([[r["seq"], *(f"{r['ms'][v]:.2f} ({r['speedup_vs_nccl'][v]:.3f})" for v in variants)]
                         for r in rows], headers=["seq", *variants]))  # fmt: skip
         if args.out:
-            data = envelope(
-                "fp8_train_policies", rows, device=torch.cuda.get_device_name(device), gpus=torch.cuda.device_count(),
-                world=info.world_size,
-                command=f"torchrun --nproc-per-node {info.world_size} benchmarks/fp8_train_policies.py "
-                + shlex.join(sys.argv[1:]),
-            )
-            print("wrote", write_json(data, args.out))
+            write_results("fp8_train_policies", rows, args.out, info, device)
     destroy_process_group()
 
 

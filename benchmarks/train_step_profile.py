@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -29,7 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from fluxtp._dist import destroy_process_group, init_torchrun_cuda
 from fluxtp.bench import train
-from fluxtp.bench.results import envelope, write_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _train_steps import write_results  # noqa: E402
 
 # (kind, pattern on the kernel name, lower case); the first match wins.
 # The fused kinds take every kernel of their op (the Triton, ping-pong and reducer kernels), and
@@ -127,13 +129,7 @@ def main() -> None:
             for r in rows:
                 r.update(model=args.model, layers=args.layers, seq=args.seq, steps=args.steps,
                          fp8=train.TRAIN_FP8 if args.fp8 else None)
-            data = envelope(
-                "train_profile", rows, device=torch.cuda.get_device_name(device), gpus=torch.cuda.device_count(),
-                world=info.world_size,
-                command=f"torchrun --nproc-per-node {info.world_size} benchmarks/train_step_profile.py "
-                + shlex.join(sys.argv[1:]),
-            )
-            print("wrote", write_json(data, args.out))
+            write_results("train_profile", rows, args.out, info, device)
     destroy_process_group()
 
 

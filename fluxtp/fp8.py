@@ -88,7 +88,14 @@ def _kernel_quantizes(t: torch.Tensor, dtype: torch.dtype, scaled: bool = False)
     """Whether quantize_rows's kernel runs for t: on CUDA, a source it reads, triton importable."""
     sources = FP8_DTYPES if scaled else _KERNEL_SOURCES
     runs = t.device.type == "cuda" and t.dtype in sources and dtype in _KERNEL_TARGETS and t.numel() > 0
-    return runs and _triton_installed()
+    return runs and _offsets_fit_32_bits(t) and _triton_installed()
+
+
+def _offsets_fit_32_bits(t: torch.Tensor) -> bool:
+    """The kernel's offsets are 32-bit: every element of t it reads, and of the output it writes,
+    lies within 2^31 elements of the first."""
+    last_read = (t.shape[0] - 1) * abs(t.stride(0)) + (t.shape[1] - 1) * abs(t.stride(1))
+    return max(last_read, t.numel() - 1) < 2**31
 
 
 @functools.cache

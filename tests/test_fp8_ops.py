@@ -103,3 +103,14 @@ def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
         launch_gemm(x.repeat(2, 1), x, w, None, torch.empty(512, 128, dtype=torch.bfloat16), torch.ones(2, dtype=torch.int32),
                     torch.zeros(1, dtype=torch.int32), 256, 256, GroupInfo(None, 0, 2), ws, scaled=precise,
                     scales=(torch.ones(512), torch.ones(256), torch.ones(128)))  # fmt: skip
+
+
+def test_quantization_kernel_takes_only_what_32_bit_offsets_reach():
+    """Larger tensors take the eager path (fluxtp.fp8._offsets_fit_32_bits), checked on meta tensors."""
+    from fluxtp.fp8 import _offsets_fit_32_bits
+
+    assert _offsets_fit_32_bits(torch.empty(1 << 16, 1 << 15, device="meta"))  # 2^31 elements: the last at 2^31 - 1
+    assert _offsets_fit_32_bits(torch.empty(1 << 16, 1 << 15, device="meta").t())
+    assert not _offsets_fit_32_bits(torch.empty((1 << 16) + 1, 1 << 15, device="meta"))
+    assert not _offsets_fit_32_bits(torch.empty((1 << 16) + 1, 1 << 15, device="meta").t())
+    assert not _offsets_fit_32_bits(torch.empty(4, 1 << 30, device="meta")[:, :4])  # few elements, far apart

@@ -26,9 +26,10 @@ def step_parser(description: str, seq: str = "4096,8192") -> argparse.ArgumentPa
 
 
 def trainer(args: argparse.Namespace, info: GroupInfo, device, fp8: str | None) -> train.Trainer:
-    """The train scenario's model and step for args' options, its GEMMs in FP8 with fp8 (train.TRAIN_FP8)."""
+    """The train scenario's model and step for args' --model, --layers, --seq (and --rounds where
+    the script has it), its GEMMs in FP8 with fp8 (train.TRAIN_FP8)."""
     namespace = argparse.Namespace(model=args.model, layers=args.layers, seq=str(args.seq), batch=1, dtype=None,
-                                   backends=None, rounds=args.rounds, fp8=fp8)  # fmt: skip
+                                   backends=None, rounds=getattr(args, "rounds", None), fp8=fp8)  # fmt: skip
     return train.Trainer(train.make_config(namespace, info.world_size, "cuda"), info, device)
 
 

@@ -31,7 +31,7 @@ from fluxtp._dist import destroy_process_group, init_torchrun_cuda
 from fluxtp.bench import train
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _train_steps import write_results  # noqa: E402
+from _train_steps import trainer, write_results  # noqa: E402
 
 # (kind, pattern on the kernel name, lower case); the first match wins.
 # The fused kinds take every kernel of their op (the Triton, ping-pong and reducer kernels), and
@@ -109,14 +109,9 @@ def main() -> None:
     args = parser.parse_args()
     device, info = init_torchrun_cuda()
     rank = info.rank
-    namespace = argparse.Namespace(
-        model=args.model, layers=args.layers, seq=str(args.seq), batch=1, dtype=None, backends=None, rounds=None,
-        fp8=train.TRAIN_FP8 if args.fp8 else None,
-    )
-    config = train.make_config(namespace, info.world_size, "cuda")
-    trainer = train.Trainer(config, info, device)
-    trainer.set_input(args.seq)
-    rows = [profile_variant(trainer, v.strip(), args.steps) for v in args.variants.split(",")]
+    model = trainer(args, info, device, train.TRAIN_FP8 if args.fp8 else None)
+    model.set_input(args.seq)
+    rows = [profile_variant(model, v.strip(), args.steps) for v in args.variants.split(",")]
     if rank == 0:
         kinds = [kind for kind, _ in KINDS]
         table = [[r["variant"], r["wall_ms"], r["busy_ms"], round(r["wall_ms"] - r["busy_ms"], 3)]

@@ -48,7 +48,8 @@ def _tile_of(tile, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GR
 @gluon.jit
 def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N, K,
             chunk_rows, chunks_per_rank, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
-            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr):  # fmt: skip
+            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
+            SPLIT_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
@@ -60,7 +61,7 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
         segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS)
         if segment == RANK:  # this rank's rows, from its shard
             loaded = load_tile(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty, loaded, K,
-                               B_KN)  # fmt: skip
+                               B_KN, SPLIT_ACC)  # fmt: skip
         else:
             chunk_in_segment = pid_m * BLOCK_M // chunk_rows
             chunk = segment * chunks_per_rank + chunk_in_segment
@@ -74,21 +75,56 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
                     record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
                 ready_chunk = chunk
             loaded = load_tile(a_desc, segment * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs,
-                               ready, empty, loaded, K, B_KN)  # fmt: skip
+                               ready, empty, loaded, K, B_KN, SPLIT_ACC)  # fmt: skip
+
+
+@gluon.jit
+def _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, col,
+              rows_per_rank, N, stride_cm, layout: gl.constexpr, C: gl.constexpr, RANK: gl.constexpr,
+              HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr, PENDING: gl.constexpr):  # fmt: skip
+    """Consumer C's rows of a tile's columns col.. (acc: float32 [BLOCK_M // 2, width] in layout)
+    scaled, biased and stored; through c_smem once at most PENDING earlier TMA stores are in flight."""
+    HALF: gl.constexpr = acc.shape[0]
+    WIDTH: gl.constexpr = acc.shape[1]
+    rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
+    cols = col + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    if SCALING == 1:
+        acc = acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
+    elif SCALING == 2:  # row-wise: this rank's rows' scales from its own, the peers' from the gathered
+        if segment == RANK:
+            row_scales = scale_own_ptr + rows
+        else:
+            row_scales = scale_a_ptr + segment * rows_per_rank + rows
+        scale_a = gl.load(row_scales, mask=rows < rows_per_rank, other=0.0)
+        scale_b = gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
+        acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
+        acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
+    out = acc.to(c_ptr.dtype.element_ty)
+    if TMA_STORE:  # whole tiles inside each segment (rows_per_rank % BLOCK_M == 0)
+        tma.store_wait(pendings=PENDING)  # the previous tile's store from c_smem has read it
+        c_smem.store(out)
+        fence_async_shared()
+        tma_store(c_desc, [segment * rows_per_rank + pid_m * (2 * HALF) + C * HALF, col], c_smem)
+    else:  # a tile may end past its segment: store only its rows
+        offs = gl.expand_dims((segment * rows_per_rank + rows).to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(c_ptr + offs, out, mask=mask)
 
 
 @gluon.jit
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
               rows_per_rank, N, K, stride_cm, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
               GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, B_KN: gl.constexpr,
-              SEGMENT_BANDS: gl.constexpr):  # fmt: skip
+              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
+              SPLIT_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
-    HALF: gl.constexpr = BLOCK_M // 2
     INSTR_K: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 32 bytes of operand
+    ACC_N: gl.constexpr = BLOCK_N // 2 if SPLIT_ACC else BLOCK_N
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BLOCK_N, INSTR_K])  # fmt: skip
+                                                     instr_shape=[16, ACC_N, INSTR_K])  # fmt: skip
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
@@ -96,36 +132,20 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
         segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS)
         if PRECISE_ACC:
-            acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+            acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
         else:
             acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
-
-        rows = pid_m * BLOCK_M + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        if SCALING == 1:
-            acc = acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
-        elif SCALING == 2:  # row-wise: this rank's rows' scales from its own, the peers' from the gathered
-            if segment == RANK:
-                row_scales = scale_own_ptr + rows
-            else:
-                row_scales = scale_a_ptr + segment * rows_per_rank + rows
-            scale_a = gl.load(row_scales, mask=rows < rows_per_rank, other=0.0)
-            scale_b = gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
-            acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
-            acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
-        out = acc.to(c_ptr.dtype.element_ty)
-        if TMA_STORE:  # whole tiles inside each segment (rows_per_rank % BLOCK_M == 0)
-            c_smem = c_bufs.index(C)
-            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-            c_smem.store(out)
-            fence_async_shared()
-            tma_store(c_desc, [segment * rows_per_rank + pid_m * BLOCK_M + C * HALF, pid_n * BLOCK_N], c_smem)
-        else:  # a tile may end past its segment: store only its rows
-            offs = gl.expand_dims((segment * rows_per_rank + rows).to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
-            mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
-            gl.store(c_ptr + offs, out, mask=mask)
+        if SPLIT_ACC:  # two column halves, each through its own staging buffer
+            _epilogue(acc, c_desc, c_bufs.index(2 * C), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr,
+                      segment, pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS,
+                      TMA_STORE, SCALING, 1)  # fmt: skip
+            _epilogue(acc_hi, c_desc, c_bufs.index(2 * C + 1), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr,
+                      scale_b_ptr, segment, pid_m, pid_n * BLOCK_N + ACC_N, rows_per_rank, N, stride_cm, layout, C,
+                      RANK, HAS_BIAS, TMA_STORE, SCALING, 1)  # fmt: skip
+        else:
+            _epilogue(acc, c_desc, c_bufs.index(C), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
+                      pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
+                      SCALING, 0)  # fmt: skip
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
@@ -163,21 +183,22 @@ def all_gather_matmul_pingpong_kernel(
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted into float32 every two K blocks (not use_fast_accum)
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose (backward; bf16 / fp16 only)
     SEGMENT_BANDS: gl.constexpr,  # GROUP_M bands counted across the segments (module docstring)
+    SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); c_desc's block half as wide
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
-    a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
+    a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES, 2 if SPLIT_ACC else 1)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, SPLIT_ACC)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, SPLIT_ACC)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
                        K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN,
-                       SEGMENT_BANDS)),
+                       SEGMENT_BANDS, SPLIT_ACC)),
         ],
         [4, 1],
         [232, 40],

@@ -250,7 +250,7 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
         step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
         if (step >= first_step) & (step <= last_step):
             if PRECISE_ACC:  # FP8 products promoted to float32 every two K blocks, off the MMAs' path
-                acc, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+                acc, _, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
             else:
                 acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
             if SCALING != 0:

@@ -7,7 +7,8 @@ Within one warpgroup a promotion waits for the MMAs before it (measured: issuing
 block's wgmma first does not hide it). So each consumer promotes after every two K blocks
 (2 * BLOCK_K products, as precise torch._scaled_mm), consumer 1 one block after consumer 0: one
 issues MMAs while the other waits for its own. Each releases a stage once its MMAs retired; a
-stage is refilled when both did. docs/perf-log.md ("FP8 precise accumulation ...") has the
+stage is refilled when both did. A 128x256 tile's promotion goes by column halves (SPLIT): the
+registers hold its accumulator and one half's promotion buffer, not two whole ones. docs/perf-log.md ("FP8 precise accumulation ...") has the
 measurements.
 """
 
@@ -65,24 +66,30 @@ def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
-    """allocate_stages, and a C staging buffer of half a tile's rows per consumer (for TMA stores)."""
+def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr, C_PARTS: gl.constexpr = 1):
+    """allocate_stages, and C staging buffers of half a tile's rows per consumer (for TMA stores):
+    C_PARTS a consumer, each as wide as c_desc's block (consumer C's p-th: index C * C_PARTS + p)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * C_PARTS, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     return a_bufs, b_bufs, c_bufs, ready, empty
 
 
 @gluon.jit
-def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, K, B_KN: gl.constexpr = False):
+def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, K, B_KN: gl.constexpr = False,
+              PAIRS: gl.constexpr = False):  # fmt: skip
     """The loader's part of one tile: every K block of A's rows a_row.. and B's rows b_row.. (with
     B_KN, the K x N weight's columns b_row..) into the next stages, each once both consumers
-    released it; returns the running block count."""
+    released it; returns the running block count. PAIRS: an even count of blocks, an odd count's
+    last one followed by a block past K (TMA fills it with zeros), as accumulate's SPLIT reads them."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    for ki in range(gl.cdiv(K, BLOCK_K)):
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    if PAIRS:
+        k_tiles = gl.cdiv(k_tiles, 2) * 2
+    for ki in range(k_tiles):
         s = loaded % STAGES
         mbarrier.wait(empty.index(s), ((loaded // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
@@ -96,49 +103,79 @@ def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded
 
 
 @gluon.jit
-def _blocks(a_bufs, b_bufs, ready, empty, used, part, BLOCKS: gl.constexpr, C: gl.constexpr):
+def _blocks(a_bufs, b_bufs, ready, empty, used, part, BLOCKS: gl.constexpr, C: gl.constexpr, COLUMNS: gl.constexpr = 0,
+            SPLIT: gl.constexpr = False):  # fmt: skip
     """BLOCKS K blocks of consumer C's rows into `part` (imprecise, from zero), returned once their
-    MMAs retired and their stages are released."""
+    MMAs retired. SPLIT: only the stages' COLUMNS-th half of B's columns (0, then 1); the stages
+    are released with the last half (they wait for `ready` once, with the first)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    WIDTH: gl.constexpr = b_bufs.type.shape[1] // 2
     for i in gl.static_range(BLOCKS):
         s = (used + i) % STAGES
-        mbarrier.wait(ready.index(s), ((used + i) // STAGES) & 1)
-        part = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b_bufs.index(s).permute((1, 0)), part,
-                             use_acc=i > 0, is_async=True)  # fmt: skip
+        if COLUMNS == 0:
+            mbarrier.wait(ready.index(s), ((used + i) // STAGES) & 1)
+        b = b_bufs.index(s)
+        if SPLIT:
+            b = b.slice(COLUMNS * WIDTH, WIDTH)
+        part = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b.permute((1, 0)), part, use_acc=i > 0,
+                             is_async=True)  # fmt: skip
     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-    for i in gl.static_range(BLOCKS):
-        mbarrier.arrive(empty.index((used + i) % STAGES), count=1)
+    if (not SPLIT) or COLUMNS == 1:
+        for i in gl.static_range(BLOCKS):
+            mbarrier.arrive(empty.index((used + i) % STAGES), count=1)
     return part
 
 
 @gluon.jit
-def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr):
-    """Consumer C's half of one tile, float32 [BLOCK_M // 2, BLOCK_N] in `layout`, from the next
-    cdiv(K, BLOCK_K) stages (the running count `used`); returns (acc, used)."""
+def _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, BLOCKS: gl.constexpr, C: gl.constexpr,
+             SPLIT: gl.constexpr):  # fmt: skip
+    """BLOCKS K blocks' products added into the float32 accumulator(s); returns (acc, acc_hi, part)."""
+    part = _blocks(a_bufs, b_bufs, ready, empty, used, part, BLOCKS, C, 0, SPLIT)
+    acc = acc + part
+    if SPLIT:
+        part = _blocks(a_bufs, b_bufs, ready, empty, used, part, BLOCKS, C, 1, SPLIT)
+        acc_hi = acc_hi + part
+    return acc, acc_hi, part
+
+
+@gluon.jit
+def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr, SPLIT: gl.constexpr = False):
+    """Consumer C's half of one tile's rows in float32 from the next cdiv(K, BLOCK_K) stages (the
+    running count `used`); returns (acc, acc_hi, used). acc is [BLOCK_M // 2, BLOCK_N] in `layout`
+    and acc_hi 0. With SPLIT, acc holds B's first BLOCK_N // 2 columns and acc_hi the rest, each
+    [BLOCK_M // 2, BLOCK_N // 2] in `layout` (an MMA layout that wide): a 64x256 accumulator beside
+    its promotion buffer would take 256 registers a thread, two halves and one buffer fit in 240."""
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    WIDTH: gl.constexpr = b_bufs.type.shape[1] // 2 if SPLIT else b_bufs.type.shape[1]
     k_tiles = gl.cdiv(K, BLOCK_K)
-    # Consumer 0 promotes after blocks 1, 3, 5, ...; consumer 1 after 0, 2, 4, ...; either after the last.
-    lead = C
-    pairs = (k_tiles - lead) // 2
-    tail = k_tiles - lead - 2 * pairs
-    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
-    part = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
-    if lead > 0:
-        part = _blocks(a_bufs, b_bufs, ready, empty, used, part, 1, C)
-        acc = acc + part
-        used += 1
-    for _ in range(pairs):
-        part = _blocks(a_bufs, b_bufs, ready, empty, used, part, 2, C)
-        acc = acc + part
-        used += 2
-    if tail > 0:
-        part = _blocks(a_bufs, b_bufs, ready, empty, used, part, 1, C)
-        acc = acc + part
-        used += 1
-    return acc, used
+    acc = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
+    part = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
+    if SPLIT:
+        # One half's MMAs run while the other half is promoted, within the consumer: both consumers
+        # promote after blocks 1, 3, 5, ..., the loader padding K to pairs with a block of zeros (a
+        # branch for an odd last block made ptxas spill the halves).
+        acc_hi = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
+        for _ in range(gl.cdiv(k_tiles, 2)):
+            acc, acc_hi, part = _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, 2, C, SPLIT)
+            used += 2
+    else:
+        acc_hi = 0
+        # Consumer 0 promotes after blocks 1, 3, 5, ...; consumer 1 after 0, 2, 4, ...; either after the last.
+        lead = C
+        pairs = (k_tiles - lead) // 2
+        tail = k_tiles - lead - 2 * pairs
+        if lead > 0:
+            acc, acc_hi, part = _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, 1, C, SPLIT)
+            used += 1
+        for _ in range(pairs):
+            acc, acc_hi, part = _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, 2, C, SPLIT)
+            used += 2
+        if tail > 0:
+            acc, acc_hi, part = _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, 1, C, SPLIT)
+            used += 1
+    return acc, acc_hi, used
 
 
 @gluon.jit

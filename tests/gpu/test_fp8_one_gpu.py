@@ -84,17 +84,32 @@ def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, ou
     return AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
 
 
+def _wide_precise_config(block_k, chunk_rows, out_dtype):
+    """Precise accumulation in 128x256 tiles (the accumulator in column halves): as many stages as
+    fit beside the output's staging."""
+    stage_kib = (128 + 256) * block_k // 1024
+    stages = (160 if out_dtype.itemsize <= 2 else 96) // stage_kib  # KiB beside 64 or 128 KiB of staging
+    return AllGatherMatmulConfig(block_m=128, block_n=256, block_k=block_k, num_stages=stages, warp_specialized=True,
+                                 chunk_rows=chunk_rows)  # fmt: skip
+
+
+@pytest.mark.parametrize("tiling", ["heuristic", "wide_precise_k64", "wide_precise_k128"])
 @pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows", ALL_GATHER_CASES)
-def test_all_gather_fp8_waits_for_rows_and_scales(warp_specialized, world, rank, m, n, k, row_wise, out_dtype, precise,
-                                                  chunk_rows):  # fmt: skip
+def test_all_gather_fp8_waits_for_rows_and_scales(tiling, warp_specialized, world, rank, m, n, k, row_wise, out_dtype,
+                                                  precise, chunk_rows):  # fmt: skip
+    if tiling != "heuristic" and not (warp_specialized and precise):
+        pytest.skip("128x256 tiles with the accumulator in halves: precise calls on the warp-specialized kernel")
     seed = random.randrange(1 << 30)
     what = (f"world={world} rank={rank} m={m} k={k} row_wise={row_wise} {out_dtype} precise={precise} "
-            f"warp_specialized={warp_specialized} seed={seed}")  # fmt: skip
+            f"warp_specialized={warp_specialized} tiling={tiling} seed={seed}")  # fmt: skip
     xq, sx, wq, sw = _operands(seed, world * m, n, k, row_wise)
     bias = torch.randn(n, device="cuda", dtype=out_dtype)
     scaled = Scaled(out_dtype, row_wise, precise)
-    cfg = _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype)
+    if tiling == "heuristic":
+        cfg = _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype)
+    else:  # odd counts of K blocks at 128 (1152, 384): the loader's zero block
+        cfg = _wide_precise_config(int(tiling[-3:].lstrip("k")), chunk_rows, out_dtype)
     own = slice(rank * m, (rank + 1) * m)
     x_own = xq[own].clone()
     x_gathered = torch.full_like(xq.view(torch.uint8), 0x7F).view(xq.dtype)  # e4m3 NaN until copied

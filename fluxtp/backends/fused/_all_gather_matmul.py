@@ -237,13 +237,15 @@ class _PingPong:
 
         self.config, self.layouts = config, None
         self.b_block = weight_operand.block(config)
-        self.c_block = [config.block_m // 2, config.block_n]
+        split = _scaled.split_accumulator(scaled, config.block_n)
+        self.c_block = [config.block_m // 2, config.block_n // 2 if split else config.block_n]
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
         self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=y_dtype, device=device)
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
-            B_KN=weight_operand.kn, SEGMENT_BANDS=bands, **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
+            B_KN=weight_operand.kn, SEGMENT_BANDS=bands, SPLIT_ACC=split, **_scaled.constexprs(scaled),
+            **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def launch_args(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):

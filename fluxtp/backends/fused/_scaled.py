@@ -50,6 +50,13 @@ def constexprs(scaled: Scaled | None) -> dict:
     return {"SCALING": scaled.scaling, "PRECISE_ACC": scaled.precise_acc}
 
 
+def split_accumulator(scaled: Scaled | None, block_n: int) -> bool:
+    """Whether a warp-specialized kernel's tile keeps its float32 accumulator in two column halves
+    (fluxtp.kernels._pingpong's SPLIT): a precise call's tiles wider than 128 columns, whose whole
+    accumulator and promotion buffer would not fit a consumer's registers."""
+    return scaled is not None and scaled.precise_acc and block_n > 128
+
+
 # The warp-specialized kernels' launch: 12 warps of 168 registers (num_warps counts the default
 # partition, consumer 0); the two consumers take 232 each, the loader warp 40.
 PINGPONG_WARPS = {"num_warps": 4, "maxnreg": 168}

@@ -81,9 +81,9 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
 @gluon.jit
 def _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, col,
               rows_per_rank, N, stride_cm, layout: gl.constexpr, C: gl.constexpr, RANK: gl.constexpr,
-              HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr, PENDING: gl.constexpr):  # fmt: skip
+              HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
     """Consumer C's rows of a tile's columns col.. (acc: float32 [BLOCK_M // 2, width] in layout)
-    scaled, biased and stored; through c_smem once at most PENDING earlier TMA stores are in flight."""
+    scaled, biased and stored (through c_smem, once its last store has read it)."""
     HALF: gl.constexpr = acc.shape[0]
     WIDTH: gl.constexpr = acc.shape[1]
     rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
@@ -103,7 +103,7 @@ def _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, 
         acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
     out = acc.to(c_ptr.dtype.element_ty)
     if TMA_STORE:  # whole tiles inside each segment (rows_per_rank % BLOCK_M == 0)
-        tma.store_wait(pendings=PENDING)  # the previous tile's store from c_smem has read it
+        tma.store_wait(pendings=0)  # the last store from c_smem has read it
         c_smem.store(out)
         fence_async_shared()
         tma_store(c_desc, [segment * rows_per_rank + pid_m * (2 * HALF) + C * HALF, col], c_smem)
@@ -135,17 +135,13 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
             acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
         else:
             acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
-        if SPLIT_ACC:  # two column halves, each through its own staging buffer
-            _epilogue(acc, c_desc, c_bufs.index(2 * C), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr,
-                      segment, pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS,
-                      TMA_STORE, SCALING, 1)  # fmt: skip
-            _epilogue(acc_hi, c_desc, c_bufs.index(2 * C + 1), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr,
-                      scale_b_ptr, segment, pid_m, pid_n * BLOCK_N + ACC_N, rows_per_rank, N, stride_cm, layout, C,
-                      RANK, HAS_BIAS, TMA_STORE, SCALING, 1)  # fmt: skip
-        else:
-            _epilogue(acc, c_desc, c_bufs.index(C), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
-                      pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
-                      SCALING, 0)  # fmt: skip
+        c_smem = c_bufs.index(C)
+        _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
+                  pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
+        if SPLIT_ACC:  # the columns' second half, through the same staging buffer
+            _epilogue(acc_hi, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
+                      pid_n * BLOCK_N + ACC_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
+                      SCALING)  # fmt: skip
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
@@ -186,7 +182,7 @@ def all_gather_matmul_pingpong_kernel(
     SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); c_desc's block half as wide
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
-    a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES, 2 if SPLIT_ACC else 1)
+    a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [

@@ -66,29 +66,28 @@ def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr, C_PARTS: gl.constexpr = 1):
-    """allocate_stages, and C staging buffers of half a tile's rows per consumer (for TMA stores):
-    C_PARTS a consumer, each as wide as c_desc's block (consumer C's p-th: index C * C_PARTS + p)."""
+def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
+    """allocate_stages, and a C staging buffer of half a tile's rows per consumer (for TMA stores)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * C_PARTS, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     return a_bufs, b_bufs, c_bufs, ready, empty
 
 
 @gluon.jit
 def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, K, B_KN: gl.constexpr = False,
-              PAIRS: gl.constexpr = False):  # fmt: skip
+              SPANS: gl.constexpr = False):  # fmt: skip
     """The loader's part of one tile: every K block of A's rows a_row.. and B's rows b_row.. (with
     B_KN, the K x N weight's columns b_row..) into the next stages, each once both consumers
-    released it; returns the running block count. PAIRS: an even count of blocks, an odd count's
-    last one followed by a block past K (TMA fills it with zeros), as accumulate's SPLIT reads them."""
+    released it; returns the running block count. SPANS: whole spans of 256 products, the last
+    one filled up with blocks past K (TMA fills them with zeros), as accumulate's SPLIT reads them."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if PAIRS:
-        k_tiles = gl.cdiv(k_tiles, 2) * 2
+    if SPANS:
+        k_tiles = gl.cdiv(k_tiles, 256 // BLOCK_K) * (256 // BLOCK_K)
     for ki in range(k_tiles):
         s = loaded % STAGES
         mbarrier.wait(empty.index(s), ((loaded // STAGES) & 1) ^ 1)
@@ -154,12 +153,13 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
     part = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
     if SPLIT:
         # One half's MMAs run while the other half is promoted, within the consumer: both consumers
-        # promote after blocks 1, 3, 5, ..., the loader padding K to pairs with a block of zeros (a
-        # branch for an odd last block made ptxas spill the halves).
+        # promote every 256 products, the loader padding K to that with blocks of zeros (a branch
+        # for a shorter last span made ptxas spill the halves).
+        SPAN: gl.constexpr = 256 // BLOCK_K
         acc_hi = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
-        for _ in range(gl.cdiv(k_tiles, 2)):
-            acc, acc_hi, part = _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, 2, C, SPLIT)
-            used += 2
+        for _ in range(gl.cdiv(k_tiles, SPAN)):
+            acc, acc_hi, part = _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, SPAN, C, SPLIT)
+            used += SPAN
     else:
         acc_hi = 0
         # Consumer 0 promotes after blocks 1, 3, 5, ...; consumer 1 after 0, 2, 4, ...; either after the last.

@@ -86,9 +86,9 @@ def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, ou
 
 def _wide_precise_config(block_k, chunk_rows, out_dtype):
     """Precise accumulation in 128x256 tiles (the accumulator in column halves): as many stages as
-    fit beside the output's staging."""
+    fit beside the output's staging (two 64x128 buffers: 32 KiB at 2 bytes, 64 at 4)."""
     stage_kib = (128 + 256) * block_k // 1024
-    stages = (160 if out_dtype.itemsize <= 2 else 96) // stage_kib  # KiB beside 64 or 128 KiB of staging
+    stages = (192 if out_dtype.itemsize <= 2 else 160) // stage_kib
     return AllGatherMatmulConfig(block_m=128, block_n=256, block_k=block_k, num_stages=stages, warp_specialized=True,
                                  chunk_rows=chunk_rows)  # fmt: skip
 

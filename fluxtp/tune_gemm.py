@@ -50,7 +50,11 @@ from fluxtp.bench.gemm_grid import (
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
 from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, key_dtype, load, m_bucket
-from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
+from fluxtp.configs._classes import (
+    WARP_SPECIALIZED_FP8_FAST_TILING,
+    WARP_SPECIALIZED_FP8_TILING,
+    WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING,
+)
 from fluxtp.tune import write_entries
 
 # (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue
@@ -112,12 +116,13 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
 
 
 def _fp8_candidates(case: GemmCase, base) -> list:
-    """An FP8 all-gather's warp-specialized tilings (FP8_STAGES, FP8_GROUP_MS), base's left out."""
+    """An FP8 all-gather's warp-specialized tilings (FP8_STAGES, FP8_GROUP_MS; the 128x256 one of
+    its accumulation), base's left out."""
     narrow = dataclasses.replace(base, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
     out = [dataclasses.replace(narrow, num_stages=s, group_m=g) for s, g in itertools.product(FP8_STAGES, FP8_GROUP_MS)]
-    if case.fast_accum:
-        wide = dataclasses.replace(base, **WARP_SPECIALIZED_FP8_FAST_TILING, warp_specialized=True)
-        out += [dataclasses.replace(wide, group_m=g) for g in FP8_GROUP_MS]
+    wide_tiling = WARP_SPECIALIZED_FP8_FAST_TILING if case.fast_accum else WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING
+    wide = dataclasses.replace(base, **wide_tiling, warp_specialized=True)
+    out += [dataclasses.replace(wide, group_m=g) for g in FP8_GROUP_MS]
     return [with_communication_heuristic(case, c) for c in dict.fromkeys(out) if c != base]
 
 

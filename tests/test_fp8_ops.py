@@ -82,6 +82,13 @@ def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
     assert {k: getattr(ws, k) for k in WARP_SPECIALIZED_FP8_TILING} == {**WARP_SPECIALIZED_FP8_TILING, "num_stages": 6}
     f32_out = AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True, warp_specialized=True, out_bytes=4)
     assert {k: getattr(f32_out, k) for k in WARP_SPECIALIZED_FP8_TILING} == WARP_SPECIALIZED_FP8_TILING
+    # Precise calls whose 128x256 tiles fill their waves (1792 of them) take those, their accumulator in
+    # column halves; a float32 output's staging leaves them no room.
+    wide = AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, True, warp_specialized=True)
+    assert wide.warp_specialized and (wide.block_n, wide.block_k, wide.num_stages, wide.group_m) == (256, 128, 4, 4)
+    assert wide.with_fp8_output(4) is None
+    wide_f32 = AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, True, warp_specialized=True, out_bytes=4)
+    assert {k: getattr(wide_f32, k) for k in WARP_SPECIALIZED_FP8_TILING} == WARP_SPECIALIZED_FP8_TILING
     assert ws.chunk_rows % ws.block_m == 0
     fast_ws = AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, False, warp_specialized=True)
     assert fast_ws.warp_specialized

@@ -135,15 +135,18 @@ def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
 
 def test_one_gpu_candidates_of_an_fp8_all_gather_are_its_stages_and_bands_on_the_warp_specialized_kernel():
     """An FP8 all-gather (precise accumulation) screens the warp-specialized kernel's 128x128x128
-    tiling at 4-6 stages in bands of 4 or 8 row tiles, the heuristic's first; where the GPU
-    cannot run that kernel there is nothing to screen."""
+    tiling at 4-6 stages in bands of 4 or 8 row tiles and its 128x256x128 one (the accumulator in
+    column halves, 4 stages) in either band, the heuristic's first; where the GPU cannot run that
+    kernel there is nothing to screen."""
     case = GemmCase(AG, 4096, 28672, 8192, 8, "float8_e4m3fn")
     base = tune_gemm.heuristic_config(case, True)
     assert base == AllGatherMatmulConfig.heuristic_fp8(512, 3584, 8192, 8, True, warp_specialized=True)
+    assert base.block_n == 128  # 448 wide tiles: 3.4 waves, the narrow ones take fewer
     space = tune_gemm.candidates(case, warp_specialized=True)
-    assert space[0] == base and len(space) == len(set(space)) == 6
-    assert {(c.num_stages, c.group_m) for c in space} == {(s, g) for s in (4, 5, 6) for g in (4, 8)}
-    assert all(c.warp_specialized and (c.block_m, c.block_n, c.block_k) == (128, 128, 128) for c in space)
+    assert space[0] == base and len(space) == len(set(space)) == 8
+    assert {(c.block_n, c.num_stages, c.group_m) for c in space} == {
+        *((128, s, g) for s in (4, 5, 6) for g in (4, 8)), (256, 4, 4), (256, 4, 8)}  # fmt: skip
+    assert all(c.warp_specialized and (c.block_m, c.block_k) == (128, 128) for c in space)
     assert all(c.chunk_rows == base.chunk_rows for c in space)
     assert tune_gemm.candidates(case) == [tune_gemm.heuristic_config(case)]
     # Fast accumulation: its 128x256x128 tiling in either band beside them, under its own key.

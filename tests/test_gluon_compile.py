@@ -112,16 +112,17 @@ def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k,
 WS_WIDE = AllGatherMatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
 
 
-@pytest.mark.parametrize("world, fp8, bands", [(8, False, False), (4, True, False), (8, False, True)])
-def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, world, fp8, bands):
-    x, w, scaled = _inputs(256, 3584, 4096, fp8)
+@pytest.mark.parametrize("world, rows, fp8, bands", [(8, 256, False, False), (4, 512, "precise", False), (8, 256, False, True)])
+def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, world, rows, fp8, bands):
+    x, w, scaled = _inputs(rows, 3584, 4096, fp8)
     config = dataclasses.replace(WS_WIDE, bands_across_segments=bands)
     if fp8:
-        config = None  # its heuristic's tiling
+        config = None  # its heuristic's tiling: precise, 128x256 (the accumulator in column halves)
     ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
     launch, args = captured_launch[-1]
     assert launch.kernel.__name__ == "all_gather_matmul_pingpong_kernel"
     assert launch.constexprs["SEGMENT_BANDS"] == bands  # 224 tiles or more: two waves, bands only where asked
+    assert launch.constexprs.get("SPLIT_ACC", False) == (fp8 == "precise")
     compiled = _compile(launch, args)
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
 

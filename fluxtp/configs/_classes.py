@@ -60,6 +60,11 @@ WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT = {"num_stages": 6, "group_m": 4}
 # Its fast-accumulation tiling (no promotion buffer: a 64x256 accumulator per consumer fits): on one
 # H100 it took 0.87-0.99x the Triton kernel's time at 12 all-gather shapes, TP 2 and 8 (docs/perf-log.md).
 WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 4, "num_stages": 3}
+# The precise all-gather's wide tiling: 128x256 tiles whose accumulator goes in column halves
+# (fluxtp.kernels._pingpong), 4 stages beside a 2-byte output's two 64x128 staging buffers. One
+# H100, the FP8 all-gather grid: 0.79-0.97x the 128x128 tiling's time from two waves of wide tiles
+# up, slower where the wide tiles leave most of their last wave empty (docs/perf-log.md).
+WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING = {**WARP_SPECIALIZED_FP8_FAST_TILING, "num_stages": 4}
 
 
 # The precise reducer kernel's fifth stage, in GEMMs of at most this many 128x128 tiles (about 8 a
@@ -149,24 +154,25 @@ class AllGatherMatmulConfig(GemmTiling):
         torch._scaled_mm against Triton's narrow tiles' 1.28) or where its output's staging does
         not fit beside three stages (out_bytes: the output dtype's size; float32 does not)."""
         tile_rows = world * cdiv(rows_per_rank, 128)
+        narrow = narrow_tiles_win(tile_rows, n, sms)
         fast_fits = out_bytes <= 2 and tile_rows * cdiv(n, 256) >= sms
         if warp_specialized and (precise_acc or fast_fits):
             tiling = WARP_SPECIALIZED_FP8_TILING if precise_acc else WARP_SPECIALIZED_FP8_FAST_TILING
             if precise_acc and out_bytes <= 2:
-                # Six stages beside a 2-byte output's staging, in bands of four row tiles: one H100's
-                # tune of the FP8 all-gather grid screened it within 1.1% of the best of six
-                # stage / band choices in geomean (worst 1.07), five stages in bands of eight 4.7%
-                # (worst 1.17) (docs/perf-log.md).
-                tiling = {**tiling, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT}
+                # Wide tiles where they fill their waves (narrow_tiles_win); else six stages of 128x128
+                # beside a 2-byte output's staging, in bands of four row tiles: one H100's tune of the
+                # FP8 all-gather grid screened it within 1.1% of the best of six stage / band choices
+                # in geomean (worst 1.07), five stages in bands of eight 4.7% (worst 1.17) (docs/perf-log.md).
+                wide = {**WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING, "group_m": 4}
+                tiling = {**tiling, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT} if narrow else wide
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
-        narrow = narrow_tiles_win(tile_rows, n, sms)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
 
     def with_fp8_output(self, out_bytes: int) -> AllGatherMatmulConfig | None:
         """This FP8 warp-specialized config for an output of out_bytes a value, or None where it
         cannot take it: FP8 tables are tuned with a bf16 output, whose staging leaves room for up
-        to six 32 KiB stages of 128x128 tiles; a float32 output's for four of them and none of
-        128x256 tiles (as heuristic_fp8)."""
+        to six 32 KiB stages of 128x128 tiles or four 48 KiB ones of 128x256; a float32 output's
+        for four of 128x128 and none of 128x256 tiles (as heuristic_fp8)."""
         if out_bytes <= 2:
             return self
         if self.block_n > WARP_SPECIALIZED_FP8_TILING["block_n"]:

@@ -64,7 +64,7 @@ def _consumer(c_desc, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, C: gl.const
     c_smem = c_bufs.index(C)
     for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
         pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
-        acc, _, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+        acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
         tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()

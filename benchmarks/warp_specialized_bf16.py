@@ -59,7 +59,7 @@ def _consumer(a_desc, b_desc, c_desc, scale_a_ptr, scale_b_ptr, M, N, K, a_bufs,
     used = 0
     for tile in range(gl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
         off_m, off_n = _tile_origin(tile, tiles_m, tiles_n, 8, BLOCK_M, BLOCK_N)
-        acc, _, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+        acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout)
         # Unit scales: the FP8 probe's scaled store, so the two probes share their epilogue.
         _scaled_store(acc, c_desc, c_bufs.index(C), scale_a_ptr, scale_b_ptr, off_m + C * HALF, off_n, M, N, layout)
     tma.store_wait(pendings=0)

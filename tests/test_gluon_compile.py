@@ -127,18 +127,14 @@ def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, wo
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
 
 
-@pytest.mark.parametrize(
-    "fp8, block_k, stages",
-    [("precise", 64, 8), ("precise", 128, 4), ("fast", 128, 4), (False, 64, 4)],
-)
-def test_the_all_gather_compiles_with_its_accumulator_in_halves(captured_launch, fp8, block_k, stages):
-    """128x256 tiles with the accumulator in two column halves, stored one after the other through
-    one staging buffer (precise FP8 always, fast FP8 and bf16 where the config asks): four stages fit."""
-    x, w, scaled = _inputs(256, 3584, 4096, fp8)
-    config = dataclasses.replace(WS_WIDE, block_k=block_k, num_stages=stages, accumulator_halves=fp8 != "precise")
-    ag.gemm_only(x, w, None, GroupInfo(None, 0, 4), config, **scaled, use_fast_accum=fp8 == "fast")()
+@pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 4)])
+def test_the_precise_all_gather_compiles_with_wide_tiles(captured_launch, block_k, stages):
+    """Precise FP8 in 128x256 tiles: the accumulator in two column halves, stored one after the other."""
+    x, w, scaled = _inputs(256, 3584, 4096, "precise")
+    config = dataclasses.replace(WS_WIDE, block_k=block_k, num_stages=stages)
+    ag.gemm_only(x, w, None, GroupInfo(None, 0, 4), config, **scaled)()
     launch, args = captured_launch[-1]
-    assert launch.constexprs["SPLIT_ACC"] and launch.constexprs.get("PRECISE_ACC", False) == (fp8 == "precise")
+    assert launch.constexprs["SPLIT_ACC"] and launch.constexprs["PRECISE_ACC"]
     compiled = _compile(launch, args)
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
 
@@ -165,10 +161,3 @@ def test_bands_across_segments_on_the_triton_kernel_are_refused():
     config = AllGatherMatmulConfig(bands_across_segments=True)
     with pytest.raises(ValueError, match="only the warp-specialized kernel"):
         ag.gemm_only(x, w, None, GroupInfo(None, 0, 2), config)
-
-
-def test_accumulator_halves_over_a_transposed_weight_are_refused(captured_launch):
-    x, w, _ = _inputs(256, 512, 1024, False)
-    config = dataclasses.replace(WS_WIDE, accumulator_halves=True)
-    with pytest.raises(ValueError, match="column halves.*not a transposed one"):
-        ag.gemm_only(x, w.t().contiguous().t(), None, GroupInfo(None, 0, 2), config)

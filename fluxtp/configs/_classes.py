@@ -125,12 +125,6 @@ class AllGatherMatmulConfig(GemmTiling):
     # The launcher takes it by itself for a grid of one wave (every tile starts at once either
     # way). Optional in tuning tables.
     bands_across_segments: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
-    # The warp-specialized kernel's 128x256 tiles with their float32 accumulator in two column
-    # halves, each stored through a staging buffer half as wide (room for a fourth stage): precise
-    # FP8 calls' always (a whole accumulator beside its promotion buffer does not fit the
-    # registers), fast FP8 and bf16 / fp16 ones (the weight's [n, k] rows) where this asks.
-    # Optional in tuning tables.
-    accumulator_halves: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod
     @functools.cache

@@ -49,7 +49,7 @@ def _tile_of(tile, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GR
 def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N, K,
             chunk_rows, chunks_per_rank, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
             NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
-            SPANS: gl.constexpr):  # fmt: skip
+            SPLIT_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
@@ -61,7 +61,7 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
         segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS)
         if segment == RANK:  # this rank's rows, from its shard
             loaded = load_tile(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty, loaded, K,
-                               B_KN, SPANS)  # fmt: skip
+                               B_KN, SPLIT_ACC)  # fmt: skip
         else:
             chunk_in_segment = pid_m * BLOCK_M // chunk_rows
             chunk = segment * chunks_per_rank + chunk_in_segment
@@ -75,7 +75,7 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
                     record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
                 ready_chunk = chunk
             loaded = load_tile(a_desc, segment * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs,
-                               ready, empty, loaded, K, B_KN, SPANS)  # fmt: skip
+                               ready, empty, loaded, K, B_KN, SPLIT_ACC)  # fmt: skip
 
 
 @gluon.jit
@@ -134,7 +134,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
         if PRECISE_ACC:
             acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
         else:
-            acc, acc_hi, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN, SPLIT_ACC)
+            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
         c_smem = c_bufs.index(C)
         _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
                   pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
@@ -179,11 +179,10 @@ def all_gather_matmul_pingpong_kernel(
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted into float32 every two K blocks (not use_fast_accum)
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose (backward; bf16 / fp16 only)
     SEGMENT_BANDS: gl.constexpr,  # GROUP_M bands counted across the segments (module docstring)
-    SPLIT_ACC: gl.constexpr,  # the accumulator in column halves (fluxtp.kernels._pingpong); c_desc's block half as wide
+    SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); c_desc's block half as wide
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
-    SPANS: gl.constexpr = SPLIT_ACC and PRECISE_ACC  # the loader pads K to whole promotion spans
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
@@ -195,7 +194,7 @@ def all_gather_matmul_pingpong_kernel(
                          TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, SPLIT_ACC)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
                        K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN,
-                       SEGMENT_BANDS, SPANS)),
+                       SEGMENT_BANDS, SPLIT_ACC)),
         ],
         [4, 1],
         [232, 40],

@@ -252,7 +252,7 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
             if PRECISE_ACC:  # FP8 products promoted to float32 every two K blocks, off the MMAs' path
                 acc, _, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
             else:
-                acc, _, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
+                acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
             if SCALING != 0:
                 acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout, C, SCALING)
             if pending != 0:  # its store had this K loop to complete

@@ -180,42 +180,26 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
 
 @gluon.jit
 def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr,
-                     B_KN: gl.constexpr = False, SPLIT: gl.constexpr = False):  # fmt: skip
+                     B_KN: gl.constexpr = False):  # fmt: skip
     """accumulate without promotion (bf16, fp16: the tensor cores accumulate in float32; FP8 with
-    fast accumulation): one K block's wgmmas in flight, each stage released once the block after
-    it was issued and it retired; returns (acc, acc_hi, used) as accumulate. B_KN: B's stages are
-    [BLOCK_K, BLOCK_N] (a K x N weight, 16-bit only; not with SPLIT)."""
+    fast accumulation): one wgmma in flight, each stage released once the wgmma after it was
+    issued and it retired. B_KN: B's stages are [BLOCK_K, BLOCK_N] (a K x N weight, 16-bit only)."""
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
-    WIDTH: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     k_tiles = gl.cdiv(K, BLOCK_K)
-    acc = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
-    if SPLIT:
-        acc_hi = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
-    else:
-        acc_hi = 0
+    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
     previous = 0
     for ki in range(k_tiles):
         s = used % STAGES
         mbarrier.wait(ready.index(s), (used // STAGES) & 1)
-        a = a_bufs.index(s).slice(C * HALF, HALF)
-        if SPLIT:
-            b = b_bufs.index(s)
-            acc = warpgroup_mma(a, b.slice(0, WIDTH).permute((1, 0)), acc, is_async=True)
-            acc_hi = warpgroup_mma(a, b.slice(WIDTH, WIDTH).permute((1, 0)), acc_hi, is_async=True)
-            acc, acc_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_hi))
-        else:
-            b = b_bufs.index(s) if B_KN else b_bufs.index(s).permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        b = b_bufs.index(s) if B_KN else b_bufs.index(s).permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index(previous), count=1, pred=ki > 0)  # the block before this one retired
         previous = s
         used += 1
-    if SPLIT:
-        acc, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_hi))
-    else:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(previous), count=1, pred=k_tiles > 0)
-    return acc, acc_hi, used
+    return acc, used

@@ -84,23 +84,22 @@ def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, ou
     return AllGatherMatmulConfig(**{**cfg.__dict__, "chunk_rows": chunk_rows})
 
 
-def _halves_config(block_k, chunk_rows, out_dtype):
-    """128x256 tiles with the accumulator in column halves (precise calls' always, fast ones' as
-    asked): as many stages as fit beside the output's staging (two 64x128 buffers: 32 KiB at 2
-    bytes, 64 at 4)."""
+def _wide_precise_config(block_k, chunk_rows, out_dtype):
+    """Precise accumulation in 128x256 tiles (the accumulator in column halves): as many stages as
+    fit beside the output's staging (two 64x128 buffers: 32 KiB at 2 bytes, 64 at 4)."""
     stage_kib = (128 + 256) * block_k // 1024
     stages = (192 if out_dtype.itemsize <= 2 else 160) // stage_kib
     return AllGatherMatmulConfig(block_m=128, block_n=256, block_k=block_k, num_stages=stages, warp_specialized=True,
-                                 chunk_rows=chunk_rows, accumulator_halves=True)  # fmt: skip
+                                 chunk_rows=chunk_rows)  # fmt: skip
 
 
-@pytest.mark.parametrize("tiling", ["heuristic", "halves_k64", "halves_k128"])
+@pytest.mark.parametrize("tiling", ["heuristic", "wide_precise_k64", "wide_precise_k128"])
 @pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows", ALL_GATHER_CASES)
 def test_all_gather_fp8_waits_for_rows_and_scales(tiling, warp_specialized, world, rank, m, n, k, row_wise, out_dtype,
                                                   precise, chunk_rows):  # fmt: skip
-    if tiling != "heuristic" and not warp_specialized:
-        pytest.skip("128x256 tiles with the accumulator in halves: the warp-specialized kernel's")
+    if tiling != "heuristic" and not (warp_specialized and precise):
+        pytest.skip("128x256 tiles with the accumulator in halves: precise calls on the warp-specialized kernel")
     seed = random.randrange(1 << 30)
     what = (f"world={world} rank={rank} m={m} k={k} row_wise={row_wise} {out_dtype} precise={precise} "
             f"warp_specialized={warp_specialized} tiling={tiling} seed={seed}")  # fmt: skip
@@ -109,8 +108,8 @@ def test_all_gather_fp8_waits_for_rows_and_scales(tiling, warp_specialized, worl
     scaled = Scaled(out_dtype, row_wise, precise)
     if tiling == "heuristic":
         cfg = _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype)
-    else:  # precise: K padded to whole promotion spans with zero blocks (1152 and 384 need them)
-        cfg = _halves_config(int(tiling.split("_k")[1]), chunk_rows, out_dtype)
+    else:  # odd counts of K blocks at 128 (1152, 384): the loader's zero block
+        cfg = _wide_precise_config(int(tiling[-3:].lstrip("k")), chunk_rows, out_dtype)
     own = slice(rank * m, (rank + 1) * m)
     x_own = xq[own].clone()
     x_gathered = torch.full_like(xq.view(torch.uint8), 0x7F).view(xq.dtype)  # e4m3 NaN until copied

@@ -237,10 +237,7 @@ class _PingPong:
 
         self.config, self.layouts = config, None
         self.b_block = weight_operand.block(config)
-        split = _scaled.split_accumulator(scaled, config.block_n, config.accumulator_halves)
-        if split and weight_operand.kn:
-            raise ValueError(f"{_OP}: config {config} keeps its accumulator in column halves, which the "
-                             "warp-specialized kernel does for a weight of [n, k] rows only, not a transposed one")
+        split = _scaled.split_accumulator(scaled, config.block_n)
         self.c_block = [config.block_m // 2, config.block_n // 2 if split else config.block_n]
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
         self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=y_dtype, device=device)

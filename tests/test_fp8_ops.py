@@ -98,6 +98,13 @@ def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
     assert not sparse.warp_specialized and sparse.block_n == 128
     assert not AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, False, warp_specialized=True,
                                                    out_bytes=4).warp_specialized  # fmt: skip
+    # On Triton a float32 output takes 128x128 tiles even where 128x256 ones fill the waves (their
+    # float32 epilogue does not fit shared memory): 1000 rows a rank at TP=4, the multi-GPU test's case.
+    for on_hopper in (False, True):
+        f32_fast = AllGatherMatmulConfig.heuristic_fp8(1000, 1000, 2048, 4, False, warp_specialized=on_hopper,
+                                                       out_bytes=4)  # fmt: skip
+        assert not f32_fast.warp_specialized and f32_fast.block_n == 128
+    assert AllGatherMatmulConfig.heuristic_fp8(1000, 1000, 2048, 4, False).block_n == 256  # a bf16 output keeps them
     assert not AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, True).warp_specialized
 
     precise, fast = Scaled(torch.bfloat16, True, True), Scaled(torch.bfloat16, True, False)

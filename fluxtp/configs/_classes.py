@@ -152,7 +152,9 @@ class AllGatherMatmulConfig(GemmTiling):
         decides), which it then does in its tiling for the call's accumulation. A fast call stays
         on Triton where the 128x256 tiles do not fill one wave (llama3-8b TP=8 1024 tokens: 1.62x
         torch._scaled_mm against Triton's narrow tiles' 1.28) or where its output's staging does
-        not fit beside three stages (out_bytes: the output dtype's size; float32 does not)."""
+        not fit beside three stages (out_bytes: the output dtype's size; float32 does not). On
+        Triton a float32 output takes 128x128 tiles: the 128x256 ones' float32 epilogue asked for
+        272 KiB of shared memory (Triton 3.6, one H100: OutOfResources at the launch)."""
         tile_rows = world * cdiv(rows_per_rank, 128)
         narrow = narrow_tiles_win(tile_rows, n, sms)
         fast_fits = out_bytes <= 2 and tile_rows * cdiv(n, 256) >= sms
@@ -166,7 +168,8 @@ class AllGatherMatmulConfig(GemmTiling):
                 wide = {**WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING, "group_m": 4}
                 tiling = {**tiling, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT} if narrow else wide
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
-        return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow)).with_communication_heuristic(rows_per_rank)
+        return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow or out_bytes > 2)).with_communication_heuristic(
+            rows_per_rank)
 
     def with_fp8_output(self, out_bytes: int) -> AllGatherMatmulConfig | None:
         """This FP8 warp-specialized config for an output of out_bytes a value, or None where it

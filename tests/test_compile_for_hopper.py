@@ -1,8 +1,8 @@
-"""The warp-specialized (Gluon, Hopper) kernels compile for sm_90 without a GPU, launched as the
-ops launch them: a kernel change that Gluon or ptxas rejects fails here on CPU, before device
-time. Each case captures the Launch its op's GEMM-only mode makes (CPU tensors, 132 SMs), then
-compiles it offline (Triton's GluonASTSource with an explicit target) and checks that its shared
-memory fits what the launcher's model allows.
+"""The fused kernels compile for sm_90 without a GPU, launched as the ops launch them: a kernel
+change that Gluon, Triton or ptxas rejects, or a heuristic's tiling that does not fit shared
+memory, fails here on CPU, before device time. Each case captures the Launch its op's GEMM-only
+mode makes (CPU tensors, 132 SMs), then compiles it offline (Triton's GluonASTSource or ASTSource
+with an explicit target) and checks its shared memory.
 
 Skipped where this Triton cannot compile Gluon offline (GluonASTSource arrived after 3.6).
 """
@@ -10,6 +10,7 @@ Skipped where this Triton cannot compile Gluon offline (GluonASTSource arrived a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -20,7 +21,10 @@ if not hasattr(_runtime, "GluonASTSource"):
     pytest.skip("this Triton compiles Gluon only through a GPU driver", allow_module_level=True)
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from fluxtp._dist import GroupInfo  # noqa: E402
 from fluxtp.backends.fused import _all_gather_matmul as ag  # noqa: E402
@@ -48,6 +52,8 @@ def _type_of(arg) -> str:
         return "*" + triton._utils.canonicalize_dtype(arg.dtype)
     if isinstance(arg, GluonTensorDescriptor):
         return arg.__mangle__()
+    if isinstance(arg, TensorDescriptor):
+        return mangle_type(arg)
     if arg is None:
         return "constexpr"
     if isinstance(arg, int):
@@ -62,12 +68,13 @@ def _compile(launch: _launch.Launch, args: tuple):
     signature = {name: _type_of(arg) for name, arg in zip(names, args)}
     constexprs = {name: None for name, kind in signature.items() if kind == "constexpr"}
     options = {}
+    gluon = isinstance(kernel, _runtime.GluonJITFunction)
     for name, value in launch.constexprs.items():
         if name in names:
             signature[name], constexprs[name] = "constexpr", value
         if name not in names or name == "num_warps":
             options[name] = value
-    source = _runtime.GluonASTSource(kernel, signature, constexprs)
+    source = (_runtime.GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs)
     return triton.compile(source, target=HOPPER, options=options)
 
 
@@ -161,3 +168,48 @@ def test_bands_across_segments_on_the_triton_kernel_are_refused():
     config = AllGatherMatmulConfig(bands_across_segments=True)
     with pytest.raises(ValueError, match="only the warp-specialized kernel"):
         ag.gemm_only(x, w, None, GroupInfo(None, 0, 2), config)
+
+
+# Per-rank shapes the heuristics tile differently: (all-gather rows a rank or reduce-scatter rows in
+# all, n, k): few tiles (narrow), ragged rows and columns (pointer stores), many tiles (wide).
+SWEEP_SHAPES = {
+    "all_gather_matmul": [(128, 1792, 4096), (1000, 1000, 2048), (2048, 3584, 8192)],
+    "matmul_reduce_scatter": [(1024, 4096, 1792), (1000, 1000, 2048), (8192, 8192, 3584)],
+}
+# (operand dtype, FP8 accumulation, output dtype): bf16 calls (fp16 ones take the same tilings), FP8
+# precise and fast, each with a 2-byte and a float32 output (whose staging is twice as large).
+SWEEP_KINDS = [
+    (torch.bfloat16, None, None),
+    (torch.float8_e4m3fn, "precise", torch.bfloat16),
+    (torch.float8_e4m3fn, "precise", torch.float32),
+    (torch.float8_e4m3fn, "fast", torch.bfloat16),
+    (torch.float8_e4m3fn, "fast", torch.float32),
+]
+
+
+@pytest.mark.parametrize("op", list(SWEEP_SHAPES))
+def test_every_heuristic_launch_fits_shared_memory(captured_launch, op):
+    """What an untuned call launches on an H100 / H200 (each kernel specialization compiled once,
+    Triton's and the warp-specialized ones) fits sm_90's shared memory: a tiling whose epilogue
+    does not fit fails its launch with OutOfResources on the GPU (the FP8 fast all-gather's
+    128x256 Triton tiles with a float32 output did, at TP=4)."""
+    module = ag if op == "all_gather_matmul" else rs
+    seen = set()
+    for world in (2, 8):
+        for (rows, n, k), (dtype, accumulation, out_dtype) in itertools.product(SWEEP_SHAPES[op], SWEEP_KINDS):
+            torch.manual_seed(0)
+            x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
+            what = f"{op} W={world} {rows}x{n}x{k} {dtype} {accumulation or ''} out {out_dtype}"
+            if accumulation is None:
+                module.gemm_only(x, w, None, GroupInfo(None, 0, world))()
+            else:
+                scales = (torch.rand(rows, 1) + 0.5, torch.rand(1, n) + 0.5)
+                module.gemm_only(x, w, None, GroupInfo(None, 0, world), scales=scales, out_dtype=out_dtype,
+                                 use_fast_accum=accumulation == "fast")()  # fmt: skip
+            launch, args = captured_launch[-1]
+            key = (launch.kernel, tuple(sorted(launch.constexprs.items())), tuple(_type_of(a) for a in args))
+            if key in seen:
+                continue
+            seen.add(key)
+            shared = _compile(launch, args).metadata.shared
+            assert shared <= SMEM_LIMIT_BYTES, f"{what}: {launch.constexprs} needs {shared} bytes of shared memory"

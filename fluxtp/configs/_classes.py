@@ -62,8 +62,8 @@ WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT = {"num_stages": 6, "group_m": 4}
 WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 4, "num_stages": 3}
 # The precise all-gather's wide tiling: 128x256 tiles whose accumulator goes in column halves
 # (fluxtp.kernels._pingpong), 4 stages beside a 2-byte output's two 64x128 staging buffers. One
-# H100, the FP8 all-gather grid: 0.79-0.97x the 128x128 tiling's time from two waves of wide tiles
-# up, slower where the wide tiles leave most of their last wave empty (docs/perf-log.md).
+# H100, the FP8 all-gather grid: 0.74-0.99x the 128x128 tiling's time at most cases, slower where
+# the wide tiles leave most of their last wave empty (docs/perf-log.md).
 WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING = {**WARP_SPECIALIZED_FP8_FAST_TILING, "num_stages": 4}
 
 

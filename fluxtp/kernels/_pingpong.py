@@ -8,8 +8,9 @@ block's wgmma first does not hide it). So each consumer promotes after every two
 (2 * BLOCK_K products, as precise torch._scaled_mm), consumer 1 one block after consumer 0: one
 issues MMAs while the other waits for its own. Each releases a stage once its MMAs retired; a
 stage is refilled when both did. A 128x256 tile's promotion goes by column halves (SPLIT): the
-registers hold its accumulator and one half's promotion buffer, not two whole ones. docs/perf-log.md ("FP8 precise accumulation ...") has the
-measurements.
+registers hold its accumulator and one half's promotion buffer, not two whole ones.
+docs/perf-log.md ("FP8 precise accumulation ...", "The precise all-gather in 128x256 tiles") has
+the measurements.
 """
 
 from triton.experimental import gluon
@@ -144,7 +145,7 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
     running count `used`); returns (acc, acc_hi, used). acc is [BLOCK_M // 2, BLOCK_N] in `layout`
     and acc_hi 0. With SPLIT, acc holds B's first BLOCK_N // 2 columns and acc_hi the rest, each
     [BLOCK_M // 2, BLOCK_N // 2] in `layout` (an MMA layout that wide): a 64x256 accumulator beside
-    its promotion buffer would take 256 registers a thread, two halves and one buffer fit in 240."""
+    its promotion buffer would take 256 registers a thread, two halves and one buffer 192 (of 232)."""
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     WIDTH: gl.constexpr = b_bufs.type.shape[1] // 2 if SPLIT else b_bufs.type.shape[1]

@@ -25,9 +25,7 @@ if not hasattr(_runtime, "GluonASTSource"):
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from fluxtp._dist import GroupInfo  # noqa: E402
 from fluxtp.backends.fused import _all_gather_matmul as ag  # noqa: E402
@@ -51,17 +49,8 @@ def captured_launch(monkeypatch):
 
 
 def _type_of(arg) -> str:
-    if isinstance(arg, torch.Tensor):
-        return "*" + triton._utils.canonicalize_dtype(arg.dtype)
-    if isinstance(arg, GluonTensorDescriptor):
-        return arg.__mangle__()
-    if isinstance(arg, TensorDescriptor):
-        return mangle_type(arg)
-    if arg is None:
-        return "constexpr"
-    if isinstance(arg, int):
-        return "i32" if -(2**31) <= arg < 2**31 else "i64"
-    raise TypeError(f"no Triton type for {type(arg).__name__}")
+    """The argument's Triton type as the JIT launcher specializes it ("constexpr" for None)."""
+    return mangle_type(arg)
 
 
 def _compile(launch: _launch.Launch, args: tuple):

@@ -20,9 +20,7 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `one_unit_a_wait`: the reducer's waits read one unit's flags, not the next ones' too;
 - `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
-- `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn;
-- `column_scales_at_once`: row-wise column scales applied to a 256-wide half tile at once, not a
-  quarter of its columns at a time.
+- `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn.
 The shipped kernel and the variants that change only how it waits or sums (COMPUTES_THE_OP)
 compute the op's result (checked first; the peers' partials read are zeros). Time over cuBLAS's, medians.
 """
@@ -82,7 +80,6 @@ ATOMIC_READS = [  # the flags read by atomic adds of 0 with acquire (the waited 
      "                                           sem='acquire', scope='sys') == expected)\n"),
 ]
 TWO_REDUCER_WARPS = [("REDUCER_WARPS = gl.constexpr(1)", "REDUCER_WARPS = gl.constexpr(2)")]
-COLUMN_SCALES_AT_ONCE = [("        if BLOCK_N == 256:\n            QUARTER", "        if BLOCK_N == 0:\n            QUARTER")]
 VARIANTS = {
     "no_reducer": NO_REDUCER,
     "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
@@ -94,10 +91,9 @@ VARIANTS = {
     "atomic_reads": ATOMIC_READS,
     "one_unit_atomic_reads": ONE_UNIT_A_WAIT + ATOMIC_READS,
     "two_reducer_warps": TWO_REDUCER_WARPS,
-    "column_scales_at_once": COLUMN_SCALES_AT_ONCE,
 }
 COMPUTES_THE_OP = ("fused", "own_flag_only", "one_unit_a_wait", "atomic_reads", "one_unit_atomic_reads",
-                   "two_reducer_warps", "column_scales_at_once")
+                   "two_reducer_warps")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 

@@ -213,45 +213,19 @@ def _store_half(owner, coord, c_smem, slots0, slots1, slots2, slots3, slots4, sl
 
 
 @gluon.jit
-def _stage(acc, c_smem, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout: gl.constexpr,
+def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout: gl.constexpr,
            C: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
-    """Consumer C's half tile (float32 [HALF, BLOCK_N] in layout) into c_smem in its dtype, a
-    scaled call's times its scales first: x's (per tensor, or of each row of the whole x) and the
-    weight's (per tensor, or of each output column). Row-wise column scales of a 256-wide tile go
-    a quarter of the columns at a time (a free split of the registers): a thread's 64 at once
-    beside its 128-register accumulator made ptxas spill."""
+    """A scaled call's half tile times its scales: x's (per tensor, or of each row of the whole x)
+    and the weight's (per tensor, or of each output column)."""
     HALF: gl.constexpr = acc.shape[0]
     BLOCK_N: gl.constexpr = acc.shape[1]
-    staging = c_smem.reshape([HALF, BLOCK_N])
     if SCALING == 1:
-        acc = acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
-    if SCALING == 2:
-        rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
-        scale_a = gl.load(scale_a_ptr + owner * rows_per_rank + rows, mask=rows < rows_per_rank, other=0.0)
-        acc = acc * gl.expand_dims(scale_a, 1)
-        if BLOCK_N == 256:
-            QUARTER: gl.constexpr = BLOCK_N // 4
-            # (row, column in quarter, quarter's bit 0, bit 1): column q * QUARTER + j
-            low, high = gl.split(acc.reshape([HALF, 2, 2, QUARTER]).permute(0, 3, 2, 1))
-            q0, q1 = gl.split(low)
-            q2, q3 = gl.split(high)
-            _stage_columns(q0, staging, scale_b_ptr, pid_n * BLOCK_N, 0, N)
-            _stage_columns(q1, staging, scale_b_ptr, pid_n * BLOCK_N, QUARTER, N)
-            _stage_columns(q2, staging, scale_b_ptr, pid_n * BLOCK_N, 2 * QUARTER, N)
-            _stage_columns(q3, staging, scale_b_ptr, pid_n * BLOCK_N, 3 * QUARTER, N)
-        else:
-            _stage_columns(acc, staging, scale_b_ptr, pid_n * BLOCK_N, 0, N)
-    else:
-        staging.store(acc.to(staging.dtype))
-
-
-@gluon.jit
-def _stage_columns(acc, staging, scale_b_ptr, col0, START: gl.constexpr, N):
-    """acc's columns (the tile's START.. of col0..) times their weight scales into staging."""
-    WIDTH: gl.constexpr = acc.shape[1]
-    cols = col0 + START + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc.type.layout))
+        return acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
+    rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    scale_a = gl.load(scale_a_ptr + owner * rows_per_rank + rows, mask=rows < rows_per_rank, other=0.0)
     scale_b = gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
-    staging.slice(START, WIDTH, dim=1).store((acc * gl.expand_dims(scale_b, 0)).to(staging.dtype))
+    return acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
 
 
 @gluon.jit
@@ -279,6 +253,8 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
                 acc, _, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
             else:
                 acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
+            if SCALING != 0:
+                acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout, C, SCALING)
             if pending != 0:  # its store had this K loop to complete
                 handed = _hand_over_peer_half(stored, counted, handed)
                 pending = 0
@@ -288,7 +264,7 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
             else:
                 slot = _peer_slot(owner, RANK, WORLD, PUSH)
             tma.store_wait(pendings=0)  # c_smem is free again
-            _stage(acc, c_smem, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout, C, SCALING)
+            c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
             fence_async_shared()
             # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
             if PUSH:

@@ -21,37 +21,39 @@ CASES = [  # (m per rank, n, k): ragged rows, N not a tile multiple, one chunk o
 ]
 
 
-def _ops_body(rank, world, seed):
+def _ops_body(rank, world, seed, backend, shape):
     device = torch.device("cuda", rank)
+    m, n, k = shape
     case = 0
-    for backend in ("fused", "nccl", "torch", "auto"):
-        for m, n, k in CASES:
-            for row_wise in (True, False):
-                for out_dtype, fast in ((torch.bfloat16, False), (torch.float32, True), (torch.float16, False)):
-                    bias_dtype = (None, out_dtype, torch.float32)[case % 3]
-                    s = seed + 10 * case
-                    case += 1
-                    # The torch backend's documented refusals, the shape check first.
-                    ag_refusal = rs_refusal = None
-                    if backend == "torch":
-                        if n % 16:
-                            ag_refusal = rs_refusal = "K and n multiples of 16"
-                        else:
-                            ag_refusal = "row-wise scaled matmul writes only bfloat16" if row_wise and out_dtype != torch.bfloat16 else None
-                            rs_refusal = ag_refusal
-                    args = (rank, world, s, m, n, k, device, backend, row_wise, out_dtype, bias_dtype)
-                    for check, refusal in ((check_all_gather_scaled, ag_refusal), (check_scaled_reduce_scatter, rs_refusal)):
-                        if refusal is None:
-                            check(*args, fast=fast)
-                        else:
-                            with pytest.raises(ValueError, match=refusal):
-                                check(*args, fast=fast)
+    for row_wise in (True, False):
+        for out_dtype, fast in ((torch.bfloat16, False), (torch.float32, True), (torch.float16, False)):
+            bias_dtype = (None, out_dtype, torch.float32)[case % 3]
+            s = seed + 10 * case
+            case += 1
+            # The torch backend's documented refusals, the shape check first.
+            ag_refusal = rs_refusal = None
+            if backend == "torch":
+                if n % 16:
+                    ag_refusal = rs_refusal = "K and n multiples of 16"
+                else:
+                    ag_refusal = "row-wise scaled matmul writes only bfloat16" if row_wise and out_dtype != torch.bfloat16 else None
+                    rs_refusal = ag_refusal
+            args = (rank, world, s, m, n, k, device, backend, row_wise, out_dtype, bias_dtype)
+            for check, refusal in ((check_all_gather_scaled, ag_refusal), (check_scaled_reduce_scatter, rs_refusal)):
+                if refusal is None:
+                    check(*args, fast=fast)
+                else:
+                    with pytest.raises(ValueError, match=refusal):
+                        check(*args, fast=fast)
 
 
-def test_fp8_ops_every_backend():
+# A backend and shape a test: each within run_on_ranks' bound, whose first calls compile kernels.
+@pytest.mark.parametrize("shape", CASES)
+@pytest.mark.parametrize("backend", ["fused", "nccl", "torch", "auto"])
+def test_fp8_ops_every_backend(backend, shape):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
-    run_on_ranks(_ops_body, WORLD, random.randrange(1 << 30))
+    run_on_ranks(_ops_body, WORLD, random.randrange(1 << 30), backend, shape)
 
 
 def _reducer_body(rank, world, seed):

@@ -32,6 +32,7 @@ from fluxtp.backends.fused import _all_gather_matmul as ag  # noqa: E402
 from fluxtp.backends.fused import _launch, _scaled  # noqa: E402
 from fluxtp.backends.fused import _matmul_reduce_scatter as rs  # noqa: E402
 from fluxtp.configs import SMEM_LIMIT_BYTES, AllGatherMatmulConfig, MatmulReduceScatterConfig  # noqa: E402
+from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMS = 132
@@ -111,13 +112,28 @@ def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k,
     if fp8:
         config = dataclasses.replace(rs._config_for(x, w, world, None, fp8_call), transport=transport)
         assert config.warp_specialized
-    rs.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
+    rs.gemm_only(x, w, None, GroupInfo(None, 0, world), config, use_fast_accum=fp8 == "fast", **scaled)()
     launch, args = captured_launch[-1]
     assert launch.kernel.__name__ == "matmul_reduce_scatter_reducer_kernel"
+    assert launch.constexprs["PRECISE_ACC"] == (fp8 == "precise")
     compiled = _compile(launch, args)
     part = rs.partial_dtype(x, fp8_call)
-    modelled = rs.reducer_smem_bytes(config, world, x.element_size(), part.itemsize,
-                                     launch.constexprs["UNITS_IN_FLIGHT"])  # fmt: skip
+    modelled = rs.reducer_smem_bytes(config, world, x.element_size(), part.itemsize, launch.constexprs["UNITS_IN_FLIGHT"],
+                                     launch.constexprs["SPLIT_ACC"])  # fmt: skip
+    assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("world, transport", [(2, "copy_engine"), (8, "push")])
+def test_the_precise_reducer_kernel_compiles_with_wide_tiles(captured_launch, world, transport):
+    """Precise FP8 reduce-scatters in 128x256 tiles: the accumulator and the partials' staging in
+    column halves, six 64-deep stages beside the reduction units."""
+    x, w, scaled = _inputs(1024 * world, 4096, 1792, True)
+    config = MatmulReduceScatterConfig(**REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True, transport=transport)
+    rs.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
+    launch, args = captured_launch[-1]
+    assert launch.constexprs["SPLIT_ACC"] and launch.constexprs["PRECISE_ACC"]
+    compiled = _compile(launch, args)
+    modelled = rs.reducer_smem_bytes(config, world, 1, 2, launch.constexprs["UNITS_IN_FLIGHT"], split=True)
     assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES
 
 

@@ -121,6 +121,7 @@ GRIDS = {
     "fp8": lambda: [c for model in MODELS for c in model_cases(model, dtypes=tuple(FP8_DTYPE_NAMES))],
     # Its all-gathers: what the shipped FP8 tables cover (`fluxtp tune --one-gpu [--fast-accum]`).
     "fp8-all-gather": lambda: [c for c in grid("fp8") if c.op == "all_gather_matmul"],
+    "fp8-reduce-scatter": lambda: [c for c in grid("fp8") if c.op == "matmul_reduce_scatter"],
     "fp8-smoke": lambda: model_cases("llama3-8b", tokens=(1024, 3000), worlds=(2, 8), dtypes=tuple(FP8_DTYPE_NAMES)),
     # A quick look (a few seconds of GPU time): one model, the smallest and a middle M, ragged M too.
     "smoke": lambda: model_cases("llama3-8b", tokens=(1024, 3000), worlds=(2, 8)),

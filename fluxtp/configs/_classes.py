@@ -65,6 +65,10 @@ WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 1
 # H100, the FP8 all-gather grid: 0.74-0.99x the 128x128 tiling's time at most cases, slower where
 # the wide tiles leave most of their last wave empty (docs/perf-log.md).
 WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING = {**WARP_SPECIALIZED_FP8_FAST_TILING, "num_stages": 4}
+# The precise reduce-scatter's wide tiling on the reducer kernel: the same column halves, whose
+# staging half as wide leaves room beside the reduction units for six 64-deep stages (the bytes of
+# three 128-deep ones; seven made ptxas spill the promotion loop offline).
+REDUCER_FP8_WIDE_PRECISE_TILING = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 4, "num_stages": 6}
 
 
 # The precise reducer kernel's fifth stage, in GEMMs of at most this many 128x128 tiles (about 8 a

@@ -35,7 +35,8 @@ Every partial, the own one too, is rounded to the output's dtype before the sum 
 NCCL-then-GEMM rounds them); the Triton kernel keeps its own partial in float32, so the two
 differ in the last bits. A scaled (FP8) call's consumers multiply each half by its scales (x's
 rows', the weight's columns', or per tensor) before that rounding (SCALING, PRECISE_ACC as in the
-Triton kernel). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
+Triton kernel; SPLIT_ACC: a precise 128x256 tile's accumulator in column halves, each stored in
+turn through a staging buffer half as wide, which leaves room for the stages). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
 (RANK + 1 + t % W) % W, in grouped order in bands of BAND_ROWS tile rows (the W owners' tiles of
 one wave share the weight's columns, not x's rows), so every owner's rows complete progressively
 on every rank and the reduction runs behind the GEMM instead of after it. Partials are counted
@@ -99,7 +100,7 @@ def _own_flags(buffer_ptrs, own_offset, RANK: gl.constexpr):
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step,
             RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-            B_KN: gl.constexpr):  # fmt: skip
+            B_KN: gl.constexpr, SPLIT_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
@@ -109,7 +110,7 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, f
         step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
         if (step >= first_step) & (step <= last_step):
             loaded = load_tile(a_desc, owner * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs,
-                               ready, empty, loaded, K, B_KN)  # fmt: skip
+                               ready, empty, loaded, K, B_KN, SPLIT_ACC)  # fmt: skip
 
 
 @gluon.jit
@@ -213,19 +214,43 @@ def _store_half(owner, coord, c_smem, slots0, slots1, slots2, slots3, slots4, sl
 
 
 @gluon.jit
-def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout: gl.constexpr,
+def _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, col, rows_per_rank, N, layout: gl.constexpr,
            C: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
-    """A scaled call's half tile times its scales: x's (per tensor, or of each row of the whole x)
-    and the weight's (per tensor, or of each output column)."""
+    """A scaled call's half tile (its columns col..) times its scales: x's (per tensor, or of each
+    row of the whole x) and the weight's (per tensor, or of each output column)."""
     HALF: gl.constexpr = acc.shape[0]
-    BLOCK_N: gl.constexpr = acc.shape[1]
+    WIDTH: gl.constexpr = acc.shape[1]
     if SCALING == 1:
         return acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
     rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
-    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    cols = col + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
     scale_a = gl.load(scale_a_ptr + owner * rows_per_rank + rows, mask=rows < rows_per_rank, other=0.0)
     scale_b = gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
     return acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+
+
+@gluon.jit
+def _store_part(acc, col, owner, slot, row, pid_m, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5,
+                slots6, slots7, scale_a_ptr, scale_b_ptr, rows_per_rank, N, layout: gl.constexpr, C: gl.constexpr,
+                RANK: gl.constexpr, WORLD: gl.constexpr, PUSH: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
+    """Consumer C's rows of the columns col.. (acc: float32 [HALF, width] in layout), scaled, rounded
+    and TMA-stored into `slot` (owner's, with push) through c_smem once its last store has read it."""
+    HALF: gl.constexpr = acc.shape[0]
+    WIDTH: gl.constexpr = acc.shape[1]
+    if SCALING != 0:
+        acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, col, rows_per_rank, N, layout, C, SCALING)
+    tma.store_wait(pendings=0)  # c_smem is free again
+    c_smem.reshape([HALF, WIDTH]).store(acc.to(c_smem.dtype))
+    fence_async_shared()
+    # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
+    if PUSH:
+        if owner == RANK:
+            tma_store(slots_desc, [slot, row, col], c_smem)
+        else:
+            _store_half(owner, [slot, row, col], c_smem, slots0, slots1, slots2, slots3, slots4, slots5, slots6,
+                        slots7, WORLD)  # fmt: skip
+    else:
+        tma_store(slots_desc, [slot, row, col], c_smem)
 
 
 @gluon.jit
@@ -233,12 +258,13 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
               c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step, last_step,
               scale_a_ptr, scale_b_ptr, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
               BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, PUSH: gl.constexpr,
-              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr):  # fmt: skip
+              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, SPLIT_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_M // 2
     K_INSTR: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 16 (bf16, fp16), 32 (FP8)
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, K_INSTR])
+    ACC_N: gl.constexpr = BLOCK_N // 2 if SPLIT_ACC else BLOCK_N
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ACC_N, K_INSTR])
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
@@ -249,12 +275,10 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
     for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):
         step, owner, pid_m, pid_n = _tile(t, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS)
         if (step >= first_step) & (step <= last_step):
-            if PRECISE_ACC:  # FP8 products promoted to float32 every two K blocks, off the MMAs' path
-                acc, _, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout)
+            if PRECISE_ACC:  # FP8 products promoted to float32 off the MMAs' path (with SPLIT_ACC, in column halves)
+                acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
             else:
                 acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
-            if SCALING != 0:
-                acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, pid_n, rows_per_rank, N, layout, C, SCALING)
             if pending != 0:  # its store had this K loop to complete
                 handed = _hand_over_peer_half(stored, counted, handed)
                 pending = 0
@@ -263,18 +287,13 @@ def _consumer(buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, s
                 slot = owner * 0 + _own_slot(PUSH, WORLD)
             else:
                 slot = _peer_slot(owner, RANK, WORLD, PUSH)
-            tma.store_wait(pendings=0)  # c_smem is free again
-            c_smem.reshape([HALF, BLOCK_N]).store(acc.to(c_smem.dtype))
-            fence_async_shared()
-            # Rows past the segment's end are clipped by the slot's bound (a 3-d descriptor).
-            if PUSH:
-                if owner == RANK:
-                    tma_store(slots_desc, [slot, row, pid_n * BLOCK_N], c_smem)
-                else:
-                    _store_half(owner, [slot, row, pid_n * BLOCK_N], c_smem, slots0, slots1, slots2, slots3, slots4,
-                                slots5, slots6, slots7, WORLD)  # fmt: skip
-            else:
-                tma_store(slots_desc, [slot, row, pid_n * BLOCK_N], c_smem)
+            _store_part(acc, pid_n * BLOCK_N, owner, slot, row, pid_m, c_smem, slots_desc, slots0, slots1, slots2, slots3,
+                        slots4, slots5, slots6, slots7, scale_a_ptr, scale_b_ptr, rows_per_rank, N, layout, C, RANK,
+                        WORLD, PUSH, SCALING)  # fmt: skip
+            if SPLIT_ACC:  # the columns' second half, through the same staging buffer
+                _store_part(acc_hi, pid_n * BLOCK_N + ACC_N, owner, slot, row, pid_m, c_smem, slots_desc, slots0, slots1,
+                            slots2, slots3, slots4, slots5, slots6, slots7, scale_a_ptr, scale_b_ptr, rows_per_rank, N,
+                            layout, C, RANK, WORLD, PUSH, SCALING)  # fmt: skip
             if owner == RANK:  # the reducers wait for it now, not after the next K loop
                 _count_own(own_flags + pid_m * tiles_n + pid_n)
             else:
@@ -566,7 +585,8 @@ def matmul_reduce_scatter_reducer_kernel(
     max_spins,
     report_ptr,  # int32 [3]: where a timed-out wait records (rank waited for, tile, this rank)
     own_offset,  # bytes from this rank's buffer base to its own-tile flags (module docstring)
-    slots_desc,  # over this rank's slots [S, m, N] (2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the stores)
+    slots_desc,  # over this rank's slots [S, m, N] (2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the stores;
+    #   with SPLIT_ACC half as wide: a half tile's column halves go one after the other)
     units_desc,  # over the same slots, block [W (push) or 1, unit rows, BLOCK_N], unswizzled (the reducer's loads)
     slots0,  # push: as slots_desc over rank 0's slots as this GPU sees them, ... (unused past W: any descriptor)
     slots1,
@@ -590,12 +610,14 @@ def matmul_reduce_scatter_reducer_kernel(
     PUSH: gl.constexpr,  # peers' rows into their owners' buffers (else the copy engine's outgoing slots here)
     SCALING: gl.constexpr,  # 0 unscaled (bf16 / fp16), 1 per tensor, 2 row-wise (FP8 operands)
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted to float32 after each two K blocks (not use_fast_accum)
+    SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); slots_desc's block half as wide
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
-    c_bufs = gl.allocate_shared_memory(slots_desc.dtype, [2, 1, BLOCK_M // 2, BLOCK_N], slots_desc.layout)
+    c_bufs = gl.allocate_shared_memory(slots_desc.dtype, [2, 1, BLOCK_M // 2, slots_desc.block_type.shape[2]],
+                                       slots_desc.layout)  # fmt: skip
     UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
     unit_bufs = gl.allocate_shared_memory(units_desc.dtype, [UNITS_IN_FLIGHT * WORLD, 1, UNIT_ROWS, BLOCK_N],
                                           units_desc.layout)  # fmt: skip
@@ -621,13 +643,13 @@ def matmul_reduce_scatter_reducer_kernel(
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
                          b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
                          last_step, scale_a_ptr, scale_b_ptr, 0, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
-                         SCALING, PRECISE_ACC)),
+                         SCALING, PRECISE_ACC, SPLIT_ACC)),
             (_consumer, (buffer_ptrs, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6, slots7, a_bufs,
                          b_bufs, c_bufs, ready, empty, stored, counted, rows_per_rank, N, K, own_offset, first_step,
                          last_step, scale_a_ptr, scale_b_ptr, 1, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, PUSH,
-                         SCALING, PRECISE_ACC)),
+                         SCALING, PRECISE_ACC, SPLIT_ACC)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, rows_per_rank, N, K, first_step, last_step, RANK,
-                       WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN)),
+                       WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, SPLIT_ACC)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
                         stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS,
                         NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS, HAS_BIAS, PUSH)),

@@ -24,7 +24,7 @@ from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
 from fluxtp.backends.fused._matmul_reduce_scatter import TRANSPORTS, MatmulReduceScatterConfig, gemm_only
 from fluxtp.backends.fused._scaled import Scaled, flat, pingpong_unsupported
-from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING
+from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING, WARP_SPECIALIZED_FP8_FAST_TILING
 from tests._fp8_cases import partial_rounding, quantize, rel_error, tolerance
 from tests._gates import HostGates
 from tests._rs_simulation import owner_with_late_partials, simulate
@@ -252,24 +252,33 @@ REDUCE_SCATTER_CASES = [
     (4, 384, 640, 640, False, torch.float32, True),  # per tensor, an odd number of 128-wide K blocks
     (8, 200, 1024, 384, True, torch.float16, True),  # under two tiles of rows a rank, three K blocks
     (4, 300, 1280, 640, True, torch.bfloat16, False),  # fast into 2-byte slots: the wide tiling at TP=4, ragged
+    (4, 256, 768, 640, False, torch.bfloat16, True),  # per tensor, ten 64-deep K blocks (two spans' zero blocks)
 ]
 
 
+@pytest.mark.parametrize("tiling", ["heuristic", "wide_precise"])
 @pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world, m, n, k_local, row_wise, out_dtype, precise", REDUCE_SCATTER_CASES)
-def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, m, n, k_local, row_wise, out_dtype, precise):
+def test_reduce_scatter_fp8_simulated_ranks(tiling, warp_specialized, transport, world, m, n, k_local, row_wise, out_dtype,
+                                            precise):  # fmt: skip
     """W ranks one after another (peer steps, copy plan, own steps): float64 reference, poisoned
-    slots, bitwise repeatable over reused buffers, and the GEMM-only mode; both kernels."""
+    slots, bitwise repeatable over reused buffers, and the GEMM-only mode; both kernels, and the
+    reducer kernel's precise 128x256 tiles (accumulator and staging in column halves)."""
     if warp_specialized and transport == "pull":
         pytest.skip("the reducer kernel hands partials over by push or the copy engine")
+    if tiling == "wide_precise" and not (warp_specialized and precise and out_dtype.itemsize == 2):
+        pytest.skip("the wide precise tiling: precise calls with 2-byte slots on the reducer kernel")
     if warp_specialized:
         skip_unless_hopper()
     seed = random.randrange(1 << 30)
-    what = f"{transport} ws={warp_specialized} world={world} m={m} row_wise={row_wise} {out_dtype} precise={precise} seed={seed}"
+    what = (f"{transport} ws={warp_specialized} {tiling} world={world} m={m} row_wise={row_wise} {out_dtype} "
+            f"precise={precise} seed={seed}")  # fmt: skip
     x, w, scales, partials, parts = _rank_operands(seed, world, m, n, k_local, row_wise)
     bias = torch.randn(n, device="cuda", dtype=torch.float32)
-    if warp_specialized:
+    if tiling == "wide_precise":
+        base = MatmulReduceScatterConfig(**REDUCER_FP8_WIDE_PRECISE_TILING, epilogue_split=2, warp_specialized=True)
+    elif warp_specialized:
         base = MatmulReduceScatterConfig.warp_specialized_fp8(world * m, n, world, precise, out_dtype.itemsize)
     else:
         base = MatmulReduceScatterConfig.heuristic_fp8(world * m, n, world * k_local, world, precise)
@@ -299,6 +308,7 @@ def test_reduce_scatter_fp8_simulated_ranks(warp_specialized, transport, world, 
         (4, 2, 300, 1280, 640, False),  # fast: the wide tiling at TP=4, ragged rows
         (4, 1, 384, 1024, 512, True),  # precise: the narrow tiling, five stages
         (8, 5, 200, 1024, 384, True),
+        (4, 3, 256, 1024, 640, "wide"),  # precise in 128x256 tiles
     ],
 )
 def test_reduce_scatter_fp8_owner_waits_for_late_partials(transport, world, owner, m, n, k_local, precise):
@@ -310,9 +320,12 @@ def test_reduce_scatter_fp8_owner_waits_for_late_partials(transport, world, owne
     what = f"{transport} world={world} owner={owner} precise={precise} seed={seed}"
     x, w, scales, partials, _ = _rank_operands(seed, world, m, n, k_local, True)
     bias = torch.randn(n, device="cuda", dtype=torch.float32)
+    wide, precise = precise == "wide", bool(precise)
     base = MatmulReduceScatterConfig.heuristic_fp8(world * m, n, world * k_local, world, precise)
     cfg = dataclasses.replace(base, transport=transport).on_reducer_kernel(world, world * m, n, world * k_local, precise)
     assert cfg.warp_specialized, f"{what}: not routed to the reducer kernel"
+    if wide:
+        cfg = dataclasses.replace(cfg, **REDUCER_FP8_WIDE_PRECISE_TILING)
     scaled = Scaled(torch.bfloat16, True, precise)
     out = owner_with_late_partials(x, w, bias, world, k_local, cfg, owner, GATE_DELAY_S, MAX_SPINS, what, scaled, scales)
     rows = slice(owner * m, (owner + 1) * m)

@@ -177,34 +177,38 @@ def reducer_unit_box(world: int, transport: str) -> int:
     return world if transport == "push" else 1
 
 
-def reducer_units_in_flight(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int) -> int:
+def reducer_units_in_flight(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
+                            split: bool = False) -> int:  # fmt: skip
     """Reduction units whose rows the reducer warp has in flight at once: as many as shared memory
     holds beside the tiling (reducer_smem_bytes), up to MAX_REDUCER_UNITS_IN_FLIGHT; 0 where not
     even one fits. One unit at a time, a unit costs its loads' round trip (docs/perf-log.md)."""
     units = MAX_REDUCER_UNITS_IN_FLIGHT
-    while units and reducer_smem_bytes(config, world, itemsize, partial_size, units) > SMEM_LIMIT_BYTES:
+    while units and reducer_smem_bytes(config, world, itemsize, partial_size, units, split) > SMEM_LIMIT_BYTES:
         units -= 1
     return units
 
 
-def reducer_tail_units(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int) -> int:
+def reducer_tail_units(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
+                       split: bool = False) -> int:  # fmt: skip
     """Reduction units the reducer kernel's tail loads at once into its idle weight stages after
     the consumers' last tile (the units of the own tiles of the last round of tiles, which all
     complete at the GEMM's end), 0 for no tail: only where the units otherwise go one at a time
     (reducer_units_in_flight 1), each paying a load's round trip (docs/perf-log.md)."""
-    if reducer_units_in_flight(config, world, itemsize, partial_size) != 1:
+    if reducer_units_in_flight(config, world, itemsize, partial_size, split) != 1:
         return 0
     unit_bytes = world * reducer_unit_rows(config.block_n, world, partial_size) * config.block_n * partial_size
     return config.num_stages * config.block_n * config.block_k * itemsize // unit_bytes
 
 
 def reducer_smem_bytes(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
-                       units: int) -> int:  # fmt: skip
-    """The reducer kernel's shared memory: the K-block stages, a half tile per consumer, `units`
-    units' W slots' rows, and the reserve the configs' model keeps for barriers and alignment (fits())."""
+                       units: int, split: bool = False) -> int:  # fmt: skip
+    """The reducer kernel's shared memory: the K-block stages, a half tile per consumer (split: of
+    half the columns, _scaled.split_accumulator), `units` units' W slots' rows, and the reserve the
+    configs' model keeps for barriers and alignment (fits())."""
     unit_rows = reducer_unit_rows(config.block_n, world, partial_size)
+    staging = config.block_m * (config.block_n // 2 if split else config.block_n)
     return (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
-            + (config.block_m + units * world * unit_rows) * config.block_n * partial_size + SMEM_RESERVE_BYTES)  # fmt: skip
+            + (staging + units * world * unit_rows * config.block_n) * partial_size + SMEM_RESERVE_BYTES)  # fmt: skip
 
 
 def copy_plan(layout: Layout, rank: int, world: int) -> list[tuple[int, int, int, int]]:
@@ -363,7 +367,8 @@ class _Kernel:
         from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD, matmul_reduce_scatter_reducer_kernel
 
         part = partial_dtype(x, scaled)
-        why = reducer_unsupported(config, n, world, x.element_size(), part.itemsize)
+        split = _scaled.split_accumulator(scaled, config.block_n)
+        why = reducer_unsupported(config, n, world, x.element_size(), part.itemsize, split)
         if why is None and (buffers is None or len(buffers) != world):
             why = f"it reads and writes the buffers through TMA descriptors: pass all {world} (uint8)"
         if why:
@@ -372,12 +377,13 @@ class _Kernel:
         slot_count = layout.slots
         slot_bytes = slot_count * rows_per_rank * n * part.itemsize
         slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
-        stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n], gluon=True)
+        stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n // 2 if split else config.block_n],
+                                  gluon=True)  # fmt: skip
         unit_rows = reducer_unit_rows(config.block_n, world, part.itemsize)
         box = reducer_unit_box(world, config.transport)
         loads = DescriptorLayout(slots[rank], [box, unit_rows, config.block_n], gluon=True, swizzled=False)
-        units_in_flight = reducer_units_in_flight(config, world, x.element_size(), part.itemsize)
-        tail_units = reducer_tail_units(config, world, x.element_size(), part.itemsize)
+        units_in_flight = reducer_units_in_flight(config, world, x.element_size(), part.itemsize, split)
+        tail_units = reducer_tail_units(config, world, x.element_size(), part.itemsize, split)
         # Push: a store descriptor over every rank's slots (the copy engine's never reads them).
         peers = [stores.over(slots[r] if config.transport == "push" else slots[rank]) for r in range(world)]
         unused = peers[:1] * (MAX_PUSH_WORLD.value - world)
@@ -390,7 +396,7 @@ class _Kernel:
         self.launch = Launch(
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, TAIL_UNITS=tail_units,
-            HAS_BIAS=bias is not None, B_KN=self.weight.kn, PUSH=config.transport == "push",
+            HAS_BIAS=bias is not None, B_KN=self.weight.kn, PUSH=config.transport == "push", SPLIT_ACC=split,
             **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
@@ -479,7 +485,9 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
         config = MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
         reducer = config.on_reducer_kernel(world, m_total, n, k, scaled.precise_acc, scaled.out_dtype.itemsize)
     runs = reducer is not config and _scaled.pingpong_unsupported(x.device, scaled, x.dtype) is None
-    fits = runs and reducer_unsupported(reducer, n, world, x.element_size(), partial_dtype(x, scaled).itemsize) is None
+    split = _scaled.split_accumulator(scaled, reducer.block_n)
+    part = partial_dtype(x, scaled).itemsize
+    fits = runs and reducer_unsupported(reducer, n, world, x.element_size(), part, split) is None
     return reducer if fits else config
 
 
@@ -491,9 +499,10 @@ def table_config(x, weight, world: int) -> MatmulReduceScatterConfig:
 
 
 def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, itemsize: int,
-                        partial_size: int | None = None) -> str | None:  # fmt: skip
+                        partial_size: int | None = None, split: bool = False) -> str | None:  # fmt: skip
     """Why the reducer kernel cannot run `config` for rows of n elements at this world size, or None
-    (itemsize: the operands', partial_size: the partial slots' (default the operands'))."""
+    (itemsize: the operands', partial_size: the partial slots' (default the operands'); split:
+    _scaled.split_accumulator's)."""
     from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD
 
     partial_size = partial_size or itemsize
@@ -504,8 +513,8 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
                 "use transport copy_engine")
     if (n * partial_size) % 16:
         return f"it needs the weight's rows n ({n}) to be a multiple of {16 // partial_size}"
-    if reducer_units_in_flight(config, world, itemsize, partial_size) == 0:
-        smem = reducer_smem_bytes(config, world, itemsize, partial_size, 1)
+    if reducer_units_in_flight(config, world, itemsize, partial_size, split) == 0:
+        smem = reducer_smem_bytes(config, world, itemsize, partial_size, 1, split)
         return f"it needs {smem} bytes of shared memory there, more than {SMEM_LIMIT_BYTES}: fewer stages"
     return None
 

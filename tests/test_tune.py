@@ -1075,7 +1075,11 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     caller's own config stay."""
     from fluxtp.backends.fused import _matmul_reduce_scatter
     from fluxtp.configs import REDUCER_MIN_WORK, MatmulReduceScatterConfig
-    from fluxtp.configs._classes import WARP_SPECIALIZED_FP8_FAST_TILING, WARP_SPECIALIZED_FP8_TILING
+    from fluxtp.configs._classes import (
+        REDUCER_FP8_WIDE_PRECISE_TILING,
+        WARP_SPECIALIZED_FP8_FAST_TILING,
+        WARP_SPECIALIZED_FP8_TILING,
+    )
 
     runs = {"now": None}
     monkeypatch.setattr(_matmul_reduce_scatter._scaled, "pingpong_unsupported", lambda *args: runs["now"])
@@ -1111,7 +1115,12 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     fp8_reducer = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
     five_stages = dataclasses.replace(fp8_reducer, num_stages=5)  # precise, bf16 slots, at most 1024 tiles
     assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, True) == five_stages  # 32 x 32 tiles of 128 x 128
-    assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True) == fp8_reducer
+    # Precise in 128x256 tiles where each SM gets 256 of their 64-deep K blocks: 64 x 16 tiles x 56 blocks.
+    wide_precise = dataclasses.replace(fp8, **REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True)
+    assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True) == wide_precise
+    assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True, out_bytes=4) == fp8_reducer
+    assert _matmul_reduce_scatter.reducer_unsupported(wide_precise, 4096, 8, 1, 2, split=True) is None
+    assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(wide_precise, 4096, 8, 1, 2)  # whole staging
     assert fp8.on_reducer_kernel(4, 1024, 4096, 3584, True) == five_stages  # llama3-8b at 1024 tokens: 7168 blocks
     # Fast accumulation into a 2-byte output takes the wide tiling its slots leave room for.
     fp8_wide = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_FAST_TILING, warp_specialized=True)
@@ -1127,7 +1136,9 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     fp8_tp2 = MatmulReduceScatterConfig.heuristic_fp8(16384, 8192, 14336, 2, True)
     assert fp8_tp2.transport == "copy_engine"
     assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, True) == dataclasses.replace(
-        fp8_tp2, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)  # fmt: skip
+        fp8_tp2, **REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True)  # fmt: skip
+    assert fp8_tp2.on_reducer_kernel(2, 1024, 4096, 7168, True) == dataclasses.replace(
+        fp8_tp2, **{**WARP_SPECIALIZED_FP8_TILING, "num_stages": 5}, warp_specialized=True)  # 8 x 16 x 112 blocks: narrow
     assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, False) == fp8_tp2
     assert push.on_reducer_kernel(2, 16384, 8192, 14336, None) == push  # bf16 at TP=2: Triton
     # 1-byte operands, a float32 output's slots

@@ -66,10 +66,16 @@ WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 1
 # the wide tiles leave most of their last wave empty (docs/perf-log.md).
 WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING = {**WARP_SPECIALIZED_FP8_FAST_TILING, "num_stages": 4}
 # The precise reduce-scatter's wide tiling on the reducer kernel: the same column halves, whose
-# staging half as wide leaves room beside the reduction units for six 64-deep stages (the bytes of
-# three 128-deep ones; seven made ptxas spill the promotion loop offline).
-REDUCER_FP8_WIDE_PRECISE_TILING = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 4, "num_stages": 6}
+# staging half as wide leaves room beside the reduction units for seven 64-deep stages. One H100,
+# the FP8 reduce-scatter grid: 0.85-1.09x the narrow tiling's time (0.94-0.96 in geomean a TP
+# degree) where the GEMM gives each SM REDUCER_FP8_WIDE_MIN_BLOCKS of its K blocks or more,
+# 0.96-1.10x below; six stages took 1.11x in geomean (docs/perf-log.md).
+REDUCER_FP8_WIDE_PRECISE_TILING = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 4, "num_stages": 7}
+REDUCER_FP8_WIDE_MIN_BLOCKS = 256
 
+
+# SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
+HOPPER_SMS = 132
 
 # The precise reducer kernel's fifth stage, in GEMMs of at most this many 128x128 tiles (about 8 a
 # program): one H100 took 0.90-1.04x four stages' time there, 0.967 in geomean over 19 cases at TP 4
@@ -77,22 +83,26 @@ REDUCER_FP8_WIDE_PRECISE_TILING = {"block_m": 128, "block_n": 256, "block_k": 64
 REDUCER_FP8_FIVE_STAGES_MAX_TILES = 1024
 
 
-def reducer_fp8_tiling(precise_acc: bool, out_bytes: int, m_total: int, n: int) -> dict:
-    """The reduce-scatter's reducer kernel's FP8 tiling for an [m_total, n] output: the wide one
-    where a fast accumulation's 2-byte slots leave it room (one H100, TP=8: 0.76-0.93x the narrow
-    tiling's time), else the narrow one (precise accumulation's promotion buffer, or float32
-    slots), with a fifth stage beside 2-byte slots in small GEMMs (REDUCER_FP8_FIVE_STAGES_MAX_TILES)."""
+def reducer_fp8_tiling(precise_acc: bool, out_bytes: int, m_total: int, n: int, k: int = 0,
+                       sms: int = HOPPER_SMS) -> dict:  # fmt: skip
+    """The reduce-scatter's reducer kernel's FP8 tiling for an [m_total, n] output of K k a rank:
+    the wide one where 2-byte slots leave it room (fast accumulation: one H100, TP=8: 0.76-0.93x
+    the narrow tiling's time; precise, REDUCER_FP8_WIDE_PRECISE_TILING, where the GEMM gives each
+    of `sms` SMs REDUCER_FP8_WIDE_MIN_BLOCKS of its K blocks), else the narrow one (float32 slots,
+    or a precise GEMM too short for the wide tiles), with a fifth stage beside 2-byte slots in
+    small GEMMs (REDUCER_FP8_FIVE_STAGES_MAX_TILES)."""
     if out_bytes > 2:
         return WARP_SPECIALIZED_FP8_TILING
     if not precise_acc:
         return WARP_SPECIALIZED_FP8_FAST_TILING
+    wide = REDUCER_FP8_WIDE_PRECISE_TILING
+    if cdiv(m_total, 128) * cdiv(n, wide["block_n"]) * cdiv(k, wide["block_k"]) >= REDUCER_FP8_WIDE_MIN_BLOCKS * sms:
+        return wide
     if cdiv(m_total, 128) * cdiv(n, 128) <= REDUCER_FP8_FIVE_STAGES_MAX_TILES:
         return {**WARP_SPECIALIZED_FP8_TILING, "num_stages": 5}
     return WARP_SPECIALIZED_FP8_TILING
 
 
-# SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.
-HOPPER_SMS = 132
 # What a 128x128 tile costs relative to a 128x256 one (half the work, a little less efficient):
 # the all-gather's tiles with 128x128 over 128x256 at the one-GPU grid (docs/perf-log.md).
 NARROW_TILE_COST = 0.525
@@ -273,11 +283,12 @@ class MatmulReduceScatterConfig(GemmTiling):
         return config.with_communication_heuristic(m_total, n, world)
 
     @staticmethod
-    def warp_specialized_fp8(m_total: int, n: int, world: int, precise_acc: bool = True,
-                             out_bytes: int = 2) -> MatmulReduceScatterConfig:  # fmt: skip
-        """The warp-specialized (reducer) kernel's FP8 config, with heuristic()'s transport rule (a
-        call takes it by itself where on_reducer_kernel says)."""
-        tiling = reducer_fp8_tiling(precise_acc, out_bytes, m_total, n)
+    def warp_specialized_fp8(m_total: int, n: int, world: int, precise_acc: bool = True, out_bytes: int = 2,
+                             k: int = 0) -> MatmulReduceScatterConfig:  # fmt: skip
+        """The warp-specialized (reducer) kernel's FP8 config for K k a rank (0: a GEMM too short for
+        the precise wide tiling), with heuristic()'s transport rule (a call takes it by itself where
+        on_reducer_kernel says)."""
+        tiling = reducer_fp8_tiling(precise_acc, out_bytes, m_total, n, k)
         config = MatmulReduceScatterConfig(**tiling, epilogue_split=2, warp_specialized=True)
         return config.with_communication_heuristic(m_total, n, world)
 
@@ -301,7 +312,7 @@ class MatmulReduceScatterConfig(GemmTiling):
         if fp8_precise is not None:
             if world < (REDUCER_FP8_PRECISE_MIN_WORLD if fp8_precise else REDUCER_MIN_WORLD):
                 return self
-            tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n)
+            tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n, k)
             return dataclasses.replace(self, **tiling, warp_specialized=True)
         work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
         if world < REDUCER_MIN_WORLD or (world < REDUCER_WORLD and work < REDUCER_MIN_WORK):

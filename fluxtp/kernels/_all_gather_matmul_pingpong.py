@@ -102,12 +102,12 @@ def _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, 
         bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
         acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
     out = acc.to(c_ptr.dtype.element_ty)
-    if TMA_STORE:  # whole tiles inside each segment (rows_per_rank % BLOCK_M == 0)
+    if TMA_STORE:  # rows past the segment's end are clipped by the descriptor's bound (C as [W, m, n])
         tma.store_wait(pendings=0)  # the last store from c_smem has read it
-        c_smem.store(out)
+        c_smem.reshape([HALF, WIDTH]).store(out)
         fence_async_shared()
-        tma_store(c_desc, [segment * rows_per_rank + pid_m * (2 * HALF) + C * HALF, col], c_smem)
-    else:  # a tile may end past its segment: store only its rows
+        tma_store(c_desc, [segment, pid_m * (2 * HALF) + C * HALF, col], c_smem)
+    else:  # output rows TMA cannot store (not 16-byte multiples): only the segment's rows, by pointers
         offs = gl.expand_dims((segment * rows_per_rank + rows).to(gl.int64), 1) * stride_cm + gl.expand_dims(cols, 0)
         mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
         gl.store(c_ptr + offs, out, mask=mask)
@@ -151,7 +151,7 @@ def all_gather_matmul_pingpong_kernel(
     a_desc,  # Gluon TensorDescriptor over A_gathered [W*m, K] (float8, bf16, fp16), block [BLOCK_M, BLOCK_K]
     own_desc,  # over this rank's shard [m, K], block [BLOCK_M, BLOCK_K]
     b_desc,  # over B [n, K] (row-major), block [BLOCK_N, BLOCK_K]; with B_KN over B^T [K, n], block [BLOCK_K, BLOCK_N]
-    c_desc,  # over C [W*m, n], block [BLOCK_M // 2, BLOCK_N] (used with TMA_STORE)
+    c_desc,  # over C as [W, m, n], block [1, BLOCK_M // 2, BLOCK_N] (used with TMA_STORE; else it types the staging)
     c_ptr,  # C [W*m, n] in the output dtype
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
     signal_ptr,  # int32 [W * chunks_per_rank]

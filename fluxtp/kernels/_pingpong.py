@@ -68,11 +68,12 @@ def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
-    """allocate_stages, and a C staging buffer of half a tile's rows per consumer (for TMA stores)."""
+    """allocate_stages, and a C staging buffer of half a tile's rows per consumer (for TMA stores
+    through c_desc, whose block is [1, BLOCK_M // 2, width])."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    WIDTH: gl.constexpr = c_desc.block_type.shape[2]
     a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, 1, BLOCK_M // 2, WIDTH], c_desc.layout)
     return a_bufs, b_bufs, c_bufs, ready, empty
 
 

@@ -147,10 +147,12 @@ class _Gemm:
                              "kernel orders its tiles by (warp_specialized=True)")
         # FP8 tensor cores read the weight K-major only.
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
-        # TMA stores need whole tiles inside each segment and 16-byte output rows.
+        # TMA stores need 16-byte output rows, and on the Triton kernel whole tiles inside each
+        # segment (the warp-specialized one's descriptor clips each segment's rows: C as [W, m, n]).
         y_dtype = weight.dtype if scaled is None else scaled.out_dtype
         y_size = y_dtype.itemsize
-        self.tma_store = config.tma_store and rows_per_rank % config.block_m == 0 and (y_stride * y_size) % 16 == 0
+        whole_tiles = rows_per_rank % config.block_m == 0 or config.warp_specialized
+        self.tma_store = config.tma_store and whole_tiles and (y_stride * y_size) % 16 == 0
         self.store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
         self.layouts = None  # (a, own, b, c) DescriptorLayouts, from the first launch's tensors
         self.report = _launch.timeout_record(_OP, device) if report is None else report
@@ -235,10 +237,10 @@ class _PingPong:
                  weight_operand: WeightOperand, bands: bool):  # fmt: skip
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
-        self.config, self.layouts = config, None
+        self.config, self.layouts, self.world = config, None, info.world_size
         self.b_block = weight_operand.block(config)
         split = _scaled.split_accumulator(scaled, config.block_n)
-        self.c_block = [config.block_m // 2, config.block_n // 2 if split else config.block_n]
+        self.c_block = [1, config.block_m // 2, config.block_n // 2 if split else config.block_n]
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
         self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=y_dtype, device=device)
         self.launch = Launch(
@@ -254,9 +256,10 @@ class _PingPong:
         if layouts is None:
             c = self.config
             a_block = [c.block_m, c.block_k]
+            c_example = y.unflatten(0, (self.world, -1)) if self.c_dummy is None else self.c_dummy  # [W, m, n]
             layouts = self.layouts = tuple(
                 DescriptorLayout(t, block, gluon=True)
-                for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, self.b_block), (c_base, self.c_block))
+                for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, self.b_block), (c_example, self.c_block))
             )
         a, own, b, c = layouts
         args = (a.over(x_gathered), own.over(x_own), b.over(weight), c.over(c_base), y, bias, signals, done, *scalars,

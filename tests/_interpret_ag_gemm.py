@@ -87,8 +87,8 @@ def main():
     flat = dataclasses.replace(small, flatten=True, tma_store=False)
     cases = [
         (2, 0, 32, 64, 32, True, small, False),  # tile multiples: TMA-store epilogue
-        (2, 1, 40, 48, 48, False, small, False),  # ragged rows per rank (40 = 2.5 tiles), N not a tile multiple
-        (3, 2, 23, 20, 24, True, odd_chunks, False),  # three ranks, chunk not a tile multiple, K tail
+        (2, 1, 40, 48, 48, False, small, False),  # ragged rows per rank (40 = 2.5 tiles; TMA clips), N not a tile multiple
+        (3, 2, 23, 20, 24, True, odd_chunks, False),  # three ranks, chunk not a tile multiple, K tail, 40-byte rows: pointers
         (4, 1, 9, 16, 16, False, odd_chunks, False),  # fewer rows than a tile
         (8, 5, 9, 16, 16, True, small, False),  # TP=8: the ring from rank 5 wraps past rank 7
         (2, 1, 48, 40, 64, True, flat, False),  # flattened loop, pointer-store epilogue

@@ -124,7 +124,7 @@ class AllGatherMatmulConfig(GemmTiling):
 
     chunk_rows: int = 512  # rows per copy-engine chunk; rounded up to a multiple of block_m
     flatten: bool = True  # one software-pipelined loop over (tile, k); used when K has >= num_stages blocks
-    tma_store: bool = True  # epilogue through a TMA descriptor (Triton kernel: when rows per rank is a block_m multiple)
+    tma_store: bool = True  # epilogue through a TMA descriptor (output rows of 16-byte multiples)
     epilogue_subtile: bool = True  # TMA-store the tile in two halves
     # The warp-specialized Gluon kernel (fluxtp/kernels/_all_gather_matmul_pingpong.py; Hopper,
     # 128-row tiles, 4 warps a consumer, num_warps ignored): FP8 calls by heuristic_fp8, bf16 /

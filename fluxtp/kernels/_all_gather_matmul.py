@@ -98,7 +98,6 @@ def _tiles(
         segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD
         pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
         row_in_segment_c = pid_m_c * BLOCK_M
-        row0_c = segment_c * rows_per_rank + row_in_segment_c
         offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
         if SCALING == 1:
             acc = acc * tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
@@ -111,15 +110,16 @@ def _tiles(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
-        if TMA_STORE:  # every tile lies inside its segment (rows_per_rank % BLOCK_M == 0)
+        if TMA_STORE:  # C as [W, m, n]: a tile past its segment's end (or N) is clipped by the descriptor
             if EPILOGUE_SUBTILE:  # two half-width stores: less shared memory and registers at once
                 acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc0.to(dtype))
-                c_desc.store([row0_c, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(dtype))
+                c_desc.store([segment_c, row_in_segment_c, pid_n_c * BLOCK_N],
+                             tl.reshape(acc0.to(dtype), (1, BLOCK_M, BLOCK_N // 2)))
+                c_desc.store([segment_c, row_in_segment_c, pid_n_c * BLOCK_N + BLOCK_N // 2],
+                             tl.reshape(acc1.to(dtype), (1, BLOCK_M, BLOCK_N // 2)))
             else:
-                c_desc.store([row0_c, pid_n_c * BLOCK_N], acc.to(dtype))  # clipped at N by the descriptor
-        else:
-            # Tiles may end past their segment: store only their own rows.
+                c_desc.store([segment_c, row_in_segment_c, pid_n_c * BLOCK_N], tl.reshape(acc.to(dtype), (1, BLOCK_M, BLOCK_N)))
+        else:  # output rows TMA cannot store (not 16-byte multiples): only the segment's rows, by pointers
             offs_m = row_in_segment_c + tl.arange(0, BLOCK_M)
             rows = (segment_c * rows_per_rank + offs_m).to(tl.int64)
             mask = (offs_m < rows_per_rank)[:, None] & (offs_n < N)[None, :]
@@ -131,7 +131,7 @@ def all_gather_matmul_kernel(
     a_desc,  # TensorDescriptor over A_gathered [W*m, K], block [BLOCK_M, BLOCK_K] (the peers' rows are read)
     own_desc,  # TensorDescriptor over this rank's shard [m, K], block [BLOCK_M, BLOCK_K]
     b_desc,  # over B [n, K] (nn.Linear weight), block [BLOCK_N, BLOCK_K]; with B_KN over B^T [K, n], block [BLOCK_K, BLOCK_N]
-    c_desc,  # TensorDescriptor over C [W*m, n], block [BLOCK_M, BLOCK_N (/2 with EPILOGUE_SUBTILE)], or None
+    c_desc,  # TensorDescriptor over C as [W, m, n], block [1, BLOCK_M, BLOCK_N (/2 with EPILOGUE_SUBTILE)], or None
     c_ptr,  # C [W*m, n]
     bias_ptr,  # [n] or a dummy when HAS_BIAS is False
     signal_ptr,  # int32 [W * chunks_per_rank]

@@ -133,7 +133,7 @@ class _Gemm:
         n, k = weight.shape
         sms = num_sms(device)
         tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
-        self.config = config
+        self.config, self.world = config, info.world_size
         self.pingpong = None
         if config.warp_specialized:
             why = _scaled.pingpong_unsupported(device, scaled, weight.dtype)
@@ -147,12 +147,10 @@ class _Gemm:
                              "kernel orders its tiles by (warp_specialized=True)")
         # FP8 tensor cores read the weight K-major only.
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
-        # TMA stores need 16-byte output rows, and on the Triton kernel whole tiles inside each
-        # segment (the warp-specialized one's descriptor clips each segment's rows: C as [W, m, n]).
+        # TMA stores need 16-byte output rows; their descriptor views C as [W, m, n], so a tile
+        # past its segment's last row is clipped there.
         y_dtype = weight.dtype if scaled is None else scaled.out_dtype
-        y_size = y_dtype.itemsize
-        whole_tiles = rows_per_rank % config.block_m == 0 or config.warp_specialized
-        self.tma_store = config.tma_store and whole_tiles and (y_stride * y_size) % 16 == 0
+        self.tma_store = config.tma_store and (y_stride * y_dtype.itemsize) % 16 == 0
         self.store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
         self.layouts = None  # (a, own, b, c) DescriptorLayouts, from the first launch's tensors
         self.report = _launch.timeout_record(_OP, device) if report is None else report
@@ -206,7 +204,8 @@ class _Gemm:
                 DescriptorLayout(x_gathered, [c.block_m, c.block_k]),
                 DescriptorLayout(x_own, [c.block_m, c.block_k]),
                 DescriptorLayout(b, self.weight.block(c)),
-                DescriptorLayout(y, [c.block_m, self.store_n]) if self.tma_store else None,
+                DescriptorLayout(y.unflatten(0, (self.world, -1)), [1, c.block_m, self.store_n]) if self.tma_store
+                else None,
             )
         a, own, b_layout, c_layout = layouts
         args = (a.over(x_gathered), own.over(x_own), b_layout.over(b), None if c_layout is None else c_layout.over(y), y,

@@ -118,7 +118,8 @@ def _tiles(
                 c_desc.store([segment_c, row_in_segment_c, pid_n_c * BLOCK_N + BLOCK_N // 2],
                              tl.reshape(acc1.to(dtype), (1, BLOCK_M, BLOCK_N // 2)))
             else:
-                c_desc.store([segment_c, row_in_segment_c, pid_n_c * BLOCK_N], tl.reshape(acc.to(dtype), (1, BLOCK_M, BLOCK_N)))
+                c_desc.store([segment_c, row_in_segment_c, pid_n_c * BLOCK_N],
+                             tl.reshape(acc.to(dtype), (1, BLOCK_M, BLOCK_N)))
         else:  # output rows TMA cannot store (not 16-byte multiples): only the segment's rows, by pointers
             offs_m = row_in_segment_c + tl.arange(0, BLOCK_M)
             rows = (segment_c * rows_per_rank + offs_m).to(tl.int64)

@@ -49,16 +49,11 @@ def captured_launch(monkeypatch):
     return launches
 
 
-def _type_of(arg) -> str:
-    """The argument's Triton type as the JIT launcher specializes it ("constexpr" for None)."""
-    return mangle_type(arg)
-
-
 def _compile(launch: _launch.Launch, args: tuple):
     """The launch's kernel compiled for HOPPER with its arguments' types and constexprs."""
     kernel = launch.kernel
     names = kernel.arg_names
-    signature = {name: _type_of(arg) for name, arg in zip(names, args)}
+    signature = {name: mangle_type(arg) for name, arg in zip(names, args)}  # as the JIT launcher types them
     constexprs = {name: None for name, kind in signature.items() if kind == "constexpr"}
     options = {}
     gluon = isinstance(kernel, _runtime.GluonJITFunction)
@@ -246,7 +241,7 @@ def test_every_heuristic_launch_fits_shared_memory(captured_launch, op):
                 module.gemm_only(x, w, None, GroupInfo(None, 0, world), scales=scales, out_dtype=out_dtype,
                                  use_fast_accum=accumulation == "fast")()  # fmt: skip
             launch, args = captured_launch[-1]
-            key = (launch.kernel, tuple(sorted(launch.constexprs.items())), tuple(_type_of(a) for a in args))
+            key = (launch.kernel, tuple(sorted(launch.constexprs.items())), tuple(mangle_type(a) for a in args))
             if key in seen:
                 continue
             seen.add(key)

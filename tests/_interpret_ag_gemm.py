@@ -94,6 +94,10 @@ def main():
         (2, 1, 48, 40, 64, True, flat, False),  # flattened loop, pointer-store epilogue
         (2, 0, 32, 64, 32, True, small, True),  # transposed weight view
         (3, 1, 23, 40, 24, False, odd_chunks, True),  # transposed, ragged, N and K tails
+        # The peers' tiles in bands across their segments: bands of 2 (3) row tiles span segments.
+        (4, 2, 9, 48, 16, True, dataclasses.replace(small, peer_bands=True), False),
+        (3, 1, 23, 40, 24, False, dataclasses.replace(odd_chunks, peer_bands=True), True),
+        (8, 6, 16, 32, 48, True, dataclasses.replace(flat, peer_bands=True), False),  # flattened: waits a tile ahead
     ]
     for i, (world, rank, m, n, k, with_bias, cfg, transposed) in enumerate(cases):
         case(seed + i, world, rank, m, n, k, with_bias, cfg, transposed)

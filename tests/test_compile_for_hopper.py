@@ -135,16 +135,21 @@ def test_the_precise_reducer_kernel_compiles_with_wide_tiles(captured_launch, wo
 WS_WIDE = AllGatherMatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
 
 
-@pytest.mark.parametrize("world, rows, fp8, bands", [(8, 256, False, False), (4, 512, "precise", False), (8, 256, False, True)])
-def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, world, rows, fp8, bands):
+@pytest.mark.parametrize(
+    "world, rows, fp8, bands, peer_bands",
+    [(8, 256, False, False, False), (4, 512, "precise", False, False), (8, 256, False, True, False),
+     (4, 512, False, False, True)],
+)  # fmt: skip
+def test_the_warp_specialized_all_gather_compiles_for_hopper(captured_launch, world, rows, fp8, bands, peer_bands):
     x, w, scaled = _inputs(rows, 3584, 4096, fp8)
-    config = dataclasses.replace(WS_WIDE, bands_across_segments=bands)
+    config = dataclasses.replace(WS_WIDE, bands_across_segments=bands, peer_bands=peer_bands)
     if fp8:
         config = None  # its heuristic's tiling: precise, 128x256 (the accumulator in column halves)
     ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
     launch, args = captured_launch[-1]
     assert launch.kernel.__name__ == "all_gather_matmul_pingpong_kernel"
     assert launch.constexprs["SEGMENT_BANDS"] == bands  # 224 tiles or more: two waves, bands only where asked
+    assert launch.constexprs["PEER_BANDS"] == peer_bands
     assert launch.constexprs.get("SPLIT_ACC", False) == (fp8 == "precise")
     compiled = _compile(launch, args)
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
@@ -195,6 +200,27 @@ def test_the_all_gather_counts_bands_across_segments_in_one_wave_or_when_asked(c
     launch, _ = captured_launch[-1]
     assert launch.grid == SMS - 1 or rows == 128
     assert launch.constexprs["SEGMENT_BANDS"] == expected
+
+
+@pytest.mark.parametrize(
+    "world, n, fp8, asked, warp_specialized, expected",
+    [
+        (4, 13312, False, False, False, True),  # llama3-405b's up projection at TP=4: 3700 columns a peer or more
+        (4, 13312, False, False, True, True),  # either kernel
+        (4, 7168, False, False, False, False),  # llama3-70b's: the peers' rows would arrive after the own segment
+        (8, 6656, False, False, False, False),  # TP=8: 25900 columns a rank would be needed
+        (2, 13312, False, False, False, False),  # one peer: the same order either way
+        (4, 13312, "fast", False, True, False),  # FP8: not measured on peers
+        (8, 1792, False, True, False, True),  # as the config asks
+    ],
+)  # fmt: skip
+def test_the_all_gather_counts_the_peers_bands_by_its_rule_or_when_asked(captured_launch, world, n, fp8, asked,
+                                                                         warp_specialized, expected):  # fmt: skip
+    x, w, scaled = _inputs(256, n, 256, fp8)
+    config = AllGatherMatmulConfig(peer_bands=asked, warp_specialized=warp_specialized or bool(fp8))
+    ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, use_fast_accum=fp8 == "fast", **scaled)()
+    launch, _ = captured_launch[-1]
+    assert launch.constexprs["PEER_BANDS"] == expected
 
 
 def test_bands_across_segments_on_the_triton_kernel_are_refused():

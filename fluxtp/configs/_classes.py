@@ -139,6 +139,12 @@ class AllGatherMatmulConfig(GemmTiling):
     # The launcher takes it by itself for a grid of one wave (every tile starts at once either
     # way). Optional in tuning tables.
     bands_across_segments: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
+    # Either kernel's tile order after this rank's segment: group_m bands of row tiles counted
+    # across the peers' segments (in arrival order), so that where a segment has few row tiles
+    # concurrent tiles share the weight's columns (read once more, not once a peer); the peers'
+    # tiles then wait for more peers' rows. A communication knob; the launcher takes it by itself
+    # where the own segment's GEMM outlasts the peers' rows' arrival (peer_bands). Optional in tables.
+    peer_bands: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod
     @functools.cache

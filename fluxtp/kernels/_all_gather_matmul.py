@@ -7,7 +7,10 @@ wait for, and no copy before the GEMM can start. The peers' segments are read fr
 chunk c of segment s is ready once signals[s * chunks_per_rank + c] == 1 (the copy stream writes
 the 1s; the last program to finish resets them to `signal_reset`, 0 in a real call, so the next
 call and every CUDA graph replay start from zero without a host-side reset). Peer segments are
-visited in arrival order (rank+1, rank+2, ...), and each tile waits for the chunk its rows lie
+visited in arrival order (rank+1, rank+2, ...), in GROUP_M-row bands within each segment or, with
+PEER_BANDS, counted across the peers' segments (so that where a segment has few row tiles, a
+wave's tiles share the weight's columns: the weight is read once for the peers, not once a peer;
+the launcher's rule: fluxtp.backends.fused._all_gather_matmul.peer_bands), and each tile waits for the chunk its rows lie
 in BEFORE its K loop, so the pipelined K loop never runs ahead of the data (or, with FLATTEN,
 one tile ahead: see _tiles); a program skips the wait when the tile's chunk is the one it waited
 for last. chunk_rows is a multiple of BLOCK_M, so a tile lies in one chunk.
@@ -30,14 +33,27 @@ from fluxtp.kernels._tiles import dot_k_block, grouped_tile
 
 
 @triton.jit
+def _tile_of(tile_id, tiles_m, tiles_n, tiles_per_segment, OWN: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+             GROUP_M: tl.constexpr, PEER_BANDS: tl.constexpr):  # fmt: skip
+    """(segment, pid_m, pid_n) of the tile_id-th tile in the kernel's order (module docstring)."""
+    if OWN or not PEER_BANDS:
+        segment = (RANK + tile_id // tiles_per_segment) % WORLD
+        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+    else:
+        row, pid_n = grouped_tile(tile_id - tiles_per_segment, (WORLD - 1) * tiles_m, tiles_n, GROUP_M)
+        segment = (RANK + 1 + row // tiles_m) % WORLD
+        pid_m = row % tiles_m
+    return segment, pid_m, pid_n
+
+
+@triton.jit
 def _wait_for_tile(tile_id, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
                    chunks_per_rank, max_spins, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   GROUP_M: tl.constexpr):
-    """Acquire-wait for the one chunk holding this tile's rows (chunk_rows is a BLOCK_M multiple),
-    unless it is `ready`, the chunk this program waited for last (signals only go from 0 to 1
-    during a launch, so a chunk once seen stays ready). Returns the tile's chunk."""
-    segment = (RANK + tile_id // tiles_per_segment) % WORLD
-    pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+                   GROUP_M: tl.constexpr, PEER_BANDS: tl.constexpr):  # fmt: skip
+    """Acquire-wait for the one chunk holding this (peer) tile's rows (chunk_rows is a BLOCK_M
+    multiple), unless it is `ready`, the chunk this program waited for last (signals only go from 0
+    to 1 during a launch, so a chunk once seen stays ready). Returns the tile's chunk."""
+    segment, pid_m, _ = _tile_of(tile_id, tiles_m, tiles_n, tiles_per_segment, False, RANK, WORLD, GROUP_M, PEER_BANDS)
     chunk_in_segment = pid_m * BLOCK_M // chunk_rows
     chunk = segment * chunks_per_rank + chunk_in_segment
     if chunk != ready:
@@ -58,6 +74,7 @@ def _tiles(
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
     FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, B_KN: tl.constexpr,
     scale_a_ptr=None, scale_b_ptr=None, SCALING: tl.constexpr = 0, PRECISE_ACC: tl.constexpr = False,
+    PEER_BANDS: tl.constexpr = False,
 ):
     """Tiles first_tile, first_tile + NUM_SMS, ... below end_tile: K loop, bias, store into C."""
     dtype = c_ptr.dtype.element_ty
@@ -69,7 +86,7 @@ def _tiles(
             # start of the previous tile, and for the first tile before the loop.
             if first_tile < end_tile:
                 ready = _wait_for_tile(first_tile, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                                       chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+                                       chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M, PEER_BANDS)
     # The epilogue recomputes its tile from its own counter instead of reusing the prologue's
     # values: that keeps the flattened loop's pipelining free of prologue-to-epilogue dependencies.
     tile_id_c = first_tile - NUM_SMS
@@ -78,16 +95,17 @@ def _tiles(
             if FLATTEN:
                 if tile_id + NUM_SMS < end_tile:
                     ready = _wait_for_tile(tile_id + NUM_SMS, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment,
-                                           chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
+                                           chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M, PEER_BANDS)
             else:
                 # Wait before the K loop, never inside it, so its pipelining cannot run ahead of the data.
                 ready = _wait_for_tile(tile_id, ready, signal_ptr, report_ptr, tiles_m, tiles_n, tiles_per_segment, chunk_rows,
-                                       chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M)
-        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+                                       chunks_per_rank, max_spins, RANK, WORLD, BLOCK_M, GROUP_M, PEER_BANDS)
+        segment, pid_m, pid_n = _tile_of(tile_id, tiles_m, tiles_n, tiles_per_segment, OWN, RANK, WORLD, GROUP_M,
+                                         PEER_BANDS)  # fmt: skip
         if OWN:
             row0 = pid_m * BLOCK_M
         else:
-            row0 = ((RANK + tile_id // tiles_per_segment) % WORLD) * rows_per_rank + pid_m * BLOCK_M
+            row0 = segment * rows_per_rank + pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
@@ -95,8 +113,8 @@ def _tiles(
             acc = dot_k_block(a, b_desc, ki * BLOCK_K, col0, acc, B_KN, PRECISE_ACC)
 
         tile_id_c += NUM_SMS
-        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD
-        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
+        segment_c, pid_m_c, pid_n_c = _tile_of(tile_id_c, tiles_m, tiles_n, tiles_per_segment, OWN, RANK, WORLD, GROUP_M,
+                                               PEER_BANDS)  # fmt: skip
         row_in_segment_c = pid_m_c * BLOCK_M
         offs_n = pid_n_c * BLOCK_N + tl.arange(0, BLOCK_N)
         if SCALING == 1:
@@ -164,6 +182,7 @@ def all_gather_matmul_kernel(
     B_KN: tl.constexpr,  # b_desc reads the weight's row-major transpose [K, n] (backward: no copy)
     SCALING: tl.constexpr,  # 0 unscaled, 1 per tensor, 2 row-wise (FP8 operands; module docstring)
     PRECISE_ACC: tl.constexpr,  # FP8 products promoted to float32 after each K block (not use_fast_accum)
+    PEER_BANDS: tl.constexpr,  # the peers' tiles in bands across their segments (module docstring)
 ):
     tiles_m = tl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -180,7 +199,7 @@ def all_gather_matmul_kernel(
     _tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, signal_ptr, report_ptr, first_peer_tile, num_tiles, rows_per_rank, N, k_tiles,
            stride_cm, tiles_m, tiles_n, tiles_per_segment, chunk_rows, chunks_per_rank, max_spins, False, RANK, WORLD,
            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS, HAS_BIAS, NUM_STAGES, FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, B_KN,
-           scale_a_ptr, scale_b_ptr, SCALING, PRECISE_ACC)
+           scale_a_ptr, scale_b_ptr, SCALING, PRECISE_ACC, PEER_BANDS)
 
     # Every program's waits precede its increment, so the last one in reads no signal any more and
     # may reset them all (and the counter) for the next call. The next call's copy stream writes

@@ -7,9 +7,11 @@ segments in arrival order, each peer tile after its chunk's signal; scales and b
 epilogue; the last program resets the signals. SEGMENT_BANDS counts the GROUP_M-row bands across
 the segments (same arrival order) instead of within each, so that a wave's tiles share the
 weight's columns where a segment has few row tiles; a call's first wave then needs more peers'
-rows (the launcher's rule: _all_gather_matmul.segment_bands). Built on fluxtp.kernels._pingpong so that an FP8
-call's float32 promotion (PRECISE_ACC) costs no tensor-core time; fast accumulation (FP8 without
-PRECISE_ACC) and plain calls (SCALING 0) accumulate in the MMAs alone:
+rows (the launcher's rule: _all_gather_matmul.segment_bands). PEER_BANDS counts them across the
+peers' segments only, after this rank's (as the Triton kernel may; _all_gather_matmul.peer_bands).
+Built on fluxtp.kernels._pingpong so that an FP8 call's float32 promotion (PRECISE_ACC) costs no
+tensor-core time; fast accumulation (FP8 without PRECISE_ACC) and plain calls (SCALING 0)
+accumulate in the MMAs alone:
 - a loader warp: waits for a peer tile's chunk signal (bounded; a wait that gives up records
   (rank, chunk, this rank) and traps), then TMA-loads the tile's K blocks into a ring of stages;
 - two consumer warpgroups, each computing and storing half of a tile's rows.
@@ -32,14 +34,20 @@ from fluxtp.kernels._pingpong import (
 
 @gluon.jit
 def _tile_of(tile, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
-             SEGMENT_BANDS: gl.constexpr):  # fmt: skip
+             SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr):  # fmt: skip
     """(segment, pid_m, pid_n) of the tile-th tile in the kernel's order (module docstring)."""
+    tiles_per_segment = tiles_m * tiles_n
     if SEGMENT_BANDS:
         row, pid_n = grouped_tile(tile, WORLD * tiles_m, tiles_n, GROUP_M)
         segment = (RANK + row // tiles_m) % WORLD
         pid_m = row % tiles_m
+    elif PEER_BANDS:  # this rank's segment, then bands across the peers' (1 for a peer's tile)
+        peer = (tile >= tiles_per_segment).to(gl.int32)
+        row, pid_n = grouped_tile(tile - peer * tiles_per_segment, tiles_m + peer * (WORLD - 2) * tiles_m, tiles_n,
+                                  GROUP_M)  # fmt: skip
+        segment = (RANK + peer * (1 + row // tiles_m)) % WORLD
+        pid_m = row % tiles_m
     else:
-        tiles_per_segment = tiles_m * tiles_n
         pid_m, pid_n = grouped_tile(tile % tiles_per_segment, tiles_m, tiles_n, GROUP_M)
         segment = (RANK + tile // tiles_per_segment) % WORLD
     return segment, pid_m, pid_n
@@ -48,7 +56,7 @@ def _tile_of(tile, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GR
 @gluon.jit
 def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N, K,
             chunk_rows, chunks_per_rank, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
-            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
+            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr,
             SPLIT_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
@@ -58,7 +66,7 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
     ready_chunk = -1  # the chunk waited for last: signals only go from 0 to 1 during a launch
     loaded = 0
     for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
-        segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS)
+        segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)
         if segment == RANK:  # this rank's rows, from its shard
             loaded = load_tile(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty, loaded, K,
                                B_KN, SPLIT_ACC)  # fmt: skip
@@ -118,7 +126,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
               rows_per_rank, N, K, stride_cm, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
               GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
               SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
-              SPLIT_ACC: gl.constexpr):  # fmt: skip
+              PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     INSTR_K: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 32 bytes of operand
@@ -130,7 +138,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     tiles_per_segment = tiles_m * tiles_n
     used = 0
     for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
-        segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS)
+        segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)
         if PRECISE_ACC:
             acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
         else:
@@ -179,6 +187,7 @@ def all_gather_matmul_pingpong_kernel(
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted into float32 every two K blocks (not use_fast_accum)
     B_KN: gl.constexpr,  # b_desc reads the weight's row-major transpose (backward; bf16 / fp16 only)
     SEGMENT_BANDS: gl.constexpr,  # GROUP_M bands counted across the segments (module docstring)
+    PEER_BANDS: gl.constexpr,  # ... across the peers' segments, after this rank's (module docstring)
     SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); c_desc's block half as wide
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
@@ -188,13 +197,13 @@ def all_gather_matmul_pingpong_kernel(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, SPLIT_ACC)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, SPLIT_ACC)),
+                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
                        K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN,
-                       SEGMENT_BANDS, SPLIT_ACC)),
+                       SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC)),
         ],
         [4, 1],
         [232, 40],

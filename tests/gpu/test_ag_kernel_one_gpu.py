@@ -28,12 +28,16 @@ GATE_DELAY_S = 0.004
 MAX_SPINS = 1 << 26  # a chunk 4 ms late is far inside it; a lost one still traps
 # The kernels a config can launch: the Triton one flattened (one loop over tile and K) or not,
 # and the warp-specialized Gluon one (Hopper), its bands within segments or (asked) across them; in
-# a grid of one wave it counts them across by itself.
+# a grid of one wave it counts them across by itself. Either kernel may count the peers' bands
+# across the peers' segments (peer_bands).
 KERNELS = {
     "flatten": {"flatten": True},
     "loop": {"flatten": False},
+    "flatten_peer_bands": {"flatten": True, "peer_bands": True},
+    "loop_peer_bands": {"flatten": False, "peer_bands": True},
     "warp_specialized": {"warp_specialized": True},
     "warp_specialized_bands": {"warp_specialized": True, "bands_across_segments": True},
+    "warp_specialized_peer_bands": {"warp_specialized": True, "peer_bands": True},
 }
 
 

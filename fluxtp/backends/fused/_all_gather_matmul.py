@@ -161,8 +161,9 @@ class _Gemm:
             # whole SM's registers, so a barrier queued behind the publish copy found none and the
             # GEMM timed out on rows never pulled (world 4 on one H100, tests/gpu/test_whole_call_one_gpu.py).
             grid = min(sms - 1, tiles)
+            bands = segment_bands(config, tiles, grid), peer_bands(config, info.world_size, n, scaled)
             self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaled, y_dtype, device,
-                                      self.weight, segment_bands(config, tiles, grid))  # fmt: skip
+                                      self.weight, *bands)  # fmt: skip
             return
         self.launch = Launch(
             all_gather_matmul_kernel,
@@ -180,6 +181,7 @@ class _Gemm:
             TMA_STORE=self.tma_store,
             EPILOGUE_SUBTILE=config.epilogue_subtile,
             B_KN=self.weight.kn,
+            PEER_BANDS=peer_bands(config, info.world_size, n, scaled),
             **_scaled.constexprs(scaled),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
@@ -233,7 +235,7 @@ class _PingPong:
     Scaled, None for a plain one."""
 
     def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled, y_dtype, device,
-                 weight_operand: WeightOperand, bands: bool):  # fmt: skip
+                 weight_operand: WeightOperand, bands: bool, peer_bands: bool):  # fmt: skip
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
         self.config, self.layouts, self.world = config, None, info.world_size
@@ -245,7 +247,7 @@ class _PingPong:
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
-            B_KN=weight_operand.kn, SEGMENT_BANDS=bands, SPLIT_ACC=split, **_scaled.constexprs(scaled),
+            B_KN=weight_operand.kn, SEGMENT_BANDS=bands, PEER_BANDS=peer_bands, SPLIT_ACC=split, **_scaled.constexprs(scaled),
             **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
@@ -266,6 +268,13 @@ class _PingPong:
         return self.launch, args
 
 
+# This rank's segment (2·m·n·k FLOPs at ~700 TFLOP/s, bf16 on an H100) lasts as long as the peers'
+# rows ((W-1)·m·k·2 bytes at ~190 GB/s into a rank, one copy stream pulling on 4x H100) take to
+# arrive from n = 3700·(W-1) columns a rank; m and k cancel. Whole calls on 4x H100 with the peers'
+# bands: 0.94x the time at llama3-405b / gpt3-175b dims, 1024 tokens (docs/perf-log.md).
+PEER_BANDS_MIN_COLUMNS_PER_PEER = 3700
+
+
 def segment_bands(config: AllGatherMatmulConfig, tiles: int, grid: int) -> bool:
     """Whether the warp-specialized kernel counts its bands across segments: where the config asks,
     and in a grid of one wave, where every tile starts at once in either order, so no wait comes
@@ -273,6 +282,16 @@ def segment_bands(config: AllGatherMatmulConfig, tiles: int, grid: int) -> bool:
     TP=8, 1024 tokens). In more waves the first one waits for more peers' rows: whole calls on
     4x H100 took 1.03-1.08x the time (docs/perf-log.md)."""
     return config.bands_across_segments or tiles <= grid
+
+
+def peer_bands(config: AllGatherMatmulConfig, world: int, n: int, scaled=None) -> bool:
+    """Whether either kernel counts the peers' tiles in bands across their segments: where the config
+    asks, and for a bf16 / fp16 call whose own segment takes longer to compute than the peers' rows
+    take to arrive, so that no peer tile waits longer for them than in segment order (the rule:
+    PEER_BANDS_MIN_COLUMNS_PER_PEER). The order changes only where a segment has fewer than
+    group_m row tiles."""
+    columns = world >= 3 and n >= PEER_BANDS_MIN_COLUMNS_PER_PEER * (world - 1)
+    return config.peer_bands or (scaled is None and columns)
 
 
 def launch_gemm(

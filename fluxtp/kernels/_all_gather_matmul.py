@@ -8,12 +8,12 @@ chunk c of segment s is ready once signals[s * chunks_per_rank + c] == 1 (the co
 the 1s; the last program to finish resets them to `signal_reset`, 0 in a real call, so the next
 call and every CUDA graph replay start from zero without a host-side reset). Peer segments are
 visited in arrival order (rank+1, rank+2, ...), in GROUP_M-row bands within each segment or, with
-PEER_BANDS, counted across the peers' segments (so that where a segment has few row tiles, a
-wave's tiles share the weight's columns: the weight is read once for the peers, not once a peer;
-the launcher's rule: fluxtp.backends.fused._all_gather_matmul.peer_bands), and each tile waits for the chunk its rows lie
-in BEFORE its K loop, so the pipelined K loop never runs ahead of the data (or, with FLATTEN,
-one tile ahead: see _tiles); a program skips the wait when the tile's chunk is the one it waited
-for last. chunk_rows is a multiple of BLOCK_M, so a tile lies in one chunk.
+PEER_BANDS, counted across the peers' segments (where a segment has few row tiles, a wave's
+tiles then share the weight's columns: it is read once for the peers, not once a peer; the
+launcher's rule: fluxtp.backends.fused._all_gather_matmul.peer_bands). Each tile waits for the
+chunk its rows lie in BEFORE its K loop, so the pipelined K loop never runs ahead of the data
+(or, with FLATTEN, one tile ahead: see _tiles); a program skips the wait when the tile's chunk is
+the one it waited for last. chunk_rows is a multiple of BLOCK_M, so a tile lies in one chunk.
 The two phases are two loops (the same round-robin of tiles over programs as one loop would
 give), so the flattened pipeline of each has no branch between descriptors.
 A tile never spans two segments (m need not be a multiple of BLOCK_M): rows past the segment

@@ -247,8 +247,8 @@ class _PingPong:
         self.launch = Launch(
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
-            B_KN=weight_operand.kn, SEGMENT_BANDS=bands, PEER_BANDS=peer_bands, SPLIT_ACC=split, **_scaled.constexprs(scaled),
-            **_scaled.PINGPONG_WARPS,
+            B_KN=weight_operand.kn, SEGMENT_BANDS=bands, PEER_BANDS=peer_bands, SPLIT_ACC=split,
+            **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def launch_args(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):

@@ -17,7 +17,8 @@ harness. Every variant computes the op's output here and is checked against F.li
 - `segments_grouped`: one_loop, and group_m bands of row tiles counted across segments in
   arrival order instead of within each segment (concurrent tiles share the weight's tiles when a
   segment has few rows; a real call then needs more peers' rows before its first wave);
-- `peers_grouped`: the shipped two loops, the peers' bands counted across their segments;
+- `peers_grouped`: the shipped two loops, the peers' bands counted across their segments at
+  every shape (the shipped kernel's PEER_BANDS order, which the launcher takes by a rule);
 - `lean`: segments_grouped without the tail and the waits: what is left is the kernel's own cost.
 Time over cuBLAS's, medians.
 """
@@ -51,46 +52,21 @@ ONE_LOOP = [
 ]
 
 
-def _bands_across(first: str, rows: str, segment0: str) -> list[tuple[str, str]]:
-    """The peers' (or every segment's) row tiles as one axis of `rows` tiles in arrival order,
-    tile `first` its first, grouped group_m rows at a time: in the wait, the K loop and the epilogue."""
-    return [
-        ("    segment = (RANK + tile_id // tiles_per_segment) % WORLD\n"
-         "    pid_m, _ = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)",
-         f"    v_m, _ = grouped_tile(tile_id - {first}, {rows}, tiles_n, GROUP_M)\n"
-         f"    segment = (RANK + {segment0} + v_m // tiles_m) % WORLD\n"
-         "    pid_m = v_m % tiles_m"),
-        ("        pid_m, pid_n = grouped_tile(tile_id % tiles_per_segment, tiles_m, tiles_n, GROUP_M)\n"
-         "        if OWN:\n"
-         "            row0 = pid_m * BLOCK_M\n"
-         "        else:\n"
-         "            row0 = ((RANK + tile_id // tiles_per_segment) % WORLD) * rows_per_rank + pid_m * BLOCK_M",
-         "        if OWN:\n"
-         "            pid_m, pid_n = grouped_tile(tile_id, tiles_m, tiles_n, GROUP_M)\n"
-         "            row0 = pid_m * BLOCK_M\n"
-         "        else:\n"
-         f"            v_m, pid_n = grouped_tile(tile_id - {first}, {rows}, tiles_n, GROUP_M)\n"
-         f"            row0 = ((RANK + {segment0} + v_m // tiles_m) % WORLD) * rows_per_rank + (v_m % tiles_m) * BLOCK_M"),
-        ("        segment_c = (RANK + tile_id_c // tiles_per_segment) % WORLD\n"
-         "        pid_m_c, pid_n_c = grouped_tile(tile_id_c % tiles_per_segment, tiles_m, tiles_n, GROUP_M)",
-         "        if OWN:\n"
-         "            segment_c = RANK\n"
-         "            pid_m_c, pid_n_c = grouped_tile(tile_id_c, tiles_m, tiles_n, GROUP_M)\n"
-         "        else:\n"
-         f"            v_m_c, pid_n_c = grouped_tile(tile_id_c - {first}, {rows}, tiles_n, GROUP_M)\n"
-         f"            segment_c = (RANK + {segment0} + v_m_c // tiles_m) % WORLD\n"
-         "            pid_m_c = v_m_c % tiles_m"),
-    ]
-
-
-SEGMENTS_GROUPED = ONE_LOOP + _bands_across("0", "WORLD * tiles_m", "0")
+# The peers' bands across their segments whatever the launcher's rule (the kernel's PEER_BANDS order).
+PEERS_GROUPED = [("    if OWN or not PEER_BANDS:\n", "    if OWN:\n")]
+# Every segment's bands counted across the segments, in one loop: that order from tile 0 and rank+0.
+SEGMENTS_GROUPED = ONE_LOOP + PEERS_GROUPED + [
+    ("grouped_tile(tile_id - tiles_per_segment, (WORLD - 1) * tiles_m, tiles_n, GROUP_M)",
+     "grouped_tile(tile_id, WORLD * tiles_m, tiles_n, GROUP_M)"),
+    ("segment = (RANK + 1 + row // tiles_m) % WORLD", "segment = (RANK + row // tiles_m) % WORLD"),
+]
 VARIANTS = {
     "skip_empty_loops": SKIP_EMPTY_LOOPS,
     "no_tail": NO_TAIL,
     "no_wait": NO_WAIT,
     "one_loop": ONE_LOOP,
     "segments_grouped": SEGMENTS_GROUPED,
-    "peers_grouped": _bands_across("tiles_per_segment", "(WORLD - 1) * tiles_m", "1"),
+    "peers_grouped": PEERS_GROUPED,
     "lean": SEGMENTS_GROUPED + NO_TAIL + NO_WAIT,
 }
 

@@ -134,6 +134,7 @@ class _Gemm:
         sms = num_sms(device)
         tiles = info.world_size * triton.cdiv(rows_per_rank, config.block_m) * triton.cdiv(n, config.block_n)
         self.config, self.world = config, info.world_size
+        peers = peer_bands(config, info.world_size, n, scaled)
         self.pingpong = None
         if config.warp_specialized:
             why = _scaled.pingpong_unsupported(device, scaled, weight.dtype)
@@ -161,9 +162,8 @@ class _Gemm:
             # whole SM's registers, so a barrier queued behind the publish copy found none and the
             # GEMM timed out on rows never pulled (world 4 on one H100, tests/gpu/test_whole_call_one_gpu.py).
             grid = min(sms - 1, tiles)
-            bands = segment_bands(config, tiles, grid), peer_bands(config, info.world_size, n, scaled)
             self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaled, y_dtype, device,
-                                      self.weight, *bands)  # fmt: skip
+                                      self.weight, segment_bands(config, tiles, grid), peers)  # fmt: skip
             return
         self.launch = Launch(
             all_gather_matmul_kernel,
@@ -181,7 +181,7 @@ class _Gemm:
             TMA_STORE=self.tma_store,
             EPILOGUE_SUBTILE=config.epilogue_subtile,
             B_KN=self.weight.kn,
-            PEER_BANDS=peer_bands(config, info.world_size, n, scaled),
+            PEER_BANDS=peers,
             **_scaled.constexprs(scaled),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
@@ -241,7 +241,7 @@ class _PingPong:
         self.config, self.layouts, self.world = config, None, info.world_size
         self.b_block = weight_operand.block(config)
         split = _scaled.split_accumulator(scaled, config.block_n)
-        self.c_block = [1, config.block_m // 2, config.block_n // 2 if split else config.block_n]
+        self.c_block = [1, config.block_m // 2, _scaled.staging_columns(config.block_n, split)]
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
         self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=y_dtype, device=device)
         self.launch = Launch(

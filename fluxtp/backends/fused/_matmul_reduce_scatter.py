@@ -206,7 +206,7 @@ def reducer_smem_bytes(config: MatmulReduceScatterConfig, world: int, itemsize: 
     half the columns, _scaled.split_accumulator), `units` units' W slots' rows, and the reserve the
     configs' model keeps for barriers and alignment (fits())."""
     unit_rows = reducer_unit_rows(config.block_n, world, partial_size)
-    staging = config.block_m * (config.block_n // 2 if split else config.block_n)
+    staging = config.block_m * _scaled.staging_columns(config.block_n, split)
     return (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
             + (staging + units * world * unit_rows * config.block_n) * partial_size + SMEM_RESERVE_BYTES)  # fmt: skip
 
@@ -377,7 +377,7 @@ class _Kernel:
         slot_count = layout.slots
         slot_bytes = slot_count * rows_per_rank * n * part.itemsize
         slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
-        stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, config.block_n // 2 if split else config.block_n],
+        stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, _scaled.staging_columns(config.block_n, split)],
                                   gluon=True)  # fmt: skip
         unit_rows = reducer_unit_rows(config.block_n, world, part.itemsize)
         box = reducer_unit_box(world, config.transport)

@@ -57,6 +57,12 @@ def split_accumulator(scaled: Scaled | None, block_n: int) -> bool:
     return scaled is not None and scaled.precise_acc and block_n > 128
 
 
+def staging_columns(block_n: int, split: bool) -> int:
+    """The columns a consumer's epilogue stages and TMA-stores at once: a split accumulator's
+    halves go one after the other through a buffer half as wide (split_accumulator)."""
+    return block_n // 2 if split else block_n
+
+
 # The warp-specialized kernels' launch: 12 warps of 168 registers (num_warps counts the default
 # partition, consumer 0); the two consumers take 232 each, the loader warp 40.
 PINGPONG_WARPS = {"num_warps": 4, "maxnreg": 168}

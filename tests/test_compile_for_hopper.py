@@ -120,8 +120,8 @@ def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k,
 
 @pytest.mark.parametrize("world, transport", [(2, "copy_engine"), (8, "push")])
 def test_the_precise_reducer_kernel_compiles_with_wide_tiles(captured_launch, world, transport):
-    """Precise FP8 reduce-scatters in 128x256 tiles: the accumulator and the partials' staging in
-    column halves, six 64-deep stages beside the reduction units."""
+    """Precise FP8 reduce-scatters in 128x256 tiles: the accumulator in column halves, staged in
+    two pieces each, four 128-deep stages beside the reduction units."""
     x, w, scaled = _inputs(1024 * world, 4096, 1792, True)
     config = MatmulReduceScatterConfig(**REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True, transport=transport)
     rs.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()

@@ -1114,14 +1114,14 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     fp8 = MatmulReduceScatterConfig.heuristic_fp8(4096, 4096, 3584, 4, True)
     fp8_reducer = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
     five_stages = dataclasses.replace(fp8_reducer, num_stages=5)  # precise, bf16 slots, at most 1024 tiles
-    assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, True) == five_stages  # 32 x 32 tiles of 128 x 128
-    # Precise in 128x256 tiles where each SM gets 256 of their 64-deep K blocks: 64 x 16 tiles x 56 blocks.
+    # Precise in 128x256 tiles where each SM gets 40 of their 128-deep K blocks: 32 x 16 tiles x 28 blocks.
     wide_precise = dataclasses.replace(fp8, **REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True)
+    assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, True) == wide_precise
     assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True) == wide_precise
     assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True, out_bytes=4) == fp8_reducer
     assert _matmul_reduce_scatter.reducer_unsupported(wide_precise, 4096, 8, 1, 2, split=True) is None
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(wide_precise, 4096, 8, 1, 2)  # whole staging
-    assert fp8.on_reducer_kernel(4, 1024, 4096, 3584, True) == five_stages  # llama3-8b at 1024 tokens: 7168 blocks
+    assert fp8.on_reducer_kernel(4, 1024, 4096, 3584, True) == five_stages  # llama3-8b at 1024 tokens: 3584 blocks
     # Fast accumulation into a 2-byte output takes the wide tiling its slots leave room for.
     fp8_wide = dataclasses.replace(fp8, **WARP_SPECIALIZED_FP8_FAST_TILING, warp_specialized=True)
     assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, False) == fp8_wide
@@ -1137,8 +1137,8 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert fp8_tp2.transport == "copy_engine"
     assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, True) == dataclasses.replace(
         fp8_tp2, **REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True)  # fmt: skip
-    assert fp8_tp2.on_reducer_kernel(2, 1024, 4096, 7168, True) == dataclasses.replace(
-        fp8_tp2, **{**WARP_SPECIALIZED_FP8_TILING, "num_stages": 5}, warp_specialized=True)  # 8 x 16 x 112 blocks: narrow
+    assert fp8_tp2.on_reducer_kernel(2, 512, 4096, 7168, True) == dataclasses.replace(
+        fp8_tp2, **{**WARP_SPECIALIZED_FP8_TILING, "num_stages": 5}, warp_specialized=True)  # 4 x 16 x 56 blocks: narrow
     assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, False) == fp8_tp2
     assert push.on_reducer_kernel(2, 16384, 8192, 14336, None) == push  # bf16 at TP=2: Triton
     # 1-byte operands, a float32 output's slots

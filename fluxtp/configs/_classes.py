@@ -65,13 +65,14 @@ WARP_SPECIALIZED_FP8_FAST_TILING = {"block_m": 128, "block_n": 256, "block_k": 1
 # H100, the FP8 all-gather grid: 0.74-0.99x the 128x128 tiling's time at most cases, slower where
 # the wide tiles leave most of their last wave empty (docs/perf-log.md).
 WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING = {**WARP_SPECIALIZED_FP8_FAST_TILING, "num_stages": 4}
-# The precise reduce-scatter's wide tiling on the reducer kernel: the same column halves, whose
-# staging half as wide leaves room beside the reduction units for seven 64-deep stages. One H100,
-# the FP8 reduce-scatter grid: 0.85-1.09x the narrow tiling's time (0.94-0.96 in geomean a TP
-# degree) where the GEMM gives each SM REDUCER_FP8_WIDE_MIN_BLOCKS of its K blocks or more,
-# 0.96-1.10x below; six stages took 1.11x in geomean (docs/perf-log.md).
-REDUCER_FP8_WIDE_PRECISE_TILING = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 4, "num_stages": 7}
-REDUCER_FP8_WIDE_MIN_BLOCKS = 256
+# The precise reduce-scatter's wide tiling on the reducer kernel: the all-gather's, its column
+# halves staged in two pieces each, which leaves room beside the reduction units for the four
+# 128-deep stages. One H100, the FP8 reduce-scatter grid: 0.84-0.89x the time of seven 64-deep
+# stages in geomean a TP degree (0.75-0.93 a case); against the narrow tiling 0.85-0.97x where
+# the GEMM gives each SM REDUCER_FP8_WIDE_MIN_BLOCKS of its K blocks or more (one case 1.03),
+# 1.00-1.04x below (docs/perf-log.md).
+REDUCER_FP8_WIDE_PRECISE_TILING = WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING
+REDUCER_FP8_WIDE_MIN_BLOCKS = 40
 
 
 # SMs of an H100 / H200 (SXM): the wave count the heuristic assumes when it is not told.

@@ -36,7 +36,8 @@ NCCL-then-GEMM rounds them); the Triton kernel keeps its own partial in float32,
 differ in the last bits. A scaled (FP8) call's consumers multiply each half by its scales (x's
 rows', the weight's columns', or per tensor) before that rounding (SCALING, PRECISE_ACC as in the
 Triton kernel; SPLIT_ACC: a precise 128x256 tile's accumulator in column halves, each stored in
-turn through a staging buffer half as wide, which leaves room for the stages). Tiles are
+two pieces through a staging buffer a quarter of the tile's width, which leaves room for four
+128-deep stages). Tiles are
 interleaved across owners: tile t is the (t // W)-th tile of owner (RANK + 1 + t % W) % W, in
 grouped order in bands of BAND_ROWS tile rows (the W owners' tiles of one wave share the
 weight's columns, not x's rows), so every owner's rows complete progressively on every rank and
@@ -235,11 +236,31 @@ def _store_part(acc, col, owner, slot, row, pid_m, c_smem, slots_desc, slots0, s
                 slots6, slots7, scale_a_ptr, scale_b_ptr, rows_per_rank, N, layout: gl.constexpr, C: gl.constexpr,
                 RANK: gl.constexpr, WORLD: gl.constexpr, PUSH: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
     """Consumer C's rows of the columns col.. (acc: float32 [HALF, width] in layout), scaled, rounded
-    and TMA-stored into `slot` (owner's, with push) through c_smem once its last store has read it."""
+    and TMA-stored into `slot` (owner's, with push) through c_smem; an accumulator twice as wide as
+    c_smem in two pieces (a split of each thread's registers, no data moved)."""
     HALF: gl.constexpr = acc.shape[0]
     WIDTH: gl.constexpr = acc.shape[1]
+    PIECE: gl.constexpr = c_smem.type.shape[2]
     if SCALING != 0:
         acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, col, rows_per_rank, N, layout, C, SCALING)
+    if PIECE < WIDTH:
+        left, right = gl.split(acc.reshape([HALF, 2, PIECE]).permute(0, 2, 1))
+        _store_piece(left, col, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5,
+                     slots6, slots7, RANK, WORLD, PUSH)  # fmt: skip
+        _store_piece(right, col + PIECE, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4,
+                     slots5, slots6, slots7, RANK, WORLD, PUSH)  # fmt: skip
+    else:
+        _store_piece(acc, col, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5,
+                     slots6, slots7, RANK, WORLD, PUSH)  # fmt: skip
+
+
+@gluon.jit
+def _store_piece(acc, col, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6,
+                 slots7, RANK: gl.constexpr, WORLD: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+    """acc (float32 [HALF, c_smem's width]) rounded into c_smem once its last store has read it,
+    then TMA-stored into `slot` at (row, col) (owner's, with push)."""
+    HALF: gl.constexpr = acc.shape[0]
+    WIDTH: gl.constexpr = acc.shape[1]
     tma.store_wait(pendings=0)  # c_smem is free again
     c_smem.reshape([HALF, WIDTH]).store(acc.to(c_smem.dtype))
     fence_async_shared()
@@ -587,7 +608,7 @@ def matmul_reduce_scatter_reducer_kernel(
     report_ptr,  # int32 [3]: where a timed-out wait records (rank waited for, tile, this rank)
     own_offset,  # bytes from this rank's buffer base to its own-tile flags (module docstring)
     slots_desc,  # over this rank's slots [S, m, N] (2W-1, push W), block [1, BLOCK_M // 2, BLOCK_N] (the stores;
-    #   with SPLIT_ACC half as wide: a half tile's column halves go one after the other)
+    #   with SPLIT_ACC a quarter as wide: a half tile's column halves go in two pieces each)
     units_desc,  # over the same slots, block [W (push) or 1, unit rows, BLOCK_N], unswizzled (the reducer's loads)
     slots0,  # push: as slots_desc over rank 0's slots as this GPU sees them, ... (unused past W: any descriptor)
     slots1,
@@ -611,7 +632,7 @@ def matmul_reduce_scatter_reducer_kernel(
     PUSH: gl.constexpr,  # peers' rows into their owners' buffers (else the copy engine's outgoing slots here)
     SCALING: gl.constexpr,  # 0 unscaled (bf16 / fp16), 1 per tensor, 2 row-wise (FP8 operands)
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted to float32 after each two K blocks (not use_fast_accum)
-    SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); slots_desc's block half as wide
+    SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); slots_desc's block a quarter as wide
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]

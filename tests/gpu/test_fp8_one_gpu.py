@@ -252,7 +252,7 @@ REDUCE_SCATTER_CASES = [
     (4, 384, 640, 640, False, torch.float32, True),  # per tensor, an odd number of 128-wide K blocks
     (8, 200, 1024, 384, True, torch.float16, True),  # under two tiles of rows a rank, three K blocks
     (4, 300, 1280, 640, True, torch.bfloat16, False),  # fast into 2-byte slots: the wide tiling at TP=4, ragged
-    (4, 256, 768, 640, False, torch.bfloat16, True),  # per tensor, ten 64-deep K blocks (two spans' zero blocks)
+    (4, 256, 768, 640, False, torch.bfloat16, True),  # per tensor, K blocks no whole number of spans (zero blocks)
 ]
 
 
@@ -264,7 +264,7 @@ def test_reduce_scatter_fp8_simulated_ranks(tiling, warp_specialized, transport,
                                             precise):  # fmt: skip
     """W ranks one after another (peer steps, copy plan, own steps): float64 reference, poisoned
     slots, bitwise repeatable over reused buffers, and the GEMM-only mode; both kernels, and the
-    reducer kernel's precise 128x256 tiles (accumulator and staging in column halves)."""
+    reducer kernel's precise 128x256 tiles (accumulator in column halves, staged in quarters)."""
     if warp_specialized and transport == "pull":
         pytest.skip("the reducer kernel hands partials over by push or the copy engine")
     if tiling == "wide_precise" and not (warp_specialized and precise and out_dtype.itemsize == 2):

@@ -200,13 +200,20 @@ def reducer_tail_units(config: MatmulReduceScatterConfig, world: int, itemsize: 
     return config.num_stages * config.block_n * config.block_k * itemsize // unit_bytes
 
 
+def reducer_staging_columns(block_n: int, split: bool) -> int:
+    """Columns of a reducer consumer's staging buffer: a tile's, or with a split accumulator
+    (_scaled.split_accumulator) a quarter of them, each column half going in two pieces: the
+    room four 128-deep FP8 stages need beside the reduction units."""
+    return block_n // 4 if split else block_n
+
+
 def reducer_smem_bytes(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
                        units: int, split: bool = False) -> int:  # fmt: skip
-    """The reducer kernel's shared memory: the K-block stages, a half tile per consumer (split: of
-    half the columns, _scaled.split_accumulator), `units` units' W slots' rows, and the reserve the
+    """The reducer kernel's shared memory: the K-block stages, a consumer's staging buffer of half
+    a tile's rows (reducer_staging_columns), `units` units' W slots' rows, and the reserve the
     configs' model keeps for barriers and alignment (fits())."""
     unit_rows = reducer_unit_rows(config.block_n, world, partial_size)
-    staging = config.block_m * _scaled.staging_columns(config.block_n, split)
+    staging = config.block_m * reducer_staging_columns(config.block_n, split)
     return (config.num_stages * (config.block_m + config.block_n) * config.block_k * itemsize
             + (staging + units * world * unit_rows * config.block_n) * partial_size + SMEM_RESERVE_BYTES)  # fmt: skip
 
@@ -377,7 +384,7 @@ class _Kernel:
         slot_count = layout.slots
         slot_bytes = slot_count * rows_per_rank * n * part.itemsize
         slots = [b[:slot_bytes].view(part).view(slot_count, rows_per_rank, n) for b in buffers]
-        stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, _scaled.staging_columns(config.block_n, split)],
+        stores = DescriptorLayout(slots[rank], [1, config.block_m // 2, reducer_staging_columns(config.block_n, split)],
                                   gluon=True)  # fmt: skip
         unit_rows = reducer_unit_rows(config.block_n, world, part.itemsize)
         box = reducer_unit_box(world, config.transport)

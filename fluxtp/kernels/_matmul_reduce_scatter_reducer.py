@@ -37,11 +37,10 @@ differ in the last bits. A scaled (FP8) call's consumers multiply each half by i
 rows', the weight's columns', or per tensor) before that rounding (SCALING, PRECISE_ACC as in the
 Triton kernel; SPLIT_ACC: a precise 128x256 tile's accumulator in column halves, each stored in
 two pieces through a staging buffer a quarter of the tile's width, which leaves room for four
-128-deep stages). Tiles are
-interleaved across owners: tile t is the (t // W)-th tile of owner (RANK + 1 + t % W) % W, in
-grouped order in bands of BAND_ROWS tile rows (the W owners' tiles of one wave share the
-weight's columns, not x's rows), so every owner's rows complete progressively on every rank and
-the reduction runs behind the GEMM instead of after it. Partials are counted
+128-deep stages). Tiles are interleaved across owners: tile t is the (t // W)-th tile of owner
+(RANK + 1 + t % W) % W, in grouped order in bands of BAND_ROWS tile rows (the W owners' tiles of
+one wave share the weight's columns, not x's rows), so every owner's rows complete progressively
+on every rank and the reduction runs behind the GEMM instead of after it. Partials are counted
 (and the copy engine pushes them) by the same bands: each is complete, and moves, as soon as its
 tiles are, not when the last owner step ends (the launcher's copy plan goes band by band).
 A launch may run only the owner steps first_step..last_step (t % W in that range; the reducer

@@ -1119,7 +1119,9 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert fp8.on_reducer_kernel(4, 4096, 4096, 3584, True) == wide_precise
     assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True) == wide_precise
     assert fp8.on_reducer_kernel(4, 8192, 4096, 3584, True, out_bytes=4) == fp8_reducer
-    assert _matmul_reduce_scatter.reducer_unsupported(wide_precise, 4096, 8, 1, 2, split=True) is None
+    for world in (2, 4, 8):  # four 128-deep stages beside staging in quarters and a reduction unit
+        assert _matmul_reduce_scatter.reducer_unsupported(wide_precise, 4096, world, 1, 2, split=True) is None
+        assert _matmul_reduce_scatter.reducer_units_in_flight(wide_precise, world, 1, 2, split=True) >= 1
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(wide_precise, 4096, 8, 1, 2)  # whole staging
     assert fp8.on_reducer_kernel(4, 1024, 4096, 3584, True) == five_stages  # llama3-8b at 1024 tokens: 3584 blocks
     # Fast accumulation into a 2-byte output takes the wide tiling its slots leave room for.

@@ -242,15 +242,13 @@ def _store_part(acc, col, owner, slot, row, pid_m, c_smem, slots_desc, slots0, s
     PIECE: gl.constexpr = c_smem.type.shape[2]
     if SCALING != 0:
         acc = _scale(acc, scale_a_ptr, scale_b_ptr, owner, pid_m, col, rows_per_rank, N, layout, C, SCALING)
-    if PIECE < WIDTH:
-        left, right = gl.split(acc.reshape([HALF, 2, PIECE]).permute(0, 2, 1))
+    if PIECE < WIDTH:  # the left piece now, the right one below
+        left, acc = gl.split(acc.reshape([HALF, 2, PIECE]).permute(0, 2, 1))
         _store_piece(left, col, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5,
                      slots6, slots7, RANK, WORLD, PUSH)  # fmt: skip
-        _store_piece(right, col + PIECE, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4,
-                     slots5, slots6, slots7, RANK, WORLD, PUSH)  # fmt: skip
-    else:
-        _store_piece(acc, col, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5,
-                     slots6, slots7, RANK, WORLD, PUSH)  # fmt: skip
+        col += PIECE
+    _store_piece(acc, col, owner, slot, row, c_smem, slots_desc, slots0, slots1, slots2, slots3, slots4, slots5, slots6,
+                 slots7, RANK, WORLD, PUSH)  # fmt: skip
 
 
 @gluon.jit

@@ -13,6 +13,7 @@ buffers are local tensors of this GPU (host-time benchmarks, one-GPU tests of a 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import math
 import os
@@ -41,6 +42,8 @@ def free_port() -> int:
 
 
 def _entry(rank, fn, world_size, port, backend, timeout_s, args, done_dir):
+    # A rank killed by a signal (a native abort or segfault) prints every thread's Python stack.
+    faulthandler.enable(all_threads=True)
     os.environ.update(MULTICAST_OFF)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -64,10 +67,24 @@ def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; raise if any rank fails.
 
     `fn` must be importable (a module-level function). backend defaults to NCCL when there are
-    enough GPUs, else gloo.
+    enough GPUs, else gloo. On gloo, a rank killed by a signal in its body runs every rank once
+    more, with a warning: fluxtp runs no native code of its own on CPU, so such a death is a
+    crash inside torch (one was seen on a 2-core CI host); a second one fails. On NCCL a signal
+    is the watchdog's abort after a fault or a hang: it fails at once.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    try:
+        _spawn_and_join(fn, world_size, args, backend, timeout_s)
+    except mp.ProcessExitedException as e:
+        if backend != "gloo" or e.signal_name is None:
+            raise
+        message = f"{fn.__name__}: rank {e.error_index} was killed by {e.signal_name} on gloo; running every rank once more"
+        warnings.warn(message, stacklevel=2)
+        _spawn_and_join(fn, world_size, args, backend, timeout_s)
+
+
+def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: float) -> None:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="fluxtp-ranks-") as done_dir:
         ctx = mp.start_processes(
@@ -90,7 +107,7 @@ def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout
             # barrier died in teardown (gloo's threads at exit have aborted this way, rarely):
             # the test itself passed. Any other death is a failure.
             if all(Path(done_dir, f"rank{r}.done").exists() for r in range(world_size)):
-                warnings.warn(f"{fn.__name__}: a rank died after the test passed on every rank ({e})", stacklevel=2)
+                warnings.warn(f"{fn.__name__}: a rank died after the test passed on every rank ({e})", stacklevel=3)
                 return
             raise
 

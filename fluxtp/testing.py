@@ -17,6 +17,7 @@ import faulthandler
 import importlib
 import math
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -67,21 +68,37 @@ def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; raise if any rank fails.
 
     `fn` must be importable (a module-level function). backend defaults to NCCL when there are
-    enough GPUs, else gloo. On gloo, a rank killed by a signal in its body runs every rank once
-    more, with a warning: fluxtp runs no native code of its own on CPU, so such a death is a
-    crash inside torch (one was seen on a 2-core CI host); a second one fails. On NCCL a signal
-    is the watchdog's abort after a fault or a hang: it fails at once.
+    enough GPUs, else gloo. On gloo, a rank killed in its body by a crash signal (an abort or a
+    segfault: native code) runs every rank once more, with a warning: fluxtp runs no native code
+    of its own on CPU, so that is a crash inside torch (one was seen on a 2-core CI host); a
+    second one fails. On NCCL such a death is the watchdog's abort after a fault or a hang, or a
+    kernel's: it fails at once.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     try:
         _spawn_and_join(fn, world_size, args, backend, timeout_s)
-    except mp.ProcessExitedException as e:
-        if backend != "gloo" or e.signal_name is None:
-            raise
-        message = f"{fn.__name__}: rank {e.error_index} was killed by {e.signal_name} on gloo; running every rank once more"
-        warnings.warn(message, stacklevel=2)
-        _spawn_and_join(fn, world_size, args, backend, timeout_s)
+    except _NativeCrash as crash:
+        if backend != "gloo":
+            raise crash.failure from None
+        warnings.warn(f"{fn.__name__}: {crash}; running every rank once more", stacklevel=2)
+        try:
+            _spawn_and_join(fn, world_size, args, backend, timeout_s)
+        except _NativeCrash as again:
+            raise again.failure from None
+
+
+# The signals a process dies of in native code; SIGTERM and SIGKILL are how torch stops the others.
+_CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+
+
+class _NativeCrash(Exception):
+    """Ranks killed by crash signals; `failure` is what torch.multiprocessing raised (the first
+    rank it saw fail, perhaps a peer that lost the crashed rank)."""
+
+    def __init__(self, crashed: dict[int, str], failure: Exception):
+        super().__init__(", ".join(f"rank {r} was killed by {name}" for r, name in crashed.items()))
+        self.failure = failure
 
 
 def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: float) -> None:
@@ -102,13 +119,20 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
                         if p.is_alive():
                             p.kill()
                     raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s:.0f} s")
-        except mp.ProcessExitedException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # A rank killed by a signal after every rank's body passed and met at the final
             # barrier died in teardown (gloo's threads at exit have aborted this way, rarely):
             # the test itself passed. Any other death is a failure.
-            if all(Path(done_dir, f"rank{r}.done").exists() for r in range(world_size)):
+            if isinstance(e, mp.ProcessExitedException) and all(
+                Path(done_dir, f"rank{r}.done").exists() for r in range(world_size)
+            ):
                 warnings.warn(f"{fn.__name__}: a rank died after the test passed on every rank ({e})", stacklevel=3)
                 return
+            # join() has stopped and reaped every rank: their exit codes are final.
+            crash_codes = {-int(s): s.name for s in _CRASH_SIGNALS}
+            crashed = {r: crash_codes[p.exitcode] for r, p in enumerate(ctx.processes) if p.exitcode in crash_codes}
+            if crashed:
+                raise _NativeCrash(crashed, e) from e
             raise
 
 

@@ -35,29 +35,69 @@ def _raise_in_body(rank, world):
 
 
 def test_a_gloo_rank_killed_in_its_body_twice_fails_the_test():
-    with pytest.warns(UserWarning, match="rank 1 was killed by SIGABRT on gloo; running every rank once more"):
-        with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+    # The failure reported is the first rank torch saw fail: rank 1's abort, or rank 0's barrier
+    # that lost rank 1.
+    with pytest.warns(UserWarning, match="rank 1 was killed by SIGABRT; running every rank once more"):
+        with pytest.raises((mp.ProcessExitedException, mp.ProcessRaisedException)):
             run_on_ranks(_abort_in_body, 2, backend="gloo", timeout_s=120)
 
 
 def test_a_gloo_rank_killed_in_its_body_once_passes_with_a_warning(tmp_path):
     marker = tmp_path / "aborted_once"
-    with pytest.warns(UserWarning, match="rank 1 was killed by SIGABRT on gloo"):
+    with pytest.warns(UserWarning, match="rank 1 was killed by SIGABRT"):
         run_on_ranks(_abort_in_first_body, 2, str(marker), backend="gloo", timeout_s=120)
     assert marker.exists()
 
 
+class _FailedRanks:
+    """What mp.start_processes returns, after a failure: join raises `failure`, every rank reaped
+    with its exit code (negative: the signal)."""
+
+    def __init__(self, failure, exit_codes):
+        self.failure = failure
+        self.processes = [mock.Mock(exitcode=code) for code in exit_codes]
+
+    def join(self, timeout=None):
+        raise self.failure
+
+
+_RAISED = mp.ProcessRaisedException("rank 0: RuntimeError: connection closed by peer", error_index=0, error_pid=1)
+
+
 @pytest.mark.parametrize(
-    "backend, exit_code, signal_name",
-    [("nccl", -6, "SIGABRT"), ("gloo", 1, None)],
-    ids=["nccl-signal", "gloo-exit-code"],
+    "exit_codes, crashed",
+    [
+        ([1, -6], "rank 1 was killed by SIGABRT"),
+        ([-11, -15], "rank 0 was killed by SIGSEGV"),
+        ([1, -15], None),
+        ([1, -9], None),
+    ],
+    ids=["peer-aborted", "segfault", "peer-terminated", "peer-killed"],
 )
-def test_no_second_run_for_nccl_or_a_plain_exit(backend, exit_code, signal_name):
-    death = mp.ProcessExitedException("died", error_index=0, error_pid=1, exit_code=exit_code, signal_name=signal_name)
-    with mock.patch.object(testing, "_spawn_and_join", side_effect=death) as spawn:
-        with pytest.raises(mp.ProcessExitedException):
-            run_on_ranks(_abort_in_body, 2, backend=backend)
-    assert spawn.call_count == 1
+def test_a_crash_signal_on_any_rank_is_told_apart_from_the_failure_reported(exit_codes, crashed):
+    # torch reports the first rank it saw fail (here rank 0's exception), then stops the others
+    # by SIGTERM / SIGKILL: a crash is any rank that died of a crash signal, whichever was reported.
+    with mock.patch.object(mp, "start_processes", return_value=_FailedRanks(_RAISED, exit_codes)):
+        if crashed is None:
+            with pytest.raises(mp.ProcessRaisedException):
+                testing._spawn_and_join(_abort_in_body, 2, (), "gloo", 60)
+        else:
+            with pytest.raises(testing._NativeCrash, match=crashed) as info:
+                testing._spawn_and_join(_abort_in_body, 2, (), "gloo", 60)
+            assert info.value.failure is _RAISED
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_nccl_fails_at_once_and_gloo_runs_twice_at_most(backend):
+    crash = testing._NativeCrash({1: "SIGABRT"}, _RAISED)
+    with mock.patch.object(testing, "_spawn_and_join", side_effect=crash) as spawn:
+        with pytest.raises(mp.ProcessRaisedException):
+            if backend == "gloo":
+                with pytest.warns(UserWarning, match="rank 1 was killed by SIGABRT; running every rank once more"):
+                    run_on_ranks(_abort_in_body, 2, backend=backend)
+            else:
+                run_on_ranks(_abort_in_body, 2, backend=backend)
+    assert spawn.call_count == (2 if backend == "gloo" else 1)
 
 
 def test_an_exception_in_a_body_fails_the_test():

@@ -5,6 +5,8 @@ simulated on one GPU.
 a rank), initializes the default group on a free port, calls `fn(rank, world_size, *args)` and
 raises in the parent with the failing rank's traceback. If any rank fails, the others are
 terminated (torch.multiprocessing), and a hang is cut off at `timeout_s`: a test never hangs.
+`run_launch(cmd)` runs a launch of gloo ranks (torchrun on CPU) as a subprocess, with
+run_on_ranks's rule for a rank that dies of a crash signal.
 
 `simulated_world(world, rank)` runs the public ops as one rank of a world whose peers' symmetric
 buffers are local tensors of this GPU (host-time benchmarks, one-GPU tests of a whole call).
@@ -17,8 +19,10 @@ import faulthandler
 import importlib
 import math
 import os
+import re
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import types
@@ -99,6 +103,22 @@ class _NativeCrash(Exception):
     def __init__(self, crashed: dict[int, str], failure: Exception):
         super().__init__(", ".join(f"rank {r} was killed by {name}" for r, name in crashed.items()))
         self.failure = failure
+
+
+# torchrun's summary line for a worker killed by a signal.
+_TORCHRUN_CRASH = re.compile(rf"Signal \d+ \(({'|'.join(s.name for s in _CRASH_SIGNALS)})\) received by PID")
+
+
+def run_launch(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd)` with its output captured as text, for a launch of gloo ranks on CPU
+    (torchrun): when it failed because a rank died of a crash signal, it runs once more, with a
+    warning (run_on_ranks's rule); a second failure, or any other, is returned as it is."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    crash = _TORCHRUN_CRASH.search(done.stderr) if done.returncode else None
+    if crash is None:
+        return done
+    warnings.warn(f"{' '.join(cmd)}: a rank was killed by {crash.group(1)}; running it once more", stacklevel=2)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
 
 
 def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: float) -> None:

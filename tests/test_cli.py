@@ -7,7 +7,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from fluxtp.bench import BenchError
 from fluxtp.bench import ops as ops_scenario
 from fluxtp.bench.harness import Protocol, Timings, Variant, format_speedup, input_copies, measure, measure_rounds
 from fluxtp.bench.harness import overlap_efficiency, round_order, speedup, speedup_iqr
-from fluxtp.testing import run_on_ranks
+from fluxtp.testing import run_launch, run_on_ranks
 from fluxtp.bench.launch import NO_GPU_LINE
 from fluxtp.bench.results import ENVELOPE_KEYS, SCHEMA, command_line, device_slug, result_filename
 
@@ -37,9 +36,7 @@ def fluxtp_cli(*args, timeout=300, launcher=("-m", "fluxtp"), columns=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if columns is not None:  # the terminal width the command sees (shutil.get_terminal_size reads COLUMNS)
         env["COLUMNS"] = str(columns)
-    return subprocess.run(
-        [sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_launch([sys.executable, *launcher, *args], cwd=ROOT, env=env, timeout=timeout)
 
 
 def check_envelope(data: dict, world: int) -> None:

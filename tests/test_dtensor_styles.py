@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 
 from fluxtp.nn import ColwiseParallel, RowwiseParallel, tp_submesh
 from fluxtp.nn.llama_plan import LlamaNames, llama_layer_plan, llama_model_plan, parallelize_llama
-from fluxtp.testing import run_on_ranks
+from fluxtp.testing import run_launch, run_on_ranks
 from tests._cases import rel_error
 
 # Normwise relative error, fluxtp's styles against torch's, float64 (u = 1.1e-16). Both sum the
@@ -417,7 +417,7 @@ def test_compiled_llama_has_no_graph_break():
 
 def _example_losses(cmd) -> list[float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_launch(cmd, timeout=300, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [float(m.group(1)) for m in re.finditer(r"^step \d+ loss (\S+)$", proc.stdout, re.MULTILINE)]
 

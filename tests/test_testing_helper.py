@@ -1,8 +1,11 @@
 """fluxtp.testing.run_on_ranks: failures propagate; a crash in teardown after a pass does not; a
-gloo rank killed by a signal in its body is run once more, an NCCL one fails at once."""
+gloo rank killed by a crash signal in its body is run once more, an NCCL one fails at once.
+run_launch: a torchrun launch whose worker died of a crash signal runs once more, nothing else does."""
 
 import atexit
 import os
+import sys
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -10,7 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from fluxtp import testing
-from fluxtp.testing import run_on_ranks
+from fluxtp.testing import run_launch, run_on_ranks
 
 
 def _abort_in_body(rank, world):
@@ -109,3 +112,37 @@ def test_an_exception_in_a_body_fails_the_test():
 def test_a_crash_in_teardown_after_every_rank_passed_only_warns():
     with pytest.warns(UserWarning, match="died after the test passed"):
         run_on_ranks(_abort_at_exit_after_passing, 2, backend="gloo", timeout_s=120)
+
+
+# A torchrun worker script: rank 1 counts its runs, then aborts (in the first run only, or in
+# every run) or raises; rank 0 does nothing.
+_WORKER = """
+import os, sys
+from pathlib import Path
+runs, mode = Path(sys.argv[1]), sys.argv[2]
+if os.environ["RANK"] == "1":
+    with runs.open("a") as f:
+        f.write("run\\n")
+    if mode == "raise":
+        raise RuntimeError("a wrong number")
+    if mode == "always" or len(runs.read_text().splitlines()) == 1:
+        os.abort()
+"""
+
+
+@pytest.mark.parametrize(
+    "mode, passes, runs",
+    [("abort_once", True, 2), ("always", False, 2), ("raise", False, 1)],
+)
+def test_run_launch_runs_a_torchrun_launch_again_only_after_a_crash(tmp_path, mode, passes, runs):
+    worker, counted = tmp_path / "worker.py", tmp_path / "runs"
+    worker.write_text(_WORKER)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [*torchrun, str(worker), str(counted), mode]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        done = run_launch(cmd, timeout=120)
+    assert (done.returncode == 0) == passes, done.stderr[-3000:]
+    assert len(counted.read_text().splitlines()) == runs
+    reruns = [str(w.message) for w in seen if "running it once more" in str(w.message)]
+    assert len(reruns) == (runs - 1) and all("killed by SIGABRT" in m for m in reruns), reruns

@@ -7,12 +7,13 @@ recipe as a user runs it: mesh setup, FSDP2 over dp, the pipeline schedule over 
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import transformers  # noqa: F401  (the example needs it; a missing install fails here, not in a subprocess)
+
+from fluxtp.testing import run_launch
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train_hybrid.py")
 # float64 and plain SGD: SGD's update is proportional to the gradient, so a gradient off by any
@@ -27,7 +28,7 @@ TIMEOUT_S = 400
 
 def _losses(cmd) -> list[float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    proc = run_launch(cmd, timeout=TIMEOUT_S, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     losses = [float(m.group(2)) for m in re.finditer(r"^step (\d+) loss (\S+)$", proc.stdout, re.MULTILINE)]
     assert len(losses) == 5, f"expected 5 'step N loss X' lines, got:\n{proc.stdout[-3000:]}"

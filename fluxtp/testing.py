@@ -142,7 +142,8 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # A rank killed by a signal after every rank's body passed and met at the final
             # barrier died in teardown (gloo's threads at exit have aborted this way, rarely):
-            # the test itself passed. Any other death is a failure.
+            # the test itself passed. Any other death is a failure: a native crash's is told
+            # apart (_NativeCrash) for run_on_ranks's rule.
             if isinstance(e, mp.ProcessExitedException) and all(
                 Path(done_dir, f"rank{r}.done").exists() for r in range(world_size)
             ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import functools
 import importlib
 import math
 import os
@@ -94,6 +95,7 @@ def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout
 
 # The signals a process dies of in native code; SIGTERM and SIGKILL are how torch stops the others.
 _CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+_CRASH_EXIT_CODES = {-int(s): s.name for s in _CRASH_SIGNALS}  # multiprocessing's exitcode of a signal death
 
 
 class _NativeCrash(Exception):
@@ -113,12 +115,13 @@ def run_launch(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Comple
     """`subprocess.run(cmd)` with its output captured as text, for a launch of gloo ranks on CPU
     (torchrun): when it failed because a rank died of a crash signal, it runs once more, with a
     warning (run_on_ranks's rule); a second failure, or any other, is returned as it is."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    run = functools.partial(subprocess.run, cmd, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    done = run()
     crash = _TORCHRUN_CRASH.search(done.stderr) if done.returncode else None
     if crash is None:
         return done
     warnings.warn(f"{' '.join(cmd)}: a rank was killed by {crash.group(1)}; running it once more", stacklevel=2)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    return run()
 
 
 def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: float) -> None:
@@ -150,8 +153,8 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
                 warnings.warn(f"{fn.__name__}: a rank died after the test passed on every rank ({e})", stacklevel=3)
                 return
             # join() has stopped and reaped every rank: their exit codes are final.
-            crash_codes = {-int(s): s.name for s in _CRASH_SIGNALS}
-            crashed = {r: crash_codes[p.exitcode] for r, p in enumerate(ctx.processes) if p.exitcode in crash_codes}
+            codes = [p.exitcode for p in ctx.processes]
+            crashed = {r: _CRASH_EXIT_CODES[code] for r, code in enumerate(codes) if code in _CRASH_EXIT_CODES}
             if crashed:
                 raise _NativeCrash(crashed, e) from e
             raise

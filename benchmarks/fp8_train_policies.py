@@ -38,6 +38,7 @@ POLICIES = {
     "all_gathers_fused": lambda op, fast: op == ALL_GATHER,
     "forward_all_gathers_fused": lambda op, fast: op == ALL_GATHER and fast,
     "forward_reduce_scatters_fused": lambda op, fast: op == REDUCE_SCATTER and fast,
+    "reduce_scatters_fused": lambda op, fast: op == REDUCE_SCATTER,
 }
 
 

@@ -19,7 +19,7 @@ def _build(x_shard, weight, bias, info: GroupInfo, backend: str, return_gathered
     """The call plan: (x_shard, weight, bias) -> (y, x_gathered or None)."""
     if info.world_size == 1:
         return lambda x, w, b: (F.linear(x, w, b), x.clone() if return_gathered else None)
-    name = backends.choose(OP, backend, x_shard, weight, info)
+    name = backends.choose(OP, backend, x_shard, weight, info, return_gathered=return_gathered)
     return backends.prepare(OP, name, x_shard, weight, bias, info, return_gathered)
 
 

@@ -24,7 +24,7 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # up before capture instead. A tuned entry measured at the call's exact key decides over them
 # where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
 # auto thresholds come from".
-AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 8192), "matmul_reduce_scatter": (1024, 8192)}  # (TP=2, TP>=4)
+AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 8192), "matmul_reduce_scatter": (1024, 1024)}  # (TP=2, TP>=4)
 AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
@@ -64,11 +64,15 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     if op in _UNSCALED:
-        # The FP8 training step (fluxtp.nn's recipe, LLaMA-70B, TP 2 and 4, H100s) gained only from
-        # the fused reduce-scatter with fast accumulation (its forward): 1.005-1.011x NCCL's step;
-        # fused all-gathers and precise reduce-scatters cost it 0.5-3%, though the ops alone, eager,
-        # ran fused 1.02-2.8x faster (docs/fp8.md). More ranks are taken as TP=4.
-        return op == "scaled_matmul_reduce_scatter" and bool(details.get("use_fast_accum"))
+        # The FP8 training step (fluxtp.nn's recipe, LLaMA-70B, TP 2 and 4, H100s) gains from fused
+        # reduce-scatters of either accumulation and loses with fused all-gathers, though the
+        # all-gathers alone ran fused 1.02-2.5x faster (docs/fp8.md). More ranks are taken as TP=4.
+        return op == "scaled_matmul_reduce_scatter"
+    if op == "all_gather_matmul" and details.get("return_gathered"):
+        # A caller that keeps the gathered rows is a training layer (fluxtp.nn): the bf16 step at
+        # TP 2 and 4 ran 0.93-0.95x NCCL's with its all-gathers fused, 1.01-1.03x with only its
+        # reduce-scatters (docs/perf-log.md, "Which calls of the training step pay fused").
+        return False
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:
         return verdict

@@ -38,27 +38,69 @@ def test_matmul_reduce_scatter_counts_rows_at_any_width():
 @pytest.mark.parametrize("op", ["all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"])
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_fp8_ops_fuse_only_where_the_training_step_gained(op, world):
-    """The reduce-scatter with fast accumulation (the FP8 recipe's forward) at any TP degree and
-    either scaling; all-gathers and precise reduce-scatters go to NCCL then torch._scaled_mm."""
+    """Reduce-scatters of either accumulation (the FP8 recipe's forward and its gradients) at any
+    TP degree and either scaling; all-gathers go to NCCL then torch._scaled_mm."""
     info = GroupInfo(None, 0, world)
     x, w = torch.empty(1024, 8192, device="meta"), torch.empty(14336, 8192, device="meta")
     fast = {"out_dtype": torch.bfloat16, "use_fast_accum": True}
     precise = {**fast, "use_fast_accum": False}
     for row_wise in (True, False):
-        assert fused.preferred(op, x, w, info, row_wise=row_wise, **fast) == (op == "scaled_matmul_reduce_scatter")
-        assert not fused.preferred(op, x, w, info, row_wise=row_wise, **precise)
-    assert not fused.preferred(op, x, w, info)  # no accumulation said: precise
+        for accumulation in (fast, precise):
+            assert fused.preferred(op, x, w, info, row_wise=row_wise, **accumulation) == (op == "scaled_matmul_reduce_scatter")
+    assert fused.preferred(op, x, w, info) == (op == "scaled_matmul_reduce_scatter")
 
 
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
-def test_more_ranks_need_more_tokens(op):
+def test_all_gathers_need_more_tokens_at_more_ranks():
     four = GroupInfo(None, 0, 4)
     w = torch.empty(1 << 16, 64, device="meta")  # wide: only the token count decides
-    two_ranks, more_ranks = fused.AUTO_MIN_TOKENS[op]
+    two_ranks, more_ranks = fused.AUTO_MIN_TOKENS["all_gather_matmul"]
     assert more_ranks > two_ranks
-    per_rank = (lambda tokens: tokens // 4) if op == "all_gather_matmul" else (lambda tokens: tokens)
-    assert not fused.preferred(op, torch.empty(per_rank(two_ranks), 64, device="meta"), w, four)
-    assert fused.preferred(op, torch.empty(per_rank(more_ranks), 64, device="meta"), w, four)
+    assert not fused.preferred("all_gather_matmul", torch.empty(two_ranks // 4, 64, device="meta"), w, four)
+    assert fused.preferred("all_gather_matmul", torch.empty(more_ranks // 4, 64, device="meta"), w, four)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_reduce_scatters_from_the_same_tokens_at_any_tp(world):
+    """The training step at TP 2 and 4 gained with its reduce-scatters fused (more ranks: as TP=4)."""
+    info = GroupInfo(None, 0, world)
+    w = torch.empty(8192, 64, device="meta")
+    least = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"][0]
+    assert fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"] == (least, least)
+    assert not fused.preferred("matmul_reduce_scatter", torch.empty(least - world, 64, device="meta"), w, info)
+    assert fused.preferred("matmul_reduce_scatter", torch.empty(least, 64, device="meta"), w, info)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_no_fused_all_gather_for_a_caller_keeping_the_gathered_rows(world, user_cache):
+    """Training layers keep the gathered rows for their weight gradient; their steps lost with the
+    all-gathers fused, at any size, whatever the op alone measured (a tuned entry's clear win)."""
+    info = GroupInfo(None, 0, world)
+    w = torch.empty(1 << 16, 64, dtype=BF)
+    x = torch.empty(16384 // world, 64, dtype=BF)
+    assert fused.preferred(AG, x, w, info) and fused.preferred(AG, x, w, info, return_gathered=False)
+    assert not fused.preferred(AG, x, w, info, return_gathered=True)
+    _tuned(AG, 2 << 16, 64, 2048, ms=0.5, nccl_ms=1.0)  # the key counts the layer's N: W x a rank's
+    small = torch.empty(2048 // 2, 64, dtype=BF)
+    assert fused.preferred(AG, small, w, TWO) and not fused.preferred(AG, small, w, TWO, return_gathered=True)
+
+
+@pytest.mark.parametrize("return_gathered", [False, True])
+def test_the_op_tells_auto_whether_it_keeps_the_gathered_rows(return_gathered, monkeypatch):
+    import importlib
+
+    from fluxtp import backends
+
+    op_module = importlib.import_module("fluxtp.ops.all_gather_matmul")  # fluxtp.ops names the function
+    asked = {}
+
+    def choose(op, backend, x, weight, info, **details):
+        asked.update(details)
+        return "nccl"
+
+    monkeypatch.setattr(backends, "choose", choose)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    op_module._build(x, w, None, TWO, "auto", return_gathered)
+    assert asked == {"return_gathered": return_gathered}
 
 
 def test_matmul_all_reduce_only_at_decode_rows():

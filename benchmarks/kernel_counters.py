@@ -57,11 +57,13 @@ def parse_raw_csv(text: str) -> list[dict]:
     if len(rows) < 2:
         raise ValueError("no ncu CSV in the output (did ncu profile any kernel?)")
     header, units = rows[0], rows[1]
+    kernel_column = header.index("Kernel Name")
+    columns = {name: header.index(metric) for name, metric in METRICS.items()}
     records = []
     for row in rows[2:]:
-        record = {"kernel": row[header.index("Kernel Name")]}
+        record = {"kernel": row[kernel_column]}
         for name, metric in METRICS.items():
-            column = header.index(metric)
+            column = columns[name]
             value = float(row[column].replace(",", ""))
             unit = units[column].lower()
             scales = TIME_UNITS if name == "duration" else CLOCK_UNITS if name == "sm_clock" else None

@@ -15,9 +15,10 @@ from fluxtp.configs import measured_verdict
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
-# "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS on H200s:
-# from a number of global tokens on, one for TP=2 and one for TP >= 4, and for the all-gather
-# from a number of output elements per rank; below, host cost and GEMM efficiency lose to NCCL.
+# "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS: from a number
+# of global tokens on, one for TP=2 and one for TP >= 4 (H200s; the reduce-scatter's TP >= 4 one
+# from the training step on H100s), and for the all-gather from a number of output elements per
+# rank; below, host cost and GEMM efficiency lose to NCCL.
 # Under CUDA graphs the fused ops win from fewer tokens, but "auto" keeps these thresholds while
 # capturing too: a capture that picked fused after an nccl warm-up would run the fused op's
 # first call (allocation, rendezvous, compile) inside the capture; pass backend="fused" and warm

@@ -1,10 +1,12 @@
 """The "auto" policy: the fused kernels only where they measured faster: the thresholds measured on
 the DESIGN.md shapes, and the tuning table's own measurements where they are clear."""
 
+import importlib
+
 import pytest
 import torch
 
-from fluxtp import configs, tune
+from fluxtp import backends, configs, tune
 from fluxtp._dist import GroupInfo
 from fluxtp.backends import fused
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig
@@ -86,10 +88,6 @@ def test_no_fused_all_gather_for_a_caller_keeping_the_gathered_rows(world, user_
 
 @pytest.mark.parametrize("return_gathered", [False, True])
 def test_the_op_tells_auto_whether_it_keeps_the_gathered_rows(return_gathered, monkeypatch):
-    import importlib
-
-    from fluxtp import backends
-
     op_module = importlib.import_module("fluxtp.ops.all_gather_matmul")  # fluxtp.ops names the function
     asked = {}
 

@@ -48,7 +48,8 @@ def test_fp8_ops_fuse_only_where_the_training_step_gained(op, world):
     precise = {**fast, "use_fast_accum": False}
     for row_wise in (True, False):
         for accumulation in (fast, precise):
-            assert fused.preferred(op, x, w, info, row_wise=row_wise, **accumulation) == (op == "scaled_matmul_reduce_scatter")
+            fuses = fused.preferred(op, x, w, info, row_wise=row_wise, **accumulation)
+            assert fuses == (op == "scaled_matmul_reduce_scatter")
     assert fused.preferred(op, x, w, info) == (op == "scaled_matmul_reduce_scatter")
 
 

@@ -196,3 +196,69 @@ def test_world_of_one_is_nn_linear():
     for save_memory in (False, True):
         check_column(0, 1, seed, (6, 2), 10, 6, torch.float64, True, save_memory)
     check_row(0, 1, seed + 1, (6, 2), 10, 6, torch.float64, True)
+
+
+def _gathered_rows_asked_body(rank, world, seed):
+    """Which all-gathers of the layers ask for the gathered rows: only those whose rows a second
+    linear or the backward's weight gradient reads; the rest take the op's cheaper path. The
+    results do not change (outputs bitwise; gradients of the other ways bitwise too)."""
+    from fluxtp.nn import _fp8, linear as linear_module
+
+    asked = []
+
+    def recording(real):
+        def op(*args, return_gathered=False, **kwargs):
+            asked.append(return_gathered)
+            return real(*args, return_gathered=return_gathered, **kwargs)
+
+        return op
+
+    linear_module.all_gather_matmul = recording(linear_module.all_gather_matmul)
+    _fp8.all_gather_scaled_matmul = recording(_fp8.all_gather_scaled_matmul)
+    torch.manual_seed(seed)
+    k, n, rows = 16, 8 * world, 6
+    x = torch.randn(rows, k)
+
+    def run(layer, grad, x_grad=False):
+        """(output, asked, input grad, weight grad) of one forward (and backward when grad)."""
+        asked.clear()
+        x_shard = x.clone().requires_grad_(x_grad)
+        with torch.set_grad_enabled(grad):
+            y = layer(x_shard)
+            if grad:
+                y.square().sum().backward()
+        grads = (x_shard.grad, layer.weight.grad)
+        layer.zero_grad(set_to_none=True)
+        return y.detach(), list(asked), *grads
+
+    for fp8 in (False, True):
+        full = nn.Linear(k, n)
+        column = ColumnParallelLinear.from_linear(full, fp8=fp8)
+        y, ask, gx, gw = run(column, grad=True, x_grad=True)
+        assert ask == [True], (fp8, ask)
+        y_nograd, ask, _, _ = run(column, grad=False)
+        assert ask == [False] and torch.equal(y_nograd, y), (fp8, ask)
+        saving = ColumnParallelLinear.from_linear(full, fp8=fp8, save_memory=True)
+        y_saving, ask, gx_saving, gw_saving = run(saving, grad=True, x_grad=True)
+        assert ask == [False] and torch.equal(y_saving, y) and torch.equal(gx_saving, gx), (fp8, ask)
+        assert torch.equal(gw_saving, gw), f"fp8={fp8}: save_memory's re-gathered weight gradient differs"
+        column.weight.requires_grad_(False)
+        y_frozen, ask, gx_frozen, _ = run(column, grad=True, x_grad=True)
+        assert ask == [False] and torch.equal(y_frozen, y) and torch.equal(gx_frozen, gx), (fp8, ask)
+        column.weight.requires_grad_(True)
+        pair = [column, ColumnParallelLinear.from_linear(nn.Linear(k, n), fp8=fp8)]
+        asked.clear()
+        with torch.no_grad():
+            column_parallel_linears(x, pair)
+        assert asked == [True], (fp8, asked)  # the second layer reads the gathered rows
+        row = RowParallelLinear.from_linear(nn.Linear(n, k), fp8=fp8)
+        x_row = torch.randn(rows * world, n // world)
+        for weight_grad in (True, False):
+            row.weight.requires_grad_(weight_grad)
+            asked.clear()
+            row(x_row.clone().requires_grad_(True)).square().sum().backward()
+            assert asked == [weight_grad], (fp8, weight_grad, asked)
+
+
+def test_layers_ask_for_the_gathered_rows_only_where_something_reads_them():
+    run_on_ranks(_gathered_rows_asked_body, 2, random.randrange(1 << 30), backend="gloo")

@@ -45,13 +45,16 @@ class Fp8Gemms:
     `gathered` is (FP8 rows [T, K], their scales [T, 1])."""
 
     @staticmethod
-    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False):
+    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True):
         x_q, scale_x = _rows(x_shard)
         w_q, scale_w = _rows(weight)
-        y, x_gathered, scales = all_gather_scaled_matmul(
+        out = all_gather_scaled_matmul(
             x_q, w_q, scale_x, scale_w.view(1, -1), group=info.group, bias=bias, out_dtype=x_shard.dtype,
-            use_fast_accum=not grad, backend=backend, return_gathered=True,
+            use_fast_accum=not grad, backend=backend, return_gathered=keep,
         )  # fmt: skip
+        if not keep:
+            return out, None
+        y, x_gathered, scales = out
         return y, (x_gathered, scales)
 
     @staticmethod

@@ -54,8 +54,10 @@ class _Gemms:
     weight gradient reads (here the gathered rows themselves); `grad` marks backward GEMMs."""
 
     @staticmethod
-    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False):
-        """(x_shard gathered @ weight^T + bias, gathered)."""
+    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True):
+        """(x_shard gathered @ weight^T + bias, gathered, or None unless `keep`)."""
+        if not keep:
+            return all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend), None
         return all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend, return_gathered=True)
 
     @staticmethod
@@ -88,19 +90,22 @@ GEMMS = {False: _Gemms(), True: Fp8Gemms()}
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """One or more column-parallel linears reading the same input rows: one all-gather.
 
-    forward(x_shard_m, info, backend, save_memory, gemms, n, W_0..W_{n-1}, b_0..b_{n-1}) -> (y_0..y_{n-1}).
-    The gather is fused with W_0's GEMM; the others read the gathered copy. The backward sums
-    their input gradients in one fused reduce-scatter: sum_i G_y_i @ W_i is
+    forward(x_shard_m, info, backend, save_memory, keep_gathered, gemms, n, W_0..W_{n-1}, b_0..b_{n-1})
+    -> (y_0..y_{n-1}). The gather is fused with W_0's GEMM; the others read the gathered copy, and
+    so does the backward's weight gradient unless save_memory: keep_gathered says whether anything
+    will (a call that keeps nothing takes the all-gather's cheaper path, fluxtp.ops). The backward
+    sums their input gradients in one fused reduce-scatter: sum_i G_y_i @ W_i is
     [G_y_0 | G_y_1 | ...] @ [W_0; W_1; ...], so with n > 1 the gradients and the weights are
     concatenated (copies, cheaper than n reduce-scatters of [T, K] each).
     """
 
     @staticmethod
-    def forward(ctx, x_shard_m, info: GroupInfo, backend: str, save_memory: bool, gemms, n: int, *params):
+    def forward(ctx, x_shard_m, info: GroupInfo, backend: str, save_memory: bool, keep_gathered: bool, gemms, n: int,
+                *params):  # fmt: skip
         weights, biases = params[:n], params[n:]
-        y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend)
+        y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend, keep=keep_gathered)
         ys = [y_0] + [gemms.linear(gathered, w, b) for w, b in zip(weights[1:], biases[1:])]
-        saved = (x_shard_m,) if save_memory else gemms.pack(gathered)
+        saved = (x_shard_m,) if save_memory else () if gathered is None else gemms.pack(gathered)
         ctx.save_for_backward(*weights, *saved)
         ctx.info, ctx.backend, ctx.save_memory, ctx.gemms, ctx.n = info, backend, save_memory, gemms, n
         ctx.has_bias = [b is not None for b in biases]
@@ -111,8 +116,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         n, gemms = ctx.n, ctx.gemms
         weights, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
         need_x = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[6 : 6 + n]
-        need_b = ctx.needs_input_grad[6 + n :]
+        need_w = ctx.needs_input_grad[7 : 7 + n]
+        need_b = ctx.needs_input_grad[7 + n :]
         grad_ys = [g.contiguous() for g in grad_ys]  # no-op in the usual case; ops want row-major rows
         grad_x_shard = None
         if need_x:
@@ -129,7 +134,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                 gemms.weight_grad(g, x_gathered, w.dtype) if need else None for g, w, need in zip(grad_ys, weights, need_w)
             ]
         grad_bs = [g.sum(0) if has and need else None for g, has, need in zip(grad_ys, ctx.has_bias, need_b)]
-        return (grad_x_shard, None, None, None, None, None, *grad_ws, *grad_bs)
+        return (grad_x_shard, None, None, None, None, None, None, *grad_ws, *grad_bs)
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
@@ -149,7 +154,8 @@ class _RowParallelLinearFn(torch.autograd.Function):
         grad_out_shard = grad_out_shard.contiguous()
         grad_x = grad_out_gathered = None
         if need_x:
-            grad_x, grad_out_gathered = gemms.gather_linear(grad_out_shard, w_shard_k.t(), None, info, ctx.backend, grad=True)
+            grad_x, grad_out_gathered = gemms.gather_linear(grad_out_shard, w_shard_k.t(), None, info, ctx.backend,
+                                                            grad=True, keep=need_w)  # fmt: skip
         elif need_w:
             grad_out_gathered = gather_rows(grad_out_shard, info, ctx.backend)
         bias_work = grad_b = None
@@ -329,8 +335,10 @@ def column_parallel_linears(x_shard: torch.Tensor, layers) -> tuple[torch.Tensor
             )
     x_shard_m = _flatten_rows(x_shard, first.in_features, "x_shard")
     params = [layer.weight for layer in layers] + [layer.bias for layer in layers]
+    weight_grads = torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers)
+    keep_gathered = len(layers) > 1 or (weight_grads and not first.save_memory)
     ys = _ColumnParallelLinearFn.apply(
-        x_shard_m, first._info, first.backend, first.save_memory, first._gemms, len(layers), *params
+        x_shard_m, first._info, first.backend, first.save_memory, keep_gathered, first._gemms, len(layers), *params
     )
     if x_shard.dim() == 2:
         return tuple(ys)

@@ -56,9 +56,8 @@ class _Gemms:
     @staticmethod
     def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True):
         """(x_shard gathered @ weight^T + bias, gathered, or None unless `keep`)."""
-        if not keep:
-            return all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend), None
-        return all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend, return_gathered=True)
+        out = all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend, return_gathered=keep)
+        return out if keep else (out, None)
 
     @staticmethod
     def linear(gathered, weight, bias):

@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 from fluxtp import backends
 from fluxtp._dist import destroy_process_group, init_torchrun_cuda
-from fluxtp.backends import fused, reference
+from fluxtp.backends import reference
 from fluxtp.bench import train
 from fluxtp.bench.harness import Variant, measure_rounds, speedup, speedup_iqr
 
@@ -54,13 +54,9 @@ def register_policy(name: str, goes_fused) -> str:
     module.unsupported_reason = lambda op, x, weight, info, **details: None
 
     def plan(op, x, weight, bias, info, *options):  # scaled: out_dtype, use_fast_accum[, return_gathered]
-        scaled = op in backends.SCALED_OPS
-        if goes_fused(op, options[1] if scaled else None):
-            return fused.plan(op, x, weight, bias, info, *options)
-        impl = getattr(reference, op)
-        if scaled:
-            return lambda x, weight, scale_x, scale_w, bias: impl(x, weight, scale_x, scale_w, bias, info, *options)
-        return lambda x, weight, bias: impl(x, weight, bias, info, *options)
+        fast = options[1] if op in backends.SCALED_OPS else None
+        name = "fused" if goes_fused(op, fast) else "nccl"
+        return backends.prepare(op, name, x, weight, bias, info, *options)
 
     module.plan = plan
     for op in (*ALL_GATHERS, *REDUCE_SCATTERS):  # the registry asks that the ops exist

@@ -1,10 +1,12 @@
 """Fused AllGather+GEMM launcher: copy-engine pulls with per-chunk signals + one persistent GEMM.
 
 Per call, with S the caller's (compute) stream and C the side copy stream:
-  C: fork from S; publish this rank's shard in its symmetric buffer; barrier (every rank has
-     published); pull each peer's shard into x_gathered in ring order rank+1, rank+2, ... chunk
-     by chunk (signal each); barrier (every rank has finished reading the others' buffers, so
-     the next call may overwrite them).
+  S: publish this rank's shard in its symmetric buffer. The publish, and every other local copy,
+     comes before the GEMM: a device-local copy runs on SMs, and beside the warp-specialized
+     GEMM, which leaves one SM free, it crawled at ~45 GB/s and held the pulls back.
+  C: fork from S; barrier (every rank has published); pull each peer's shard into x_gathered in
+     ring order rank+1, rank+2, ... chunk by chunk (signal each, copy engine); barrier (every
+     rank has finished reading the others' buffers, so the next call may overwrite them).
   S: the persistent GEMM: this rank's rows straight from its shard (no copy to wait for), then
      the peers' rows from x_gathered, waiting for each chunk's signal before its tiles' K loops;
      its last program resets the signals for the next call (no reset launch on the host).
@@ -14,11 +16,11 @@ is one launch on S of a CUDA graph recorded at the plan's first call: the publis
 kernel), the first barrier, then the GEMM on one branch beside C's pulls, signals and second
 barrier on the other (_launch.CallGraph: the two kernels' nodes take each call's tensors); driver
 calls on raw stream handles, no switch of PyTorch's current stream (host time). Where that graph
-cannot be used (a launch hook is set), C's steps after the publish replay as one recorded graph
-on C, forked and joined by driver calls, and the GEMM is launched on S. One that returns
-x_gathered issues the first barrier, launches the GEMM, then issues the pulls eagerly into fresh
-memory (so the GEMM computes this rank's rows while the host issues them) and copies this
-rank's shard into x_gathered too.
+cannot be used (a launch hook is set), the publish is a copy on S and C's steps after it replay
+as one recorded graph on C, forked and joined by driver calls. One that returns x_gathered
+(fresh memory) copies this rank's shard into it and passes the first barrier on S as well, so
+the GEMM waits for the barrier as the recorded call's does, then launches the GEMM and issues
+the pulls eagerly on C (the GEMM computes this rank's rows while the host issues them).
 The GEMM is never launched before the first barrier, a kernel the peers' rows wait for:
 launched ahead of it, the GEMM spun on those rows and the first call trapped on 2x H200 (the
 barrier never ran beside the GEMM that filled every SM).
@@ -517,16 +519,27 @@ class Plan:
         PyTorch's wrapper of it (fluxtp._driver)."""
         y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
         compute, copy, event = torch._C._cuda_getCurrentRawStream(self.device_index), self.copy_handle, self.event
-        event.wait(copy, compute)
-        self._wait_for_last_user(copy, compute)
-        _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, copy)
+        self._wait_for_last_user(compute, compute)
+        # The publish on the caller's stream, before the GEMM (the module docstring says why).
+        _driver.copy_async(self.own_shard_address, x_shard.data_ptr(), self.shard_bytes, compute)
         if self.row_scales:
-            _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), copy)
+            _driver.copy_async(self.own_scales_address, scale_x.data_ptr(), 4 * scale_x.numel(), compute)
+        event.wait(copy, compute)
         scales = self._kernel_scales(self.gathered_scales, scale_x, scale_w)
         _driver.graph_launch(self.copy_steps_replay.graph_exec, copy)
         self.gemm(self.gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         event.wait(compute, copy)
         return y, None
+
+    @staticmethod
+    def _on_stream(stream, compute, steps) -> None:
+        """steps() issued on `stream`, then compute current again. set_stream rather than `with
+        torch.cuda.stream(...)`: a fraction of its host time (docs/perf-log.md)."""
+        torch.cuda.set_stream(stream)
+        try:
+            steps()
+        finally:
+            torch.cuda.set_stream(compute)
 
     def _call_streams(self, x_shard, weight, bias, scale_x, scale_w):
         """A call through PyTorch's stream API: one that returns its gathered input, one under
@@ -545,36 +558,26 @@ class Plan:
         if replay is not None:
             replay.ready(capturing)
         compute = symm.current_stream(self.device_index)
+        if self.device.type == "cuda" and not capturing:  # a graph's replays are ordered by their caller
+            self._wait_for_last_user(compute.cuda_stream, compute.cuda_stream)
+        # The local copies on the caller's stream, before the GEMM (the module docstring says why).
+        self.own_shard.copy_(x_shard)
+        if row_scales:
+            self.own_scales.copy_(scale_x)
+        if replay is None:  # returned whole: this rank's rows too (the GEMM reads them from x_shard)
+            x_gathered[self.own_rows].copy_(x_shard)
+            if row_scales:
+                gathered_scales[self.own_rows].copy_(scale_x)
+            # The first barrier before the GEMM (the module docstring), on the caller's stream so
+            # that the GEMM waits for it as the recorded call's does.
+            self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         copy = self.copy_stream
         symm.stream_wait(copy, compute)
-        if self.device.type == "cuda" and not capturing:  # a graph's replays
-            self._wait_for_last_user(copy.cuda_stream, compute.cuda_stream)  # are ordered by their caller
-        # set_stream rather than `with torch.cuda.stream(copy)`: a fraction of its host time
-        # (docs/perf-log.md); compute is the current device's stream.
-        torch.cuda.set_stream(copy)
-        try:
-            self.own_shard.copy_(x_shard)
-            if row_scales:
-                self.own_scales.copy_(scale_x)
-            # The first barrier before the GEMM: see the module docstring.
-            if replay is not None:
-                replay(capturing)
-            else:
-                self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        finally:
-            torch.cuda.set_stream(compute)
+        if replay is not None:  # the first barrier (issued before the GEMM), pulls, signals, second barrier
+            self._on_stream(copy, compute, lambda: replay(capturing))
         self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
-        if replay is None:
-            torch.cuda.set_stream(copy)
-            try:
-                self._pull_peers(x_gathered, gathered_scales)
-                # Returned whole: this rank's rows too (the GEMM read them from x_shard itself).
-                own = self.own_rows
-                x_gathered[own].copy_(x_shard)
-                if row_scales:
-                    gathered_scales[own].copy_(scale_x)
-            finally:
-                torch.cuda.set_stream(compute)
+        if replay is None:  # issued after the GEMM, which computes this rank's rows meanwhile
+            self._on_stream(copy, compute, lambda: self._pull_peers(x_gathered, gathered_scales))
         symm.stream_wait(compute, copy)
         if self.scaled is not None:
             gathered = (x_gathered, gathered_scales.view(-1, 1) if row_scales else scale_x)  # scaled_plan clones it

@@ -72,7 +72,9 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "all_gather_matmul" and details.get("return_gathered"):
         # A caller that keeps the gathered rows is a training layer (fluxtp.nn): the bf16 step at
         # TP 2 and 4 ran 0.93-0.95x NCCL's with its all-gathers fused, 1.01-1.03x with only its
-        # reduce-scatters (docs/perf-log.md, "Which calls of the training step pay fused").
+        # reduce-scatters (docs/perf-log.md, "Which calls of the training step pay fused"). Measured
+        # before that path's local copies moved ahead of the GEMM; the step since: docs/perf-log.md,
+        # "The gathered path's local copies".
         return False
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:

@@ -209,6 +209,50 @@ def _tokens(ex, seed, batch, seq, vocab, step=0):
     return ex.batch(vocab, batch, seq, seed, step)
 
 
+def check_gathered_rows_asked(tp, seed):
+    """The styles' all-gathers ask for the gathered rows only where a weight gradient reads them
+    (the column forward's; the row backward's): no_grad, frozen weights and save_memory take the
+    op's one-graph path. Outputs and input gradients are bitwise those of the keeping way."""
+    from fluxtp.nn import _style_ops
+
+    asked, real = [], _style_ops.all_gather_matmul
+
+    def recording(*args, return_gathered=False, **kwargs):
+        asked.append(return_gathered)
+        return real(*args, return_gathered=return_gathered, **kwargs)
+
+    _style_ops.all_gather_matmul = recording
+    try:
+        ref = _block(seed, 16, 8 * tp.size(), True)
+        x = torch.randn(3, 4 * tp.size(), 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()].contiguous()
+
+        def run(case, grad, frozen=False):
+            block = parallelize_module(copy.deepcopy(ref), tp, _plans(case, 1)[0])
+            for linear in (block.w1, block.w2):
+                linear.weight.requires_grad_(not frozen)
+            asked.clear()
+            x_in = x.clone().requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                y = block(x_in)
+                if grad:
+                    y.square().sum().backward()
+            return list(asked), y.detach(), x_in.grad
+
+        keeping, y, gx = run("plain", grad=True)
+        assert keeping == [True, True], keeping  # the column forward's, the row backward's
+        # save_memory is the column's: the row backward still keeps its rows for its weight gradient.
+        for case, grad, frozen, want in (("plain", False, False, [False]), ("plain", True, True, [False, False]),
+                                         ("save_memory", True, False, [False, True])):  # fmt: skip
+            ask, y_case, gx_case = run(case, grad, frozen)
+            tag = f"case={case} grad={grad} frozen={frozen}"
+            assert ask == want, f"{tag}: asked {ask}, expected {want}"
+            assert torch.equal(y_case, y), f"{tag}: the output differs from the keeping way's"
+            assert not grad or torch.equal(gx_case, gx), f"{tag}: the input gradient differs from the keeping way's"
+    finally:
+        _style_ops.all_gather_matmul = real
+
+
 def check_llama(tp, seed, sequence_parallel=True, mixed=False):
     """fluxtp's plan (or a mixed one) against torch's plan: logits, loss and every gradient."""
     ex = _example()
@@ -368,6 +412,7 @@ def _body(rank, world, seed, ckpt_dir):
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]
     check_blocks(tp, seed)
+    check_gathered_rows_asked(tp, seed + 500)
     check_llama(tp, seed + 1000)
     check_llama(tp, seed + 1001, sequence_parallel=False)
     check_llama(tp, seed + 1002, mixed=True)

@@ -198,10 +198,9 @@ def rowwise_scatter_backward(
     grad_out = grad_out.contiguous()
     grad_x = grad_w = grad_b = _empty(grad_out)
     gathered = None
-    if need_x:
-        grad_x, gathered = all_gather_matmul(
-            grad_out, weight.t(), group=info.group, backend=backend, return_gathered=True
-        )
+    if need_x:  # the gathered rows only for the weight gradient (fluxtp.nn.linear's rule)
+        out = all_gather_matmul(grad_out, weight.t(), group=info.group, backend=backend, return_gathered=need_w)
+        grad_x, gathered = out if need_w else (out, None)
     elif need_w:
         gathered = gather_rows(grad_out, info, backend)
     if need_w:

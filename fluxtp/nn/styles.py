@@ -250,7 +250,10 @@ class ColwiseParallel(_FluxLinearStyle):
         if type(p) is Shard and p.dim != ndim - 1:
             _check_tokens(x, p.dim, info.world_size, f"input of {module}")
             x_rows, lead = _tokens_first(x.to_local(), p.dim)
-            y_rows, _ = _style_ops.colwise_gather(x_rows, w_local, b_local, info.name, self.backend, self.save_memory)
+            # The gathered rows kept only for a weight gradient (fluxtp.nn.linear's rule): else the
+            # op's save_memory form, which keeps none and takes the all-gather's one-graph path.
+            keep = torch.is_grad_enabled() and module.weight.requires_grad and not self.save_memory
+            y_rows, _ = _style_ops.colwise_gather(x_rows, w_local, b_local, info.name, self.backend, not keep)
             y_local = _tokens_back(y_rows, (lead[0] * info.world_size, *lead[1:]), p.dim)
         else:
             if not isinstance(p, Replicate):

@@ -98,6 +98,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     concatenated (copies, cheaper than n reduce-scatters of [T, K] each).
     """
 
+    PARAMS_AT = 7  # forward's index of W_0: after x_shard_m and six arguments that take no gradient
+
     @staticmethod
     def forward(ctx, x_shard_m, info: GroupInfo, backend: str, save_memory: bool, keep_gathered: bool, gemms, n: int,
                 *params):  # fmt: skip
@@ -115,8 +117,9 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         n, gemms = ctx.n, ctx.gemms
         weights, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
         need_x = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[7 : 7 + n]
-        need_b = ctx.needs_input_grad[7 + n :]
+        at = _ColumnParallelLinearFn.PARAMS_AT
+        need_w = ctx.needs_input_grad[at : at + n]
+        need_b = ctx.needs_input_grad[at + n :]
         grad_ys = [g.contiguous() for g in grad_ys]  # no-op in the usual case; ops want row-major rows
         grad_x_shard = None
         if need_x:
@@ -133,7 +136,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                 gemms.weight_grad(g, x_gathered, w.dtype) if need else None for g, w, need in zip(grad_ys, weights, need_w)
             ]
         grad_bs = [g.sum(0) if has and need else None for g, has, need in zip(grad_ys, ctx.has_bias, need_b)]
-        return (grad_x_shard, None, None, None, None, None, None, *grad_ws, *grad_bs)
+        return (grad_x_shard, *[None] * (at - 1), *grad_ws, *grad_bs)
 
 
 class _RowParallelLinearFn(torch.autograd.Function):

@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 from fluxtp import backends
 from fluxtp._dist import destroy_process_group, init_torchrun_cuda
-from fluxtp.backends import reference
+from fluxtp.backends import fused, reference
 from fluxtp.bench import train
 from fluxtp.bench.harness import Variant, measure_rounds, speedup, speedup_iqr
 
@@ -32,30 +32,34 @@ from _train_steps import step_parser, trainer, write_results  # noqa: E402
 
 ALL_GATHERS = ("all_gather_matmul", "all_gather_scaled_matmul")
 REDUCE_SCATTERS = ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter")
-# name -> whether a call of (op, use_fast_accum) goes fused; fast accumulation is the FP8 forward's,
-# None for a call that is not scaled.
+# name -> whether a call of (op, use_fast_accum, x, weight, group) goes fused; fast accumulation is
+# the FP8 forward's, None for a call that is not scaled.
 POLICIES = {
-    "all_gathers_fused": lambda op, fast: op in ALL_GATHERS,
-    "reduce_scatters_fused": lambda op, fast: op in REDUCE_SCATTERS,
+    "all_gathers_fused": lambda op, fast, *call: op in ALL_GATHERS,
+    "reduce_scatters_fused": lambda op, fast, *call: op in REDUCE_SCATTERS,
+    # auto's all-gather thresholds for the layers' calls too, which keep the gathered rows (auto
+    # itself sends those to NCCL): the reduce-scatters fused, the all-gathers as `auto` sends calls
+    # that keep nothing.
+    "all_gathers_by_thresholds": lambda op, fast, *call: op in REDUCE_SCATTERS or fused.preferred(op, *call),
 }
 FP8_POLICIES = {
-    "forward_fused": lambda op, fast: fast,
-    "backward_fused": lambda op, fast: not fast,
-    **POLICIES,
-    "forward_all_gathers_fused": lambda op, fast: op in ALL_GATHERS and fast,
-    "forward_reduce_scatters_fused": lambda op, fast: op in REDUCE_SCATTERS and fast,
+    "forward_fused": lambda op, fast, *call: fast,
+    "backward_fused": lambda op, fast, *call: not fast,
+    **{name: POLICIES[name] for name in ("all_gathers_fused", "reduce_scatters_fused")},
+    "forward_all_gathers_fused": lambda op, fast, *call: op in ALL_GATHERS and fast,
+    "forward_reduce_scatters_fused": lambda op, fast, *call: op in REDUCE_SCATTERS and fast,
 }
 
 
 def register_policy(name: str, goes_fused) -> str:
-    """A backend running each call through the fused plan where goes_fused(op, use_fast_accum)
-    says so, else through the reference (NCCL then cuBLAS or torch._scaled_mm)."""
+    """A backend running each call through the fused plan where goes_fused(op, use_fast_accum, x,
+    weight, group) says so, else through the reference (NCCL then cuBLAS or torch._scaled_mm)."""
     module = types.ModuleType(name)
     module.unsupported_reason = lambda op, x, weight, info, **details: None
 
     def plan(op, x, weight, bias, info, *options):  # scaled: out_dtype, use_fast_accum[, return_gathered]
         fast = options[1] if op in backends.SCALED_OPS else None
-        name = "fused" if goes_fused(op, fast) else "nccl"
+        name = "fused" if goes_fused(op, fast, x, weight, info) else "nccl"
         return backends.prepare(op, name, x, weight, bias, info, *options)
 
     module.plan = plan

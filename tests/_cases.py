@@ -6,6 +6,8 @@ the same global tensors, then take their shards), so no two runs test the same n
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import fluxtp
@@ -135,3 +137,25 @@ def sweep(rank, world, seed, device, backends, dtypes, group=None, ops=ALL_OPS):
                 if "all_reduce" in ops:
                     check_all_reduce(rank, world, s, (m, n, 3) if case % 2 else (m * n + k,), dtype, device, backend, group)
                 case += 1
+
+
+@contextlib.contextmanager
+def recording_return_gathered(*places):
+    """Each (module, name) all-gather op replaced, meanwhile, by one that records the
+    return_gathered it is called with into the yielded list, then calls the op."""
+    asked, reals = [], [(module, name, getattr(module, name)) for module, name in places]
+
+    def recording(real):
+        def op(*args, return_gathered=False, **kwargs):
+            asked.append(return_gathered)
+            return real(*args, return_gathered=return_gathered, **kwargs)
+
+        return op
+
+    for module, name, real in reals:
+        setattr(module, name, recording(real))
+    try:
+        yield asked
+    finally:
+        for module, name, real in reals:
+            setattr(module, name, real)

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
 from fluxtp.nn import ColwiseParallel, RowwiseParallel, tp_submesh
 from fluxtp.nn.llama_plan import LlamaNames, llama_layer_plan, llama_model_plan, parallelize_llama
 from fluxtp.testing import run_launch, run_on_ranks
-from tests._cases import rel_error
+from tests._cases import recording_return_gathered, rel_error
 
 # Normwise relative error, fluxtp's styles against torch's, float64 (u = 1.1e-16). Both sum the
 # same products in another order (rank partials reduced by a collective, other GEMM blocking):
@@ -213,16 +213,10 @@ def check_gathered_rows_asked(tp, seed):
     """The styles' all-gathers ask for the gathered rows only where a weight gradient reads them
     (the column forward's; the row backward's): no_grad, frozen weights and save_memory take the
     op's one-graph path. Outputs and input gradients are bitwise those of the keeping way."""
-    from fluxtp.nn import _style_ops
+    from fluxtp.nn import _style_ops, linear as linear_module
 
-    asked, real = [], _style_ops.all_gather_matmul
-
-    def recording(*args, return_gathered=False, **kwargs):
-        asked.append(return_gathered)
-        return real(*args, return_gathered=return_gathered, **kwargs)
-
-    _style_ops.all_gather_matmul = recording
-    try:
+    # The column op's all-gather, and the row backward's (through fluxtp.nn.linear's GEMMs).
+    with recording_return_gathered((_style_ops, "all_gather_matmul"), (linear_module, "all_gather_matmul")) as asked:
         ref = _block(seed, 16, 8 * tp.size(), True)
         x = torch.randn(3, 4 * tp.size(), 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()].contiguous()
@@ -249,8 +243,6 @@ def check_gathered_rows_asked(tp, seed):
             assert ask == want, f"{tag}: asked {ask}, expected {want}"
             assert torch.equal(y_case, y), f"{tag}: the output differs from the keeping way's"
             assert not grad or torch.equal(gx_case, gx), f"{tag}: the input gradient differs from the keeping way's"
-    finally:
-        _style_ops.all_gather_matmul = real
 
 
 def check_llama(tp, seed, sequence_parallel=True, mixed=False):

@@ -15,7 +15,7 @@ from torch import nn
 
 from fluxtp.nn import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from fluxtp.testing import run_on_ranks
-from tests._cases import rel_error
+from tests._cases import recording_return_gathered, rel_error
 
 # Normwise relative error against float64, ||out - ref|| / ||ref||. Each compared value is one
 # sum over at most K=48 (forward, input gradient) or M=36 (weight gradient) products computed in
@@ -204,60 +204,51 @@ def _gathered_rows_asked_body(rank, world, seed):
     results do not change (outputs bitwise; gradients of the other ways bitwise too)."""
     from fluxtp.nn import _fp8, linear as linear_module
 
-    asked = []
+    places = ((linear_module, "all_gather_matmul"), (_fp8, "all_gather_scaled_matmul"))
+    with recording_return_gathered(*places) as asked:
+        torch.manual_seed(seed)
+        k, n, rows = 16, 8 * world, 6
+        x = torch.randn(rows, k)
 
-    def recording(real):
-        def op(*args, return_gathered=False, **kwargs):
-            asked.append(return_gathered)
-            return real(*args, return_gathered=return_gathered, **kwargs)
-
-        return op
-
-    linear_module.all_gather_matmul = recording(linear_module.all_gather_matmul)
-    _fp8.all_gather_scaled_matmul = recording(_fp8.all_gather_scaled_matmul)
-    torch.manual_seed(seed)
-    k, n, rows = 16, 8 * world, 6
-    x = torch.randn(rows, k)
-
-    def run(layer, grad, x_grad=False):
-        """(output, asked, input grad, weight grad) of one forward (and backward when grad)."""
-        asked.clear()
-        x_shard = x.clone().requires_grad_(x_grad)
-        with torch.set_grad_enabled(grad):
-            y = layer(x_shard)
-            if grad:
-                y.square().sum().backward()
-        grads = (x_shard.grad, layer.weight.grad)
-        layer.zero_grad(set_to_none=True)
-        return y.detach(), list(asked), *grads
-
-    for fp8 in (False, True):
-        full = nn.Linear(k, n)
-        column = ColumnParallelLinear.from_linear(full, fp8=fp8)
-        y, ask, gx, gw = run(column, grad=True, x_grad=True)
-        assert ask == [True], (fp8, ask)
-        y_nograd, ask, _, _ = run(column, grad=False)
-        assert ask == [False] and torch.equal(y_nograd, y), (fp8, ask)
-        saving = ColumnParallelLinear.from_linear(full, fp8=fp8, save_memory=True)
-        y_saving, ask, gx_saving, gw_saving = run(saving, grad=True, x_grad=True)
-        assert ask == [False] and torch.equal(y_saving, y) and torch.equal(gx_saving, gx), (fp8, ask)
-        assert torch.equal(gw_saving, gw), f"fp8={fp8}: save_memory's re-gathered weight gradient differs"
-        column.weight.requires_grad_(False)
-        y_frozen, ask, gx_frozen, _ = run(column, grad=True, x_grad=True)
-        assert ask == [False] and torch.equal(y_frozen, y) and torch.equal(gx_frozen, gx), (fp8, ask)
-        column.weight.requires_grad_(True)
-        pair = [column, ColumnParallelLinear.from_linear(nn.Linear(k, n), fp8=fp8)]
-        asked.clear()
-        with torch.no_grad():
-            column_parallel_linears(x, pair)
-        assert asked == [True], (fp8, asked)  # the second layer reads the gathered rows
-        row = RowParallelLinear.from_linear(nn.Linear(n, k), fp8=fp8)
-        x_row = torch.randn(rows * world, n // world)
-        for weight_grad in (True, False):
-            row.weight.requires_grad_(weight_grad)
+        def run(layer, grad, x_grad=False):
+            """(output, asked, input grad, weight grad) of one forward (and backward when grad)."""
             asked.clear()
-            row(x_row.clone().requires_grad_(True)).square().sum().backward()
-            assert asked == [weight_grad], (fp8, weight_grad, asked)
+            x_shard = x.clone().requires_grad_(x_grad)
+            with torch.set_grad_enabled(grad):
+                y = layer(x_shard)
+                if grad:
+                    y.square().sum().backward()
+            grads = (x_shard.grad, layer.weight.grad)
+            layer.zero_grad(set_to_none=True)
+            return y.detach(), list(asked), *grads
+
+        for fp8 in (False, True):
+            full = nn.Linear(k, n)
+            column = ColumnParallelLinear.from_linear(full, fp8=fp8)
+            y, ask, gx, gw = run(column, grad=True, x_grad=True)
+            assert ask == [True], (fp8, ask)
+            y_nograd, ask, _, _ = run(column, grad=False)
+            assert ask == [False] and torch.equal(y_nograd, y), (fp8, ask)
+            saving = ColumnParallelLinear.from_linear(full, fp8=fp8, save_memory=True)
+            y_saving, ask, gx_saving, gw_saving = run(saving, grad=True, x_grad=True)
+            assert ask == [False] and torch.equal(y_saving, y) and torch.equal(gx_saving, gx), (fp8, ask)
+            assert torch.equal(gw_saving, gw), f"fp8={fp8}: save_memory's re-gathered weight gradient differs"
+            column.weight.requires_grad_(False)
+            y_frozen, ask, gx_frozen, _ = run(column, grad=True, x_grad=True)
+            assert ask == [False] and torch.equal(y_frozen, y) and torch.equal(gx_frozen, gx), (fp8, ask)
+            column.weight.requires_grad_(True)
+            pair = [column, ColumnParallelLinear.from_linear(nn.Linear(k, n), fp8=fp8)]
+            asked.clear()
+            with torch.no_grad():
+                column_parallel_linears(x, pair)
+            assert asked == [True], (fp8, asked)  # the second layer reads the gathered rows
+            row = RowParallelLinear.from_linear(nn.Linear(n, k), fp8=fp8)
+            x_row = torch.randn(rows * world, n // world)
+            for weight_grad in (True, False):
+                row.weight.requires_grad_(weight_grad)
+                asked.clear()
+                row(x_row.clone().requires_grad_(True)).square().sum().backward()
+                assert asked == [weight_grad], (fp8, weight_grad, asked)
 
 
 def test_layers_ask_for_the_gathered_rows_only_where_something_reads_them():

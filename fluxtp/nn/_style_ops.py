@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from fluxtp._dist import group_from_name
 from fluxtp.nn._collectives import all_reduce_sum, gather_rows
+from fluxtp.nn.linear import GEMMS
 from fluxtp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
 
@@ -198,9 +199,8 @@ def rowwise_scatter_backward(
     grad_out = grad_out.contiguous()
     grad_x = grad_w = grad_b = _empty(grad_out)
     gathered = None
-    if need_x:  # the gathered rows only for the weight gradient (fluxtp.nn.linear's rule)
-        out = all_gather_matmul(grad_out, weight.t(), group=info.group, backend=backend, return_gathered=need_w)
-        grad_x, gathered = out if need_w else (out, None)
+    if need_x:  # the gathered rows only for the weight gradient
+        grad_x, gathered = GEMMS[False].gather_linear(grad_out, weight.t(), None, info, backend, grad=True, keep=need_w)
     elif need_w:
         gathered = gather_rows(grad_out, info, backend)
     if need_w:

@@ -173,6 +173,14 @@ class _RowParallelLinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+def keeps_gathered_rows(weights, save_memory: bool, readers: int = 1) -> bool:
+    """Whether an all-gather feeding `readers` linears of these weights should return its gathered
+    rows: a second linear reads them, or the backward's weight gradient does (grad enabled, a
+    weight requiring it, not save_memory). A call that keeps none takes the op's cheaper path."""
+    weight_grads = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+    return readers > 1 or (weight_grads and not save_memory)
+
+
 def _flatten_rows(x: torch.Tensor, features: int, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor [..., {features}], got {type(x).__name__}")
@@ -337,8 +345,7 @@ def column_parallel_linears(x_shard: torch.Tensor, layers) -> tuple[torch.Tensor
             )
     x_shard_m = _flatten_rows(x_shard, first.in_features, "x_shard")
     params = [layer.weight for layer in layers] + [layer.bias for layer in layers]
-    weight_grads = torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers)
-    keep_gathered = len(layers) > 1 or (weight_grads and not first.save_memory)
+    keep_gathered = keeps_gathered_rows([layer.weight for layer in layers], first.save_memory, len(layers))
     ys = _ColumnParallelLinearFn.apply(
         x_shard_m, first._info, first.backend, first.save_memory, keep_gathered, first._gemms, len(layers), *params
     )

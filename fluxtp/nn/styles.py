@@ -55,6 +55,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fluxtp._dist import GroupInfo, resolve_group
 from fluxtp.nn import _style_ops
+from fluxtp.nn.linear import keeps_gathered_rows
 from fluxtp.ops._validate import check_backend
 
 
@@ -250,9 +251,8 @@ class ColwiseParallel(_FluxLinearStyle):
         if type(p) is Shard and p.dim != ndim - 1:
             _check_tokens(x, p.dim, info.world_size, f"input of {module}")
             x_rows, lead = _tokens_first(x.to_local(), p.dim)
-            # The gathered rows kept only for a weight gradient (fluxtp.nn.linear's rule): else the
-            # op's save_memory form, which keeps none and takes the all-gather's one-graph path.
-            keep = torch.is_grad_enabled() and module.weight.requires_grad and not self.save_memory
+            # Without gathered rows to keep, the op's save_memory form, which returns none.
+            keep = keeps_gathered_rows([module.weight], self.save_memory)
             y_rows, _ = _style_ops.colwise_gather(x_rows, w_local, b_local, info.name, self.backend, not keep)
             y_local = _tokens_back(y_rows, (lead[0] * info.world_size, *lead[1:]), p.dim)
         else:

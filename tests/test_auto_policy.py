@@ -13,6 +13,8 @@ from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig
 from fluxtp.backends.fused._matmul_reduce_scatter import MatmulReduceScatterConfig
 
 TWO = GroupInfo(None, 0, 2)
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+BF = torch.bfloat16
 
 
 def test_all_gather_matmul_counts_gathered_tokens():
@@ -37,20 +39,24 @@ def test_matmul_reduce_scatter_counts_rows_at_any_width():
         assert fused.preferred("matmul_reduce_scatter", torch.empty(threshold, 64, device="meta"), w, TWO)
 
 
-@pytest.mark.parametrize("op", ["all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_fp8_ops_fuse_only_where_the_training_step_gained(op, world):
+def test_fp8_reduce_scatters_always_fused_all_gathers_from_the_measured_tokens(world):
     """Reduce-scatters of either accumulation (the FP8 recipe's forward and its gradients) at any
-    TP degree and either scaling; all-gathers go to NCCL then torch._scaled_mm."""
+    size; all-gathers that keep nothing from the fewest tokens measured alone (1024), below that to
+    NCCL then torch._scaled_mm; either scaling and accumulation alike."""
     info = GroupInfo(None, 0, world)
-    x, w = torch.empty(1024, 8192, device="meta"), torch.empty(14336, 8192, device="meta")
+    w = torch.empty(14336, 8192, device="meta")
+    least = fused.AUTO_MIN_TOKENS["all_gather_scaled_matmul"][0]
     fast = {"out_dtype": torch.bfloat16, "use_fast_accum": True}
-    precise = {**fast, "use_fast_accum": False}
     for row_wise in (True, False):
-        for accumulation in (fast, precise):
-            fuses = fused.preferred(op, x, w, info, row_wise=row_wise, **accumulation)
-            assert fuses == (op == "scaled_matmul_reduce_scatter")
-    assert fused.preferred(op, x, w, info) == (op == "scaled_matmul_reduce_scatter")
+        for accumulation in (fast, {**fast, "use_fast_accum": False}):
+            details = {"row_wise": row_wise, **accumulation}
+            for rows in (8, 1024, 16384):
+                x = torch.empty(rows, 8192, device="meta")
+                assert fused.preferred("scaled_matmul_reduce_scatter", x, w, info, **details)
+            for tokens, fuses in ((least - world, False), (least, True), (16384, True)):
+                x = torch.empty(tokens // world, 8192, device="meta")
+                assert fused.preferred("all_gather_scaled_matmul", x, w, info, **details) == fuses, tokens
 
 
 def test_all_gathers_need_more_tokens_at_more_ranks():
@@ -73,23 +79,34 @@ def test_reduce_scatters_from_the_same_tokens_at_any_tp(world):
     assert fused.preferred("matmul_reduce_scatter", torch.empty(least, 64, device="meta"), w, info)
 
 
+@pytest.mark.parametrize("op", [AG, "all_gather_scaled_matmul"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_no_fused_all_gather_for_a_caller_keeping_the_gathered_rows(world, user_cache):
-    """Training layers keep the gathered rows for their weight gradient; their steps lost with the
-    all-gathers fused, at any size, whatever the op alone measured (a tuned entry's clear win)."""
+def test_a_caller_keeping_the_gathered_rows_fuses_by_the_training_steps_tokens(op, world, user_cache):
+    """Training layers keep the gathered rows for their weight gradient; their steps (bf16 and FP8,
+    TP 2 and 4) gained with those all-gathers fused from 4096 tokens on and lost below, whatever the
+    op alone measured (the thresholds, a tuned entry's clear win or loss)."""
     info = GroupInfo(None, 0, world)
+    least = fused.AUTO_MIN_TOKENS_KEEPING_ROWS
     w = torch.empty(1 << 16, 64, dtype=BF)
-    x = torch.empty(16384 // world, 64, dtype=BF)
-    assert fused.preferred(AG, x, w, info) and fused.preferred(AG, x, w, info, return_gathered=False)
-    assert not fused.preferred(AG, x, w, info, return_gathered=True)
-    _tuned(AG, 2 << 16, 64, 2048, ms=0.5, nccl_ms=1.0)  # the key counts the layer's N: W x a rank's
-    small = torch.empty(2048 // 2, 64, dtype=BF)
-    assert fused.preferred(AG, small, w, TWO) and not fused.preferred(AG, small, w, TWO, return_gathered=True)
+    wide = torch.empty(16384 // world, 64, dtype=BF)
+    assert fused.preferred(op, wide, w, info, return_gathered=True)
+    narrow = torch.empty(1024, 64, dtype=BF)  # at TP>=4 below the thresholds of a call keeping nothing
+    assert fused.preferred(op, torch.empty(least // world, 64, dtype=BF), narrow, info, return_gathered=True)
+    below = torch.empty(least // world - 1, 64, dtype=BF)
+    assert not fused.preferred(op, below, w, info, return_gathered=True)
+    if op == AG and world == 2:  # the tuned table's verdicts are for calls alone
+        _tuned(AG, 2 << 16, 64, 2048, ms=0.5, nccl_ms=1.0)  # the key counts the layer's N: W x a rank's
+        small = torch.empty(2048 // 2, 64, dtype=BF)
+        assert fused.preferred(AG, small, w, TWO) and not fused.preferred(AG, small, w, TWO, return_gathered=True)
+        _tuned(AG, 2 << 16, 64, 8192, ms=1.5, nccl_ms=1.0)
+        big = torch.empty(8192 // 2, 64, dtype=BF)
+        assert not fused.preferred(AG, big, w, TWO) and fused.preferred(AG, big, w, TWO, return_gathered=True)
 
 
+@pytest.mark.parametrize("op", ["all_gather_matmul", "all_gather_scaled_matmul"])
 @pytest.mark.parametrize("return_gathered", [False, True])
-def test_the_op_tells_auto_whether_it_keeps_the_gathered_rows(return_gathered, monkeypatch):
-    op_module = importlib.import_module("fluxtp.ops.all_gather_matmul")  # fluxtp.ops names the function
+def test_the_op_tells_auto_whether_it_keeps_the_gathered_rows(op, return_gathered, monkeypatch):
+    op_module = importlib.import_module(f"fluxtp.ops.{op}")  # fluxtp.ops names the function
     asked = {}
 
     def choose(op, backend, x, weight, info, **details):
@@ -97,9 +114,13 @@ def test_the_op_tells_auto_whether_it_keeps_the_gathered_rows(return_gathered, m
         return "nccl"
 
     monkeypatch.setattr(backends, "choose", choose)
-    x, w = torch.randn(4, 8), torch.randn(6, 8)
-    op_module._build(x, w, None, TWO, "auto", return_gathered)
-    assert asked == {"return_gathered": return_gathered}
+    monkeypatch.setattr(backends, "prepare", lambda *args: None)
+    if op == AG:
+        op_module._build(torch.randn(4, 8), torch.randn(6, 8), None, TWO, "auto", return_gathered)
+    else:
+        x, w = torch.randn(4, 16).to(torch.float8_e4m3fn), torch.randn(16, 16).to(torch.float8_e4m3fn)
+        op_module._build(x, w, torch.ones(()), torch.ones(()), None, TWO, "auto", torch.bfloat16, False, return_gathered)
+    assert asked["return_gathered"] == return_gathered
 
 
 def test_matmul_all_reduce_only_at_decode_rows():
@@ -117,10 +138,6 @@ def test_all_reduce_up_to_measured_bytes():
 
 
 # ---------------------------------------------------------------- measured verdicts (tune entries)
-
-AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
-BF = torch.bfloat16
-
 
 @pytest.fixture
 def user_cache(tmp_path, monkeypatch):

@@ -97,7 +97,7 @@ _SCALED_OP_ARGS = {
 }  # fmt: skip
 
 
-def _scaled_unsupported_reason(op, x, weight, row_wise: bool, out_dtype, use_fast_accum: bool) -> str | None:
+def _scaled_unsupported_reason(op, x, weight, row_wise: bool, out_dtype, use_fast_accum: bool, **_) -> str | None:
     name, args = _SCALED_OP_ARGS[op]
     import torch.distributed._symmetric_memory  # noqa: F401 -- defines the symm_mem ops: unloaded, none is found
 

@@ -34,7 +34,7 @@ def _build(x_shard, weight, scale_x, scale_w, bias, info: GroupInfo, backend, ou
 
         return alone
     details = {"row_wise": row_wise, "out_dtype": out_dtype, "use_fast_accum": use_fast_accum}
-    name = backends.choose(OP, backend, x_shard, weight, info, **details)
+    name = backends.choose(OP, backend, x_shard, weight, info, return_gathered=return_gathered, **details)
     return backends.prepare(OP, name, x_shard, weight, bias, info, out_dtype, use_fast_accum, return_gathered)
 
 

@@ -25,7 +25,16 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # up before capture instead. A tuned entry measured at the call's exact key decides over them
 # where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
 # auto thresholds come from".
-AUTO_MIN_TOKENS = {"all_gather_matmul": (4096, 8192), "matmul_reduce_scatter": (1024, 1024)}  # (TP=2, TP>=4)
+AUTO_MIN_TOKENS = {  # (TP=2, TP>=4)
+    "all_gather_matmul": (4096, 8192),
+    "matmul_reduce_scatter": (1024, 1024),
+    "all_gather_scaled_matmul": (1024, 1024),
+}
+# An all-gather whose caller keeps the gathered rows is a training layer's (fluxtp.nn keeps them for
+# the weight gradient): the bf16 and FP8 training steps at TP 2 and 4 gained with those fused from
+# this many global tokens on and lost below, whatever the op alone measured (docs/perf-log.md,
+# "Which all-gathers the training step fuses").
+AUTO_MIN_TOKENS_KEEPING_ROWS = 4096
 AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
@@ -64,22 +73,20 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
         return x.numel() * x.element_size() <= AUTO_MAX_BYTES[op]
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
-    if op in _UNSCALED:
-        # The FP8 training step (fluxtp.nn's recipe, LLaMA-70B, TP 2 and 4, H100s) gains from fused
-        # reduce-scatters of either accumulation and loses with fused all-gathers, though the
-        # all-gathers alone ran fused 1.02-2.5x faster (docs/fp8.md). More ranks are taken as TP=4.
-        return op == "scaled_matmul_reduce_scatter"
-    if op == "all_gather_matmul" and details.get("return_gathered"):
-        # A caller that keeps the gathered rows is a training layer (fluxtp.nn): the bf16 step at
-        # TP 2 and 4 ran 0.93-0.95x NCCL's with its all-gathers fused, 1.01-1.03x with only its
-        # reduce-scatters (docs/perf-log.md, "Which calls of the training step pay fused"). Measured
-        # before that path's local copies moved ahead of the GEMM; the step since: docs/perf-log.md,
-        # "The gathered path's local copies".
-        return False
+    tokens = x.shape[0] * info.world_size if op in ("all_gather_matmul", "all_gather_scaled_matmul") else x.shape[0]
+    if details.get("return_gathered"):
+        return tokens >= AUTO_MIN_TOKENS_KEEPING_ROWS
+    if op == "scaled_matmul_reduce_scatter":
+        # The FP8 training step (fluxtp.nn's recipe, LLaMA-70B, TP 2 and 4, H100s) gained with every
+        # reduce-scatter fused, of either accumulation (docs/fp8.md). More ranks are taken as TP=4.
+        return True
+    if op == "all_gather_scaled_matmul":
+        # Alone it ran fused 1.2-2.5x faster than NCCL then torch._scaled_mm at 1024-16384 tokens,
+        # TP 2 and 4, either scaling and accumulation (docs/fp8.md); fewer tokens are not measured.
+        return tokens >= AUTO_MIN_TOKENS[op][0]
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:
         return verdict
-    tokens = x.shape[0] * info.world_size if op == "all_gather_matmul" else x.shape[0]
     two, more = AUTO_MIN_TOKENS[op]
     return tokens >= (two if info.world_size <= 2 else more) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
 

@@ -37,9 +37,8 @@ REDUCE_SCATTERS = ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter")
 POLICIES = {
     "all_gathers_fused": lambda op, fast, *call: op in ALL_GATHERS,
     "reduce_scatters_fused": lambda op, fast, *call: op in REDUCE_SCATTERS,
-    # auto's all-gather thresholds for the layers' calls too, which keep the gathered rows (auto
-    # itself sends those to NCCL): the reduce-scatters fused, the all-gathers as `auto` sends calls
-    # that keep nothing.
+    # the reduce-scatters fused, the layers' all-gathers (which keep the gathered rows) by the
+    # thresholds `auto` applies to calls that keep nothing.
     "all_gathers_by_thresholds": lambda op, fast, *call: op in REDUCE_SCATTERS or fused.preferred(op, *call),
 }
 FP8_POLICIES = {

@@ -531,16 +531,6 @@ class Plan:
         event.wait(compute, copy)
         return y, None
 
-    @staticmethod
-    def _on_stream(stream, compute, steps) -> None:
-        """steps() issued on `stream`, then compute current again. set_stream rather than `with
-        torch.cuda.stream(...)`: a fraction of its host time (docs/perf-log.md)."""
-        torch.cuda.set_stream(stream)
-        try:
-            steps()
-        finally:
-            torch.cuda.set_stream(compute)
-
     def _call_streams(self, x_shard, weight, bias, scale_x, scale_w):
         """A call through PyTorch's stream API: one that returns its gathered input, one under
         graph capture (which then captures the steps as they are), one whose shard is published
@@ -574,10 +564,10 @@ class Plan:
         copy = self.copy_stream
         symm.stream_wait(copy, compute)
         if replay is not None:  # the first barrier (issued before the GEMM), pulls, signals, second barrier
-            self._on_stream(copy, compute, lambda: replay(capturing))
+            _launch.on_stream(copy, lambda: replay(capturing), compute)
         self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         if replay is None:  # issued after the GEMM, which computes this rank's rows meanwhile
-            self._on_stream(copy, compute, lambda: self._pull_peers(x_gathered, gathered_scales))
+            _launch.on_stream(copy, lambda: self._pull_peers(x_gathered, gathered_scales), compute)
         symm.stream_wait(compute, copy)
         if self.scaled is not None:
             gathered = (x_gathered, gathered_scales.view(-1, 1) if row_scales else scale_x)  # scaled_plan clones it

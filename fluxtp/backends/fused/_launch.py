@@ -426,20 +426,29 @@ class Launch:
             self._direct = None if entry is None else _Direct.of(entry[0], entry[1], len(args))
 
 
+def on_stream(stream: torch.cuda.Stream, steps, restore: torch.cuda.Stream) -> None:
+    """steps() issued with `stream` current, then `restore` current again. set_stream rather than
+    `with torch.cuda.stream(...)`: a fraction of its host time (docs/perf-log.md)."""
+    torch.cuda.set_stream(stream)
+    try:
+        steps()
+    finally:
+        torch.cuda.set_stream(restore)
+
+
 def _recorded_on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, record) -> torch.cuda.CUDAGraph:
     """`graph` with what `record()` issues on `stream` (made current meanwhile) captured into it;
     raises where CUDA cannot capture an operation. thread_local: other threads' CUDA work (a data
     loader's copies) may go on meanwhile."""
-    previous = torch.cuda.current_stream(stream.device)
-    torch.cuda.set_stream(stream)
-    try:
+
+    def capture():
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             record()
         finally:
             graph.capture_end()
-    finally:
-        torch.cuda.set_stream(previous)
+
+    on_stream(stream, capture, torch.cuda.current_stream(stream.device))
     return graph
 
 
@@ -564,11 +573,7 @@ def launch_beside(device: torch.device, launch, args: tuple, alongside) -> None:
         side = _side_streams[index] = torch.cuda.Stream(device=index)
     current = torch.cuda.current_stream(index)
     side.wait_stream(current)
-    torch.cuda.set_stream(side)
-    try:
-        launch(*args)
-    finally:
-        torch.cuda.set_stream(current)
+    on_stream(side, lambda: launch(*args), current)
     alongside()
     current.wait_stream(side)
 

@@ -643,11 +643,7 @@ class Plan:
         before the kernel), the band pushes (_issue_band_pushes), replayed as one recorded graph
         (every address is the workspace's); the caller's stream then joins the copy stream, so
         the next call's reset of the counters comes after the waits have read them."""
-        torch.cuda.set_stream(copy)  # see _all_gather_matmul: cheaper than a stream context on the host
-        try:
-            self.band_pushes(capturing)
-        finally:
-            torch.cuda.set_stream(compute)
+        _launch.on_stream(copy, lambda: self.band_pushes(capturing), compute)
         symm.stream_wait(compute, copy)
 
     def _issue_band_pushes(self) -> None:

@@ -81,7 +81,7 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
         # reduce-scatter fused, of either accumulation (docs/fp8.md). More ranks are taken as TP=4.
         return True
     if op == "all_gather_scaled_matmul":
-        # Alone it ran fused 1.2-2.5x faster than NCCL then torch._scaled_mm at 1024-16384 tokens,
+        # Alone it ran fused 1.02-2.5x faster than NCCL then torch._scaled_mm at 1024-16384 tokens,
         # TP 2 and 4, either scaling and accumulation (docs/fp8.md); fewer tokens are not measured.
         return tokens >= AUTO_MIN_TOKENS[op][0]
     verdict = measured_verdict(op, x, weight, info.world_size)

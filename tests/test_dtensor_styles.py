@@ -213,10 +213,10 @@ def check_gathered_rows_asked(tp, seed):
     """The styles' all-gathers ask for the gathered rows only where a weight gradient reads them
     (the column forward's; the row backward's): no_grad, frozen weights and save_memory take the
     op's one-graph path. Outputs and input gradients are bitwise those of the keeping way."""
-    from fluxtp.nn import _style_ops, linear as linear_module
+    from fluxtp.nn import linear as linear_module
 
-    # The column op's all-gather, and the row backward's (through fluxtp.nn.linear's GEMMs).
-    with recording_return_gathered((_style_ops, "all_gather_matmul"), (linear_module, "all_gather_matmul")) as asked:
+    # The column op's all-gather and the row backward's, both through fluxtp.nn.linear's GEMMs.
+    with recording_return_gathered((linear_module, "all_gather_matmul")) as asked:
         ref = _block(seed, 16, 8 * tp.size(), True)
         x = torch.randn(3, 4 * tp.size(), 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()].contiguous()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from fluxtp._dist import group_from_name
 from fluxtp.nn._collectives import all_reduce_sum, gather_rows
 from fluxtp.nn.linear import GEMMS
-from fluxtp.ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from fluxtp.ops import matmul_all_reduce, matmul_reduce_scatter
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -51,11 +51,8 @@ def _none_if_empty(t: torch.Tensor | None, needed: bool):
 def colwise_gather(
     x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str, backend: str, save_memory: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    info = group_from_name(group_name)
-    if save_memory:
-        y = all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend)
-        return y, _empty(x_shard)
-    return all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend, return_gathered=True)
+    y, gathered = GEMMS[False].gather_linear(x_shard, weight, bias, group_from_name(group_name), backend, keep=not save_memory)
+    return y, _empty(x_shard) if gathered is None else gathered
 
 
 @colwise_gather.register_fake

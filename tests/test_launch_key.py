@@ -111,3 +111,48 @@ def test_a_kernel_compiled_ahead_of_a_recording_is_found_by_every_later_launch(m
     _launch.Launch(kernel, 4, BLOCK=16)(x, 32)  # a new key (scalars are keyed by value): Triton
     _launch.Launch(kernel, 4, BLOCK=16).compile(y, 32)  # ... whose kernel a recording then reuses
     assert trips == ["warmup", "direct", "run"]
+
+
+def test_direct_launches_hand_the_launcher_what_triton_hands_it(monkeypatch):
+    """_Direct must pass the installed Triton's C launcher exactly the arguments Triton's own launch
+    does, its descriptors filled once per address. A Triton whose launcher layout _Direct does not
+    know fails here: its eager calls would fall back to Triton's slower launch."""
+    import inspect
+    import types
+
+    import triton
+    from triton.backends.nvidia import driver as nvidia
+
+    if "kernel_signature" not in inspect.getsource(nvidia.CudaLauncher.__init__):
+        pytest.skip("Triton 3.6's per-kernel C launcher is compiled on a GPU: tests/gpu/test_whole_call_one_gpu.py")
+    fills = []
+
+    def fill(desc, meta, _):  # cuTensorMapEncodeTiled's stand-in: a pure function of address and layout
+        fills.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta["block_size"]), *desc.shape, *desc.strides]
+
+    calls = []
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", fill)
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace())
+    signature = {0: "*bf16", 1: "tensordesc<bf16[32,16]>", 2: "i32", 3: "tensordesc<bf16[16,16]>", 4: "constexpr"}
+    metas = [{"block_size": [32, 16]}, {"block_size": [16, 16]}]
+    run = object.__new__(nvidia.CudaLauncher)  # the attributes CudaLauncher.__init__ sets, without a GPU
+    run.launch = nvidia.wrap_handle_tensordesc(lambda *a: calls.append(a), signature, metas)
+    run.arg_annotations, run.kernel_signature, run.gsan_enabled, run.num_ctas = "annotations", "signature", False, 1
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid, run.launch_pdl = False, True
+    compiled = types.SimpleNamespace(run=run, packed_metadata="metadata", function=7)
+
+    direct = _launch._Direct.of(compiled, (64,), 4)
+    assert direct is not None, "this Triton's launcher layout is not one _Direct knows"
+    x, a, b = torch.randn(64, dtype=torch.bfloat16), torch.randn(64, 16, dtype=torch.bfloat16), torch.randn(48, 16)
+    descs = [TensorDescriptor.from_tensor(t.bfloat16(), block) for t, block in ((a, [32, 16]), (b, [16, 16]))]
+    for first, second in ((descs[0], descs[1]), (descs[0], descs[1]), (descs[1], descs[0])):
+        args = (x, first, 5, second)
+        run(3, 1, 1, 11, 7, "metadata", None, None, None, *args, 64)  # Triton's launch, hooks off
+        direct(3, 11, 7, args)
+        theirs, ours = calls[-2:]
+        assert ours == theirs
+    # Triton filled 2 descriptors a launch; the direct launches 2 per new (position, address) pair
+    assert len(fills) == 6 + 4

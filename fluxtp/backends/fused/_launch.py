@@ -191,10 +191,12 @@ class _Direct:
     base address and its position's layout (fixed for one Launch), so a filled one is reused
     whenever the caching allocator hands back the same address.
 
-    `of` returns None where this Triton's launcher is not laid out as expected (then Triton's own
+    Two launcher layouts are known: Triton 3.6's, one C launcher per kernel taking the arguments
+    spread out, and Triton 3.8's, one C launcher for every kernel taking them as one list after the
+    kernel's argument annotations and signature. `of` returns None for any other (then Triton's own
     `run` launches), and `__call__` is used only while no launch hook is set."""
 
-    __slots__ = ("launcher", "head", "segments", "descs", "fill", "tail")
+    __slots__ = ("launcher", "head", "packed", "segments", "descs", "fill", "tail")
 
     MAX_ADDRESSES = 16  # filled descriptors kept per position (an eager model reuses a few)
 
@@ -203,31 +205,48 @@ class _Direct:
         try:
             run = compiled.run
             wrapped = run.launch
-            free = dict(zip(wrapped.__code__.co_freevars, (c.cell_contents for c in wrapped.__closure__ or ())))
-            names = {**wrapped.__globals__, **free}
-            if "launcher" in free:  # wrap_handle_tensordesc's inner: the C launcher and the descriptors
-                launcher, positions = free["launcher"], sorted(free["tensordesc_indices"])
-                metas = free["tensordesc_meta"] or [None] * len(positions)
-                fill = names["make_tensordesc_arg"]
-            else:
-                launcher, positions, metas, fill = wrapped, [], [], None
-            # The launcher's 13 leading arguments, as __call__ passes them: grid (3), stream, function,
-            # cooperative, PDL, global and profile scratch, kernel metadata, launch metadata, 2 hooks.
+            closure = getattr(wrapped, "__closure__", None) or ()
+            free = dict(zip(wrapped.__code__.co_freevars, (c.cell_contents for c in closure))) if closure else {}
+            packed = hasattr(run, "kernel_signature")
+            if packed:  # Triton 3.8: wrap_handle_tensordesc_impl's inner, or the bare launcher
+                launcher, paths = free.get("launcher", wrapped), free.get("relevant_paths", {})
+                if any(paths.values()) or getattr(run, "gsan_enabled", False):
+                    return None  # descriptors inside tuples, or instrumented launches
+                positions = sorted(paths)
+                metas = free.get("tensordesc_meta") or [None] * len(positions)
+                make = free.get("make_tensordesc_arg")  # (descriptor, metadata, base arguments it ignores)
+                fill = None if make is None else (lambda desc, meta: make(desc, meta, None))
+                # the launcher's 15 leading arguments: grid (3), stream, function, cooperative, PDL,
+                # kernel and launch metadata, 2 hooks, global and profile scratch, annotations, signature
+                head = (run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata, None, None, None,
+                        None, None, run.arg_annotations, run.kernel_signature)  # fmt: skip
+            else:  # Triton 3.6
+                names = {**wrapped.__globals__, **free}
+                if "launcher" in free:  # wrap_handle_tensordesc's inner: the C launcher and the descriptors
+                    launcher, positions = free["launcher"], sorted(free["tensordesc_indices"])
+                    metas = free["tensordesc_meta"] or [None] * len(positions)
+                    fill = names["make_tensordesc_arg"]
+                else:
+                    launcher, positions, metas, fill = wrapped, [], [], None
+                # The launcher's 13 leading arguments: grid (3), stream, function, cooperative, PDL,
+                # global and profile scratch, kernel metadata, launch metadata, 2 hooks.
+                if names.get("_BASE_ARGS_FORMAT_LEN") != 13:
+                    return None
+                head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
             layout_ok = (
-                names.get("_BASE_ARGS_FORMAT_LEN") == 13
-                and run.global_scratch_size == 0
+                run.global_scratch_size == 0
                 and run.profile_scratch_size == 0
                 and all(p < num_args for p in positions)
+                and (fill is not None or not positions)
             )
             if not layout_ok:
                 return None
-            head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
         except (AttributeError, KeyError, TypeError, ValueError):
             return None
-        return cls(launcher, head, positions, metas, fill, constexpr_values)
+        return cls(launcher, head, packed, positions, metas, fill, constexpr_values)
 
-    def __init__(self, launcher, head, positions, metas, fill, constexpr_values):
-        self.launcher, self.head, self.fill = launcher, head, fill
+    def __init__(self, launcher, head, packed, positions, metas, fill, constexpr_values):
+        self.launcher, self.head, self.packed, self.fill = launcher, head, packed, fill
         # (start, descriptor position, its metadata): args[start:position] as they are, then the
         # descriptor at `position` expanded; the last segment (position None) runs to the end, and
         # the constexprs close the argument list.
@@ -237,7 +256,7 @@ class _Direct:
         self.tail = constexpr_values
 
     def __call__(self, grid: int, stream: int, function, args: tuple) -> None:
-        flat = [grid, 1, 1, stream, function, *self.head]
+        flat = []
         for i, (start, position, meta) in enumerate(self.segments):
             flat += args[start:position]
             if position is not None:
@@ -250,7 +269,11 @@ class _Direct:
                         filled.clear()
                     expanded = filled[address] = self.fill(desc, meta)
                 flat += expanded
-        self.launcher(*flat, *self.tail)
+        flat += self.tail
+        if self.packed:
+            self.launcher(grid, 1, 1, stream, function, *self.head, flat)
+        else:
+            self.launcher(grid, 1, 1, stream, function, *self.head, *flat)
 
 
 _PARAM_SIZES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8}

@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._launch import descriptor, num_sms, weight_operand
+from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.bench.gemm_grid import (
     GRIDS,
     GemmCase,
@@ -160,7 +161,7 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
             a_desc, b_desc, c_desc, out, m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_SMS=sms, NUM_STAGES=config.num_stages, EPILOGUE_SUBTILE=subtile,
             POINTER_SPLIT=pointer_split, B_KN=b_kn,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS,  # as the fused kernels
         )
         return out
 

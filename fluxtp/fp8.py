@@ -108,6 +108,7 @@ def _quantize_by_kernel(view: torch.Tensor, source_scale, dtype: torch.dtype) ->
     scales, their stride along the view's rows, along its columns) of an FP8 view, or None."""
     import triton
 
+    from fluxtp.kernels import COMPILE_OPTIONS
     from fluxtp.kernels._quantize import quantize_rows_kernel
 
     rows, cols = view.shape
@@ -119,6 +120,7 @@ def _quantize_by_kernel(view: torch.Tensor, source_scale, dtype: torch.dtype) ->
     quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
         view, scales, out, scale, rows, cols, view.stride(0), view.stride(1), scale_stride_r, scale_stride_c,
         fp8_max(dtype), _MIN_AMAX, HAS_SRC_SCALE=source_scale is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return out, scale
 

@@ -33,6 +33,7 @@ from fluxtp.backends.fused import _launch, _scaled  # noqa: E402
 from fluxtp.backends.fused import _matmul_reduce_scatter as rs  # noqa: E402
 from fluxtp.configs import SMEM_LIMIT_BYTES, AllGatherMatmulConfig, MatmulReduceScatterConfig  # noqa: E402
 from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING  # noqa: E402
+from fluxtp.kernels import COMPILE_OPTIONS  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SMS = 132
@@ -55,7 +56,7 @@ def _compile(launch: _launch.Launch, args: tuple):
     names = kernel.arg_names
     signature = {name: mangle_type(arg) for name, arg in zip(names, args)}  # as the JIT launcher types them
     constexprs = {name: None for name, kind in signature.items() if kind == "constexpr"}
-    options = {}
+    options = dict(COMPILE_OPTIONS)  # as every launch passes them
     gluon = isinstance(kernel, _runtime.GluonJITFunction)
     for name, value in launch.constexprs.items():
         if name in names:

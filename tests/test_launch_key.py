@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from fluxtp.backends.fused import _launch  # noqa: E402
+from fluxtp.kernels import COMPILE_OPTIONS  # noqa: E402
 
 
 def _key(arg):
@@ -92,6 +93,7 @@ def test_a_kernel_compiled_ahead_of_a_recording_is_found_by_every_later_launch(m
 
     def through_triton(what):
         def compile_or_launch(*args, grid, warmup=False, **constexprs):
+            assert constexprs.items() >= COMPILE_OPTIONS.items(), f"{what} without fluxtp's compile options"
             trips.append(what)
             return types.SimpleNamespace(run=None, function=0, packed_metadata=None)  # _Direct: not its layout
 
@@ -111,6 +113,8 @@ def test_a_kernel_compiled_ahead_of_a_recording_is_found_by_every_later_launch(m
     _launch.Launch(kernel, 4, BLOCK=16)(x, 32)  # a new key (scalars are keyed by value): Triton
     _launch.Launch(kernel, 4, BLOCK=16).compile(y, 32)  # ... whose kernel a recording then reuses
     assert trips == ["warmup", "direct", "run"]
+    _launch.launch_compiled(kernel, 4, y, 48, BLOCK=16)  # a new key: through Triton, with the options
+    assert trips == ["warmup", "direct", "run", "run"]
 
 
 def test_direct_launches_hand_the_launcher_what_triton_hands_it(monkeypatch):

@@ -16,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fluxtp import _driver
 from fluxtp.configs import weight_layout_of
+from fluxtp.kernels import COMPILE_OPTIONS
 
 try:  # Gluon kernels take descriptors that carry their shared-memory layout
     from triton.experimental.gluon import language as gl
@@ -147,7 +148,7 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict):
     key = _compiled_key(kernel, device, args, constexprs)
     entry = _compiled.get(key)
     if entry is None:
-        entry = _remember(key, kernel[(grid,)](*args, **constexprs), kernel, args, constexprs)
+        entry = _remember(key, kernel[(grid,)](*args, **constexprs, **COMPILE_OPTIONS), kernel, args, constexprs)
         return (*entry, device)
     _run(entry[0], entry[1], device, grid, args)
     return (*entry, device)
@@ -429,7 +430,7 @@ class Launch:
             key = _compiled_key(self.kernel, device, args, self.constexprs)
             entry = _compiled.get(key)  # another plan's launch of the same key: no trip through Triton
             if entry is None:
-                compiled = self.kernel.warmup(*args, grid=(self.grid,), **self.constexprs)
+                compiled = self.kernel.warmup(*args, grid=(self.grid,), **self.constexprs, **COMPILE_OPTIONS)
                 entry = _remember(key, compiled, self.kernel, args, self.constexprs)
             entry[0].run  # noqa: B018 -- loads the module: the launcher and the function handle
             self._entry = (*entry, device)

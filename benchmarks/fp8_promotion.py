@@ -42,7 +42,7 @@ from fluxtp.bench.gemm_grid import GemmCase, fp8_case_inputs, gathered, gemm_onl
 from fluxtp.bench.harness import Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import AllGatherMatmulConfig
-
+from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.kernels._pingpong import allocate_pingpong, tma_load, tma_store
 
 
@@ -279,7 +279,7 @@ def one_partition(a, b, scale_a, scale_b, block_m, block_n, block_k, stages, pre
 
     def run():
         one_partition_kernel[(programs,)](*descs, scale_a, scale_b, m, n, k, programs, stages, precise, *layout,
-                                          num_warps=warps)
+                                          num_warps=warps, **COMPILE_OPTIONS)
         return c
 
     return run
@@ -295,7 +295,8 @@ def pingpong(a, b, scale_a, scale_b, block_k, stages):
     programs = min(triton.cdiv(m, 128) * triton.cdiv(n, 128), _sms(a.device))
 
     def run():
-        pingpong_kernel[(programs,)](*descs, scale_a, scale_b, m, n, k, programs, stages, **PINGPONG_WARPS)
+        pingpong_kernel[(programs,)](*descs, scale_a, scale_b, m, n, k, programs, stages, **PINGPONG_WARPS,
+                                     **COMPILE_OPTIONS)
         return c
 
     return run

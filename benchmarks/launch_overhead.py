@@ -32,6 +32,7 @@ from unittest import mock
 
 import torch
 
+from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.testing import simulated_world
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")  # the ops whose calls are timed
@@ -161,7 +162,7 @@ def measure_launches(args) -> list[dict]:
 
 def _triton_launch(launch, *args):
     """A _launch.Launch through Triton's own binding, kernel[grid](...), as before launch_compiled."""
-    launch.kernel[(launch.grid,)](*args, **launch.constexprs)
+    launch.kernel[(launch.grid,)](*args, **launch.constexprs, **COMPILE_OPTIONS)
 
 
 def main(argv=None) -> None:

@@ -43,6 +43,7 @@ from fluxtp.backends.fused._launch import DescriptorLayout, num_sms
 from fluxtp.backends.fused._scaled import PINGPONG_WARPS
 from fluxtp.bench.gemm_grid import case_inputs, launched_config, relative_error
 from fluxtp.bench.harness import graphed
+from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.kernels._pingpong import grouped_tile, load_tile, tma_store
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -203,7 +204,8 @@ def pingpong(x, weight, world: int, block_m: int, block_n: int, stages: int, red
     programs = min(num_sms(x.device), world * (m // block_m) * triton.cdiv(n, block_n))
 
     def run():
-        pingpong_kernel[(programs,)](*descs, read, m, n, k, band, world, reduce, programs, stages, **PINGPONG_WARPS)
+        pingpong_kernel[(programs,)](*descs, read, m, n, k, band, world, reduce, programs, stages, **PINGPONG_WARPS,
+                                     **COMPILE_OPTIONS)
         return out
 
     full = F.linear(x, weight).float()

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from fluxtp.backends.fused._launch import DescriptorLayout, num_sms
 from fluxtp.bench.gemm_grid import case_inputs, launched_config, relative_error
 from fluxtp.bench.harness import graphed
+from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.kernels._pingpong import accumulate_plain, allocate_pingpong, grouped_tile, load_tile, tma_store
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -122,7 +123,7 @@ def gemm_with_reducer(x, weight, peers, world: int, reduce: bool, stages: int = 
     def run():
         gemm_with_reducer_kernel[(programs,)](*descs, slots, peers, out, m_total, n, k, m, world, group_m, programs,
                                               stages, reduce, consumer_regs, reducer_regs, num_warps=4,
-                                              maxnreg=maxnreg)  # fmt: skip
+                                              maxnreg=maxnreg, **COMPILE_OPTIONS)  # fmt: skip
         return slots, out
 
     return run

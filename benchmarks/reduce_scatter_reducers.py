@@ -32,6 +32,7 @@ import triton.language as tl
 from fluxtp.backends.fused._launch import descriptor, num_sms
 from fluxtp.bench.gemm_grid import case_inputs, launched_config, relative_error
 from fluxtp.bench.harness import graphed
+from fluxtp.kernels import COMPILE_OPTIONS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _kernel_variants import case_parser, cases_of, checked_triton_reduce_scatter, report, time_case  # noqa: E402
@@ -88,7 +89,7 @@ def reduction_tma(slots: torch.Tensor, world: int, programs: int, block_m: int =
 
     def run():
         reduce_partials_tma_kernel[(programs,)](desc, out, m, n, world, block_m, block_n, programs, stages,
-                                                num_warps=warps, num_stages=stages)  # fmt: skip
+                                                num_warps=warps, num_stages=stages, **COMPILE_OPTIONS)  # fmt: skip
         return out
 
     return run
@@ -101,7 +102,7 @@ def reduction(own: torch.Tensor, peers: torch.Tensor, programs: int, block_m: in
 
     def run():
         reduce_partials_kernel[(programs,)](own, peers, out, m, n, peers.shape[0] + 1, block_m, block_n, programs,
-                                            num_warps=8)  # fmt: skip
+                                            num_warps=8, **COMPILE_OPTIONS)  # fmt: skip
         return out
 
     return run

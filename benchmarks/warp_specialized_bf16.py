@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from fluxtp.backends.fused._scaled import PINGPONG_WARPS
 from fluxtp.configs import AllGatherMatmulConfig
+from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.kernels._pingpong import accumulate_plain, allocate_pingpong
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -97,7 +98,8 @@ def warp_specialized(a, b, block_n, stages):
     programs = min(_sms(a.device), triton.cdiv(m, 128) * triton.cdiv(n, block_n))
 
     def run():
-        warp_specialized_kernel[(programs,)](*descs, ones_m, ones_n, m, n, k, programs, stages, **PINGPONG_WARPS)
+        warp_specialized_kernel[(programs,)](*descs, ones_m, ones_n, m, n, k, programs, stages, **PINGPONG_WARPS,
+                                             **COMPILE_OPTIONS)
         return c
 
     return run

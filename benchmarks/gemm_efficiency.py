@@ -56,7 +56,6 @@ from tqdm import tqdm
 
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused._launch import descriptor, num_sms, weight_operand
-from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.bench.gemm_grid import (
     GRIDS,
     GemmCase,
@@ -74,6 +73,7 @@ from fluxtp.bench.gemm_grid import (
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import HOPPER_SMS, cdiv
+from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.kernels._matmul_reduce_scatter import _halves
 from fluxtp.kernels._tiles import dot_k_block, grouped_tile
 

@@ -68,9 +68,9 @@ def check_column(rank, world, seed, t, k, ns, bias, save_memory):
         w_r = torch.cat([lin.weight.detach()[_cols(r, world, lin.out_features)] for lin in linears], dim=0)
         grad_x += scaled(g_r, w_r.t())
     _close(f"{what} input grad", x_shard.grad, grad_x[rows])
-    # Weight gradient: G^T and x^T quantized along the tokens; x is the gathered FP8 rows,
-    # dequantized (exact), or with save_memory the re-gathered high-precision rows.
-    x_used = x if save_memory else fp8.dequantize(*fp8.quantize_rows(x))
+    # Weight gradient: G^T and x^T quantized along the tokens; x is the gathered FP8 rows (kept, or
+    # re-gathered with save_memory), dequantized (exact).
+    x_used = fp8.dequantize(*fp8.quantize_rows(x))
     for i, (layer, g) in enumerate(zip(layers, grads)):
         g_r = g[:, _cols(rank, world, ns[i])]
         _close(f"{what} layer {i} weight grad", layer.weight.grad, scaled(g_r.t(), x_used.t()))

@@ -12,7 +12,8 @@ As in torchao's rowwise recipe, the forward lets the tensor cores accumulate fas
 (use_fast_accum) and the two gradient GEMMs accumulate in float32. The all-gather moves FP8
 rows (half a bf16 gather's bytes) with their scales; the column layer's weight gradient reads
 those gathered FP8 rows, dequantized (exactly: the scales are powers of two) and quantized
-again along the tokens, so no high-precision copy of the gathered input is kept.
+again along the tokens, so no high-precision copy of the gathered input is kept; with save_memory
+the local FP8 rows and scales are kept and re-gathered (half a bf16 re-gather's bytes).
 
 Under tensor parallelism a rank quantizes what it holds: in the column layer's input gradient
 each rank's G has only its own output features, so its per-token scales are its own (the
@@ -25,6 +26,7 @@ import torch
 
 from fluxtp import fp8
 from fluxtp._dist import GroupInfo
+from fluxtp.nn._collectives import gather_rows
 from fluxtp.ops import all_gather_scaled_matmul, scaled_matmul_reduce_scatter
 
 
@@ -41,8 +43,19 @@ def _rows(t: torch.Tensor):
 
 
 class Fp8Gemms:
-    """fluxtp.nn.linear._Gemms in FP8 (the same methods, the module docstring's recipe);
-    `gathered` is (FP8 rows [T, K], their scales [T, 1])."""
+    """fluxtp.nn.linear._Gemms in FP8 (the same methods, the module docstring's recipe); `rows`
+    and `gathered` are (FP8 rows [T, K], their scales [T, 1])."""
+
+    @staticmethod
+    def rows(x):
+        """x quantized as gather_linear quantizes it (deterministic: the same bytes)."""
+        return _rows(x)
+
+    @staticmethod
+    def regather(rows, info: GroupInfo, backend: str):
+        """The FP8 rows as bytes and their scales: the bytes the fused all-gather moved."""
+        x_q, scales = rows
+        return gather_rows(x_q.view(torch.uint8), info, backend).view(x_q.dtype), gather_rows(scales, info, backend)
 
     @staticmethod
     def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True):

@@ -25,7 +25,8 @@ the fused kernels read it in place (their B_KN path), cuBLAS as a transposed ope
 
 FP8 (fp8=True, fluxtp.nn._fp8): the same functions with each of the three GEMMs (forward, input
 gradient, weight gradient) in FP8 with dynamic row-wise scales (_Fp8Gemms); the parameters and
-every gradient stay in their own dtype.
+every gradient stay in their own dtype. save_memory keeps (and re-gathers) the FP8 rows and their
+scales, so its weight gradient is bitwise the keeping way's.
 
 Nothing beside a fused op: no plain collective of ours is in flight while a fused op runs.
 The fused kernels are persistent (one program per SM) and spin on peers' signals; an NCCL
@@ -50,8 +51,18 @@ from fluxtp.ops._validate import check_backend
 
 class _Gemms:
     """The layers' three GEMMs in the parameters' own precision; _fp8.Fp8Gemms has the same
-    methods in FP8. `gathered` is what the all-gather GEMM returns beside its output and the
-    weight gradient reads (here the gathered rows themselves); `grad` marks backward GEMMs."""
+    methods in FP8. `rows(x)` is what save_memory keeps of an input and `regather` gathers
+    (here the tensor itself); `gathered` is what the all-gather GEMM returns beside its output and the weight gradient
+    reads (here the gathered rows themselves); `grad` marks backward GEMMs."""
+
+    @staticmethod
+    def rows(x):
+        return x
+
+    @staticmethod
+    def regather(rows, info: GroupInfo, backend: str):
+        """`rows` of every rank, as gather_linear's `gathered` (save_memory's re-gather)."""
+        return gather_rows(rows, info, backend)
 
     @staticmethod
     def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True):
@@ -106,7 +117,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         weights, biases = params[:n], params[n:]
         y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend, keep=keep_gathered)
         ys = [y_0] + [gemms.linear(gathered, w, b) for w, b in zip(weights[1:], biases[1:])]
-        saved = (x_shard_m,) if save_memory else () if gathered is None else gemms.pack(gathered)
+        saved = gemms.pack(gemms.rows(x_shard_m)) if save_memory else () if gathered is None else gemms.pack(gathered)
         ctx.save_for_backward(*weights, *saved)
         ctx.info, ctx.backend, ctx.save_memory, ctx.gemms, ctx.n = info, backend, save_memory, gemms, n
         ctx.has_bias = [b is not None for b in biases]
@@ -131,7 +142,9 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         grad_ws = [None] * n
         if any(need_w):
             # Re-gathered after the fused op, not beside it (module docstring).
-            x_gathered = gather_rows(saved[0], ctx.info, ctx.backend) if ctx.save_memory else gemms.unpack(saved)
+            x_gathered = gemms.unpack(saved)
+            if ctx.save_memory:
+                x_gathered = gemms.regather(x_gathered, ctx.info, ctx.backend)
             grad_ws = [
                 gemms.weight_grad(g, x_gathered, w.dtype) if need else None for g, w, need in zip(grad_ys, weights, need_w)
             ]

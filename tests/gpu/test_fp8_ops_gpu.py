@@ -100,18 +100,21 @@ def _layers_body(rank, world, seed):
     x = torch.randn(4096, 1024, dtype=torch.bfloat16)
     rows = slice(rank * 4096 // world, (rank + 1) * 4096 // world)
     results = {}
-    for backend in ("nccl", "fused"):
-        col = ColumnParallelLinear.from_linear(up, fp8=True, backend=backend).to(device)
+    for backend, save_memory in (("nccl", False), ("fused", False), ("fused", True)):
+        col = ColumnParallelLinear.from_linear(up, fp8=True, backend=backend, save_memory=save_memory).to(device)
         row = RowParallelLinear.from_linear(down, fp8=True, backend=backend).to(device)
         x_shard = x[rows].to(device).requires_grad_(True)
         out = row(torch.nn.functional.gelu(col(x_shard)))
         out.float().square().sum().backward()
-        results[backend] = [out, x_shard.grad, col.weight.grad, row.weight.grad]
+        results[backend, save_memory] = [out, x_shard.grad, col.weight.grad, row.weight.grad]
+    names = ("output", "input grad", "column weight grad", "row weight grad")
+    # save_memory re-gathers the FP8 rows and scales the fused all-gather moved: the same bits.
+    for name, saving, keeping in zip(names, results["fused", True], results["fused", False]):
+        assert torch.equal(saving, keeping), f"FP8 layers, fused, save_memory vs keeping: {name} differs"
     # The same FP8 operands in both: they differ by accumulation order and the fused all-gather's
     # fast forward accumulation only; bf16 outputs: allow 4 bf16 roundings, and the input grad's
     # two more (its reduce-scatter's partials are rounded to bf16 in both: 1.78e-2 seen on 2x H100).
-    names = ("output", "input grad", "column weight grad", "row weight grad")
-    for name, fused, ref in zip(names, results["fused"], results["nccl"]):
+    for name, fused, ref in zip(names, results["fused", False], results["nccl", False]):
         err = rel_error(fused, ref.double().cpu())
         allowed = (6 if name == "input grad" else 4) * 2**-8
         assert err <= allowed, f"FP8 layers, fused vs nccl {name}: rel err {err:.2e}"

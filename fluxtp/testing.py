@@ -26,6 +26,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import traceback
 import types
 import warnings
 from contextlib import ExitStack, contextmanager
@@ -60,13 +61,20 @@ def _entry(rank, fn, world_size, port, backend, timeout_s, args, done_dir):
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
     )
+    failure = None
     try:
         fn(rank, world_size, *args)
         dist.barrier()
         # Every rank's body passed: what may still go wrong is teardown (see run_on_ranks).
         Path(done_dir, f"rank{rank}.done").touch()
-    finally:
-        destroy_process_group()
+    except Exception:
+        failure = traceback.format_exc()
+        Path(done_dir, f"rank{rank}.failed").write_text(failure)
+    # Torn down outside the except clause: its traceback's frames hold the body's objects (a model
+    # with captured NCCL graphs), which made destroy_process_group hang and hid the failure.
+    destroy_process_group()
+    if failure is not None:
+        raise RuntimeError(f"rank {rank}: {fn.__name__} failed:\n{failure}")
 
 
 def run_on_ranks(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 300.0) -> None:
@@ -141,7 +149,8 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
                     for p in ctx.processes:
                         if p.is_alive():
                             p.kill()
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s:.0f} s")
+                    failures = "".join(f"\n{f.stem}: {f.read_text()}" for f in sorted(Path(done_dir).glob("*.failed")))
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s:.0f} s{failures}")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # A rank killed by a signal after every rank's body passed and met at the final
             # barrier died in teardown (gloo's threads at exit have aborted this way, rarely):

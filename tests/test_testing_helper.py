@@ -1,11 +1,15 @@
-"""fluxtp.testing.run_on_ranks: failures propagate; a crash in teardown after a pass does not; a
-gloo rank killed by a crash signal in its body is run once more, an NCCL one fails at once.
+"""fluxtp.testing.run_on_ranks: failures propagate, named even where teardown then hangs; a crash in
+teardown after a pass does not; a gloo rank killed by a crash signal in its body is run once more,
+an NCCL one fails at once.
 run_launch: a torchrun launch whose worker died of a crash signal runs once more, nothing else does."""
 
 import atexit
+import gc
 import os
 import sys
+import time
 import warnings
+import weakref
 from pathlib import Path
 from unittest import mock
 
@@ -107,6 +111,49 @@ def test_an_exception_in_a_body_fails_the_test():
     # The first rank to fail is reported: rank 0's assert, or rank 1's barrier that lost rank 0.
     with pytest.raises(mp.ProcessRaisedException):
         run_on_ranks(_raise_in_body, 2, backend="gloo", timeout_s=120)
+
+
+class _Captured:
+    """Stands for what a failed body may hold: a model with captured NCCL graphs."""
+
+
+def _teardown_hangs_while(alive):
+    """Patch this rank's teardown to hang (as NCCL's did) while `alive()`: the fixture of the two
+    tests below, run inside the rank."""
+    real = testing.destroy_process_group
+
+    def destroy():
+        gc.collect()
+        while alive():
+            time.sleep(0.1)
+        real()
+
+    testing.destroy_process_group = destroy
+
+
+def _raise_holding_a_graph(rank, world):
+    held = _Captured()
+    _teardown_hangs_while(weakref.ref(held))
+    if rank == 0:
+        raise AssertionError("rank 0 saw a wrong number")
+
+
+def _raise_then_hang_in_teardown(rank, world):
+    _teardown_hangs_while(lambda: rank == 0)
+    if rank == 0:
+        raise AssertionError("rank 0 saw a wrong number")
+
+
+def test_a_failed_body_tears_down_without_its_frames_and_reports_the_failure():
+    # Before, teardown ran inside the exception's handling: its frames kept the body's objects
+    # alive, teardown hung on them, and the test ended in a timeout that never named the failure.
+    with pytest.raises(mp.ProcessRaisedException, match="rank 0 saw a wrong number"):
+        run_on_ranks(_raise_holding_a_graph, 2, backend="gloo", timeout_s=120)
+
+
+def test_a_timeout_names_the_failures_of_ranks_that_hang_in_teardown():
+    with pytest.raises(TimeoutError, match="(?s)within 20 s.*rank0: .*AssertionError: rank 0 saw a wrong number"):
+        run_on_ranks(_raise_then_hang_in_teardown, 2, backend="gloo", timeout_s=20)
 
 
 def test_a_crash_in_teardown_after_every_rank_passed_only_warns():

@@ -149,7 +149,8 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
                     for p in ctx.processes:
                         if p.is_alive():
                             p.kill()
-                    failures = "".join(f"\n{f.stem}: {f.read_text()}" for f in sorted(Path(done_dir).glob("*.failed")))
+                    failed = sorted(Path(done_dir).glob("*.failed"))  # bodies that failed, then hung in teardown
+                    failures = "".join(f"\n{f.stem}: {f.read_text()}" for f in failed)
                     raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s:.0f} s{failures}")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # A rank killed by a signal after every rank's body passed and met at the final

@@ -51,9 +51,9 @@ from fluxtp.ops._validate import check_backend
 
 class _Gemms:
     """The layers' three GEMMs in the parameters' own precision; _fp8.Fp8Gemms has the same
-    methods in FP8. `rows(x)` is what save_memory keeps of an input and `regather` gathers
-    (here the tensor itself); `gathered` is what the all-gather GEMM returns beside its output and the weight gradient
-    reads (here the gathered rows themselves); `grad` marks backward GEMMs."""
+    methods in FP8. `rows(x)` is what save_memory keeps of an input and `regather` gathers (here
+    the tensor itself); `gathered` is what the all-gather GEMM returns beside its output and the
+    weight gradient reads (here the gathered rows themselves); `grad` marks backward GEMMs."""
 
     @staticmethod
     def rows(x):

@@ -162,18 +162,43 @@ def compile_only():
               f"{sum('wgmma.mma_async' in line for line in k.asm['ptx'].splitlines())} wgmma", flush=True)
 
 
-def run(shapes, rounds=7):
+def print_times(case, calls, rounds):
+    """Each call's median time over `rounds` interleaved rounds (a CUDA graph of 10 calls captured
+    and replayed twice each round, the second replay timed), printed with its ratio to calls["cublas"]."""
     import statistics
 
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, f in calls.items():
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(10):
+                    f()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            g.replay(); start.record(); g.replay(); end.record(); torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / 10)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(case, "  ".join(f"{name} {v * 1000:.1f} us ({v / med['cublas']:.3f}x)" for name, v in med.items()), flush=True)
+
+
+def shape_inputs(shapes):
+    """After a line naming the versions and the GPU: per shape (m, n, k), bf16 x [m, k] and
+    w [n, k] on the GPU, x @ w^T in float32 and the GPU's SM count (the seed fixed once)."""
+    import torch
     torch.manual_seed(0)
     print(f"triton {triton.__version__} torch {torch.__version__} {torch.cuda.get_device_name()}")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m, n, k in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-        ref = x.float() @ w.float().t()
+        yield m, n, k, x, w, x.float() @ w.float().t(), sms
+
+
+def run(shapes, rounds=7):
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    for m, n, k, x, w, ref, sms in shape_inputs(shapes):
         calls = {"cublas": lambda: torch.mm(x, w.t())}
         for cons, bn, bk, stages in CONFIGS:
             if smem(cons, bn, bk, stages) > SMEM:
@@ -194,18 +219,7 @@ def run(shapes, rounds=7):
             print(f"{m}x{n}x{k} {name}: {tiles} tiles ({tiles / sms:.2f} waves), max rel err {err:.2e}", flush=True)
             assert err < 2e-2, name
             calls[name] = f
-        times = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, f in calls.items():
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(10):
-                        f()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                g.replay(); start.record(); g.replay(); end.record(); torch.cuda.synchronize()
-                times[name].append(start.elapsed_time(end) / 10)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        print(f"{m}x{n}x{k}", "  ".join(f"{name} {v * 1000:.1f} us ({v / med['cublas']:.3f}x)" for name, v in med.items()), flush=True)
+        print_times(f"{m}x{n}x{k}", calls, rounds)
 
 
 # per-rank GEMMs of the grid where the kernels' own GEMM missed (perf-log "What cuBLAS runs"): the

@@ -18,7 +18,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from fluxtp.kernels._pingpong import grouped_tile, tma_load, tma_store
 
 sys.path[:0] = ["benchmarks"]
-from consumer_row_tiles import layouts as square_layouts, regs, rows_gemm_kernel  # noqa: E402
+from consumer_row_tiles import (  # noqa: E402
+    layouts as square_layouts,
+    print_times,
+    regs,
+    rows_gemm_kernel,
+    shape_inputs,
+)
 
 BN = 112
 CONS = 2
@@ -147,17 +153,9 @@ def compile_only():
 
 
 def run(shapes, rounds=7):
-    import statistics
-
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    torch.manual_seed(0)
-    print(f"triton {triton.__version__} torch {torch.__version__} {torch.cuda.get_device_name()}")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for m, n, k in shapes:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-        ref = x.float() @ w.float().t()
+    for m, n, k, x, w, ref, sms in shape_inputs(shapes):
         calls = {"cublas": lambda: torch.mm(x, w.t())}
         # the same structure at 128x128 (benchmarks/consumer_row_tiles.py), 5 stages
         y128 = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -194,19 +192,7 @@ def run(shapes, rounds=7):
             assert err < 2e-2, name
         print(f"{m}x{n}x{k}: tiles 128x128 {triton.cdiv(m, 128) * triton.cdiv(n, 128) / sms:.2f} waves, "
               f"128x112 {tiles / sms:.2f} waves", flush=True)
-        times = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, f in calls.items():
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(10):
-                        f()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                g.replay(); start.record(); g.replay(); end.record(); torch.cuda.synchronize()
-                times[name].append(start.elapsed_time(end) / 10)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        print(f"{m}x{n}x{k}", "  ".join(f"{name} {v * 1000:.1f} us ({v / med['cublas']:.3f}x)" for name, v in med.items()),
-              flush=True)
+        print_times(f"{m}x{n}x{k}", calls, rounds)
 
 
 # N a multiple of 112: llama3-8b all-gathers at TP 8 (14336/8 = 1792) and 4 (3584), llama3-70b at TP 8

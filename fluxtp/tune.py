@@ -6,7 +6,9 @@ Search space (`search_space(op, m_total, n, k, world)`, shapes are the layer's g
 in `fluxtp bench --shapes`): tiles 128x128 / 128x256 / 256x128, block_k 64 / 128, 4 / 8 warps,
 3 / 4 / 5 stages, group_m 4 / 8 / 16, plus the op's own knobs: chunk_rows (all_gather_matmul:
 the rows per rank in 1, 2, 4 or 8 copy chunks) and transport copy_engine / push / pull and
-epilogue_split 1 / 2 / 4 (matmul_reduce_scatter). Pruned before anything runs: what needs more
+epilogue_split 1 / 2 / 4 (matmul_reduce_scatter); where an all-gather may take the
+warp-specialized kernel (bf16 / fp16 on Hopper), each 128-row, 64-deep tiling on it too, and
+the heuristic as the launcher takes it there. Pruned before anything runs: what needs more
 shared memory than an H100/H200 block may have (`smem_bytes`), and tilings whose float32
 accumulator would not fit the registers (more than 128 per thread; 64 with an unsplit
 reduce-scatter epilogue). The estimate is an estimate: a candidate the compiler still rejects
@@ -393,7 +395,7 @@ def _time_left(deadline: float, info, device) -> float:
     return -max_over_ranks([-(deadline - time.monotonic())], info, device)[0]
 
 
-def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int) -> list:
+def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int, warp_specialized: bool = False) -> list:
     """`start`, then the candidates that differ from it in the `vary` fields only."""
     fields = {f.name for f in dataclasses.fields(start)}
     unknown = sorted(set(vary) - fields)
@@ -401,7 +403,8 @@ def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int)
         raise ValueError(f"{op} configs have no field(s) {', '.join(unknown)}; they have {', '.join(sorted(fields))}")
     pinned = {f: getattr(start, f) for f in vary}
     return [start] + [
-        c for c in candidates(op, m_total, n, k, world) if c != start and dataclasses.replace(c, **pinned) == start
+        c for c in candidates(op, m_total, n, k, world, warp_specialized)
+        if c != start and dataclasses.replace(c, **pinned) == start
     ]
 
 
@@ -414,6 +417,7 @@ def tune_shape(
     from tqdm import tqdm
 
     import fluxtp
+    from fluxtp.backends.fused._all_gather_matmul import warp_specialized_runs
     from fluxtp.bench.harness import (
         GPU_PROTOCOL,
         Protocol,
@@ -439,10 +443,12 @@ def tune_shape(
     else:
         ref, ref_gathered = reference(*inputs[0], group=info.group, backend="nccl"), None
 
+    # The all-gather's warp-specialized kernel is screened where the launcher may take it.
+    warp_specialized = op == "all_gather_matmul" and warp_specialized_runs(device, dtype)
     if vary:
-        space = varied_space(op, start, vary, shape.M, shape.N, shape.K, world)
+        space = varied_space(op, start, vary, shape.M, shape.N, shape.K, world, warp_specialized)
     else:
-        space = search_space(op, shape.M, shape.N, shape.K, world)
+        space = search_space(op, shape.M, shape.N, shape.K, world, warp_specialized)
     base = space[0]
     start = time.monotonic()
     screen_end = start + SCREEN_SHARE * max(0.0, deadline - start)

@@ -129,6 +129,31 @@ def test_heuristic_config_is_in_the_space_and_tried_first(op, M, N, K):
     assert distances == sorted(distances)
 
 
+@pytest.mark.parametrize("M, N, K", [(1024, 28672, 8192), (16384, 28672, 8192), (3000, 14336, 4096)])
+def test_the_all_gathers_space_has_the_warp_specialized_kernel_where_it_runs(M, N, K):
+    triton_only = tune.candidates(AG, M, N, K, 2)
+    both = tune.candidates(AG, M, N, K, 2, warp_specialized=True)
+    twins = [c for c in both if c.warp_specialized]
+    assert not any(c.warp_specialized for c in triton_only)
+    assert [c for c in both if not c.warp_specialized] == triton_only
+    # one twin per 128-row, 64-deep Triton tiling of the warps its shape takes (4 for 128 columns,
+    # 8 for 256), chunks included, where its staging (the whole tile) fits
+    for c in twins:
+        assert (c.block_m, c.block_k, c.num_warps) == (128, 64, c.block_n // 32), tune.describe(c)
+        assert dataclasses.replace(c, warp_specialized=False) in triton_only
+        stages = c.num_stages * (c.block_m + c.block_n) * c.block_k * 2
+        assert tune.smem_bytes(AG, c) == stages + c.block_m * c.block_n * 2
+        assert tune.smem_bytes(AG, c) + tune.SMEM_RESERVE_BYTES <= 227 * 1024
+    assert {(c.block_n, c.num_stages) for c in twins} == {(128, 3), (128, 4), (128, 5), (256, 3)}
+    assert {c.chunk_rows for c in twins} == {c.chunk_rows for c in triton_only if c.block_m == 128}
+    # the search starts where the launcher does: the heuristic on that kernel
+    space = tune.search_space(AG, M, N, K, 2, warp_specialized=True)
+    assert space[0] == AllGatherMatmulConfig.heuristic(M // 2, N // 2, K, 2, warp_specialized=True)
+    assert set(space) == set(both)
+    # the reduce-scatter has no such twin to screen
+    assert tune.candidates(RS, M, N // 4, K * 4, 2, warp_specialized=True) == tune.candidates(RS, M, N // 4, K * 4, 2)
+
+
 def test_reduce_scatter_transport_heuristic_and_check():
     # the copy engine where a segment of rows has two waves of tiles or more, else push
     assert MatmulReduceScatterConfig.heuristic(8192, 8192, 14336, 2).transport == "copy_engine"  # 32 x 32 tiles

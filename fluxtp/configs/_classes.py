@@ -402,11 +402,13 @@ def config_class(op: str):
     raise ValueError(f"op {op!r} has no tunable fused kernel; choose one of {', '.join(FUSED_OPS)}")
 
 
-def heuristic(op: str, m_total: int, n: int, k: int, world: int):
-    """The config the launcher uses without a cache entry (global sizes, as the cache keys)."""
+def heuristic(op: str, m_total: int, n: int, k: int, world: int, warp_specialized: bool = False):
+    """The config the launcher uses without a cache entry (global sizes, as the cache keys);
+    warp_specialized: the all-gather may take its warp-specialized kernel (the launcher's
+    warp_specialized_runs)."""
     cls = config_class(op)
     if op == "all_gather_matmul":
-        return cls.heuristic(m_total // world, n // world, k, world)
+        return cls.heuristic(m_total // world, n // world, k, world, warp_specialized=warp_specialized)
     return cls.heuristic(m_total, n, k // world, world)
 
 
@@ -448,8 +450,11 @@ def _chunk_rows(rows_per_rank: int, pieces: int, block_m: int) -> int:
     return max(block_m, _ceil_to(-(-rows_per_rank // pieces), block_m))
 
 
-def candidates(op: str, m_total: int, n: int, k: int, world: int) -> list:
-    """Every config of the space that fits, in enumeration order, without duplicates."""
+def candidates(op: str, m_total: int, n: int, k: int, world: int, warp_specialized: bool = False) -> list:
+    """Every config of the space that fits, in enumeration order, without duplicates.
+    warp_specialized: the all-gather may take its warp-specialized kernel (a bf16 / fp16 call on
+    Hopper): each 128-row tiling of 64-deep stages there too, at the warps of Triton's tiling of
+    that shape (the kernel's own warps ignore num_warps, so one twin a tiling)."""
     cls = config_class(op)
     out = []
     for (bm, bn), bk, warps, stages, group_m in itertools.product(TILES, BLOCK_KS, WARPS, STAGES, GROUP_MS):
@@ -457,7 +462,8 @@ def candidates(op: str, m_total: int, n: int, k: int, world: int) -> list:
         if op == "all_gather_matmul":
             rows = m_total // world
             chunks = dict.fromkeys(_chunk_rows(rows, p, bm) for p in AG_CHUNK_PIECES)
-            variants = [cls(**tiling, chunk_rows=c) for c in chunks]
+            twin = warp_specialized and (bm, bk, warps) == (128, 64, bn // 32)
+            variants = [cls(**tiling, chunk_rows=c, warp_specialized=ws) for c in chunks for ws in (False, True)[: 1 + twin]]
         else:
             variants = [
                 cls(**tiling, transport=transport, epilogue_split=split)
@@ -467,11 +473,12 @@ def candidates(op: str, m_total: int, n: int, k: int, world: int) -> list:
     return list(dict.fromkeys(out))
 
 
-def search_space(op: str, m_total: int, n: int, k: int, world: int) -> list:
+def search_space(op: str, m_total: int, n: int, k: int, world: int, warp_specialized: bool = False) -> list:
     """The candidates in the order the tuner tries them: the heuristic's config first, then by
-    how many fields differ from it (neighbours first), ties in enumeration order."""
-    base = heuristic(op, m_total, n, k, world)
-    space = candidates(op, m_total, n, k, world)
+    how many fields differ from it (neighbours first), ties in enumeration order
+    (warp_specialized: as for candidates and heuristic)."""
+    base = heuristic(op, m_total, n, k, world, warp_specialized)
+    space = candidates(op, m_total, n, k, world, warp_specialized)
     if base not in space:
         space.insert(0, base)  # the baseline is always measured
     fields = [f.name for f in dataclasses.fields(base)]

@@ -408,6 +408,14 @@ def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int,
     ]
 
 
+def _warp_specialized_runs(op: str, device, dtype: torch.dtype) -> bool:
+    """Whether an `op` call of `dtype` on `device` may take the all-gather's warp-specialized kernel
+    (the launcher's own test; no other op has one to choose)."""
+    from fluxtp.backends.fused._all_gather_matmul import warp_specialized_runs
+
+    return op == "all_gather_matmul" and warp_specialized_runs(device, dtype)
+
+
 def tune_shape(
     op, shape, dtype, deadline, info, device, generator, show_progress=False, weight_layout="linear", start=None, vary=()
 ) -> ShapeResult:
@@ -417,7 +425,6 @@ def tune_shape(
     from tqdm import tqdm
 
     import fluxtp
-    from fluxtp.backends.fused._all_gather_matmul import warp_specialized_runs
     from fluxtp.bench.harness import (
         GPU_PROTOCOL,
         Protocol,
@@ -444,7 +451,7 @@ def tune_shape(
         ref, ref_gathered = reference(*inputs[0], group=info.group, backend="nccl"), None
 
     # The all-gather's warp-specialized kernel is screened where the launcher may take it.
-    warp_specialized = op == "all_gather_matmul" and warp_specialized_runs(device, dtype)
+    warp_specialized = _warp_specialized_runs(op, device, dtype)
     if vary:
         space = varied_space(op, start, vary, shape.M, shape.N, shape.K, world, warp_specialized)
     else:
@@ -627,7 +634,8 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         start = None
         if job.vary:  # what the op launches for this shape now: the cache's, the shipped table's or the heuristic
             start = choose(
-                job.op, gpu, world, dtype_name, shape.M, shape.N, shape.K, path=job.path, weight_layout=job.weight_layout
+                job.op, gpu, world, dtype_name, shape.M, shape.N, shape.K, path=job.path, weight_layout=job.weight_layout,
+                warp_specialized=_warp_specialized_runs(job.op, device, job.dtype),
             ).config
         try:
             result = tune_shape(
@@ -784,6 +792,11 @@ def cmd_info_configs(args) -> int:
     except ValueError as e:
         parser.error(str(e))
     path, shipped = cache_path(), shipped_path()
+    # This GPU's heuristic on the kernel the launcher takes here (another GPU's, named by --gpu: the
+    # Triton kernel's, as no local test says what that GPU runs).
+    local = gpus > 0 and gpu == torch.cuda.get_device_name(0)
+    dtype = getattr(torch, args.dtype)
+    warp_specialized = {op: local and _warp_specialized_runs(op, torch.device("cuda", 0), dtype) for op in ops}
     width = terminal_width()
     for label, table, is_shipped, absent in (
         ("config cache", path, False, "no file yet (`fluxtp tune` writes it)"),
@@ -807,17 +820,19 @@ def cmd_info_configs(args) -> int:
     )
     for op in dict.fromkeys(op for op, _ in cases):
         print()
-        print(_format_choices(op, [s for o, s in cases if o == op], gpu, world, args.dtype, layout, path, shipped, width))
+        print(_format_choices(op, [s for o, s in cases if o == op], gpu, world, args.dtype, layout, path, shipped, width,
+                              warp_specialized[op]))  # fmt: skip
     return 0
 
 
-def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width) -> str:
+def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width, warp_specialized=False) -> str:
     """One op's table for `fluxtp info --configs`, fitted to `width`: the config of each shape and
     where it comes from; below it, why, for the shapes whose source and bucket do not say it all
     (a nearest bucket, another layout's entry, the heuristic), grouped by reason."""
     rows, reasons = [], {}
     for s in shapes:
-        choice = choose(op, gpu, world, dtype, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout)
+        choice = choose(op, gpu, world, dtype, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout,
+                        warp_specialized=warp_specialized)  # fmt: skip
         source = choice.origin if choice.source == "heuristic" else f"{choice.origin}, {choice.source}"
         rows.append([str(s), m_bucket(s.M), source, describe(choice.config), _vs_nccl(choice, layout)])
         said_all = choice.source == "exact" and choice.entry.key.weight_layout == layout

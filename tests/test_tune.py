@@ -378,6 +378,13 @@ def test_no_cache_file_means_heuristic_and_no_warning(cache):
         assert tune.tuned_config(AG, x, w, 2) is None
         choice = tune.choose(AG, H200, 2, "bfloat16", 4096, 28672, 8192)
     assert choice.source == "heuristic" and "no cache file" in choice.why
+    assert choice.config == tune.heuristic(AG, 4096, 28672, 8192, 2) and not choice.config.warp_specialized
+    # where the call may take the warp-specialized kernel, the heuristic is the one launched there
+    on_it = tune.choose(AG, H200, 2, "bfloat16", 4096, 28672, 8192, warp_specialized=True)
+    assert on_it.config == AllGatherMatmulConfig.heuristic(2048, 14336, 8192, 2, warp_specialized=True)
+    assert on_it.config.warp_specialized and on_it.config != choice.config
+    rs = tune.choose(RS, H200, 2, "bfloat16", 4096, 8192, 28672, warp_specialized=True)
+    assert rs.config == tune.heuristic(RS, 4096, 8192, 28672, 2)
 
 
 def _valid_file() -> dict:

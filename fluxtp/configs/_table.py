@@ -261,10 +261,12 @@ def _first_answer(tables, *key) -> tuple[Entry | None, str]:
     return None, HEURISTIC
 
 
-def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, weight_layout="linear") -> Choice:
+def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, weight_layout="linear",
+           warp_specialized: bool = False) -> Choice:  # fmt: skip
     """What a call of `op` with these global sizes would launch, and why (see the module doc):
     `path` is the user's cache (default: cache_path()), `shipped_table` the shipped table
-    (default: shipped_path())."""
+    (default: shipped_path()); warp_specialized: the call may take the all-gather's
+    warp-specialized kernel (the launcher's warp_specialized_runs), as its heuristic then does."""
     dtype = str(dtype).removeprefix("torch.")
     key = Key(gpu, world, dtype, op, n, k, m_bucket(m_total), weight_layout)
     tables = (
@@ -290,7 +292,7 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, 
         else:
             missing.append(f"no tuned entry in the {origin}")
     why = f"heuristic ({gpu} x{world} {dtype} N={n} K={k} {weight_layout}): " + "; ".join(missing)
-    return Choice(heuristic(op, m_total, n, k, world), "heuristic", why)
+    return Choice(heuristic(op, m_total, n, k, world, warp_specialized), "heuristic", why)
 
 
 # float8: the FP8 ops' tilings (fluxtp tune --one-gpu, all-gather only), by accumulation (key_dtype).

@@ -395,7 +395,8 @@ def _time_left(deadline: float, info, device) -> float:
     return -max_over_ranks([-(deadline - time.monotonic())], info, device)[0]
 
 
-def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int, warp_specialized: bool = False) -> list:
+def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int,
+                 warp_specialized: bool = False) -> list:  # fmt: skip
     """`start`, then the candidates that differ from it in the `vary` fields only."""
     fields = {f.name for f in dataclasses.fields(start)}
     unknown = sorted(set(vary) - fields)
@@ -634,8 +635,8 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         start = None
         if job.vary:  # what the op launches for this shape now: the cache's, the shipped table's or the heuristic
             start = choose(
-                job.op, gpu, world, dtype_name, shape.M, shape.N, shape.K, path=job.path, weight_layout=job.weight_layout,
-                warp_specialized=_warp_specialized_runs(job.op, device, job.dtype),
+                job.op, gpu, world, dtype_name, shape.M, shape.N, shape.K, path=job.path,
+                weight_layout=job.weight_layout, warp_specialized=_warp_specialized_runs(job.op, device, job.dtype),
             ).config
         try:
             result = tune_shape(
@@ -820,8 +821,8 @@ def cmd_info_configs(args) -> int:
     )
     for op in dict.fromkeys(op for op, _ in cases):
         print()
-        print(_format_choices(op, [s for o, s in cases if o == op], gpu, world, args.dtype, layout, path, shipped, width,
-                              warp_specialized[op]))  # fmt: skip
+        op_shapes = [s for o, s in cases if o == op]
+        print(_format_choices(op, op_shapes, gpu, world, args.dtype, layout, path, shipped, width, warp_specialized[op]))
     return 0
 
 

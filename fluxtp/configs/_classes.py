@@ -463,7 +463,8 @@ def candidates(op: str, m_total: int, n: int, k: int, world: int, warp_specializ
             rows = m_total // world
             chunks = dict.fromkeys(_chunk_rows(rows, p, bm) for p in AG_CHUNK_PIECES)
             twin = warp_specialized and (bm, bk, warps) == (128, 64, bn // 32)
-            variants = [cls(**tiling, chunk_rows=c, warp_specialized=ws) for c in chunks for ws in (False, True)[: 1 + twin]]
+            kernels = (False, True) if twin else (False,)
+            variants = [cls(**tiling, chunk_rows=c, warp_specialized=ws) for c in chunks for ws in kernels]
         else:
             variants = [
                 cls(**tiling, transport=transport, epilogue_split=split)

@@ -12,7 +12,7 @@ mean (worst):
 - `recorded`: the heuristic of the tune's own commit (the row's `heuristic_config`);
 - `current`: the heuristic of this checkout (fluxtp.bench.gemm_grid.heuristic_config, on the
   all-gather's warp-specialized kernel where the tune screened that kernel), looked up among the
-  screened tilings: an edit of the heuristic is scored on committed measurements before any GPU
+  screened tilings (copy chunks and transport aside: communication knobs): an edit of the heuristic is scored on committed measurements before any GPU
   runs it. A current config the tune did not screen counts under `unscreened` and is left out.
 Screens are two rounds and every tiling in them is timed alike, so a ratio of 1.02 is within noise
 of 1; a rule fitted to these files is scored in-sample and still needs an independent run.
@@ -32,12 +32,13 @@ from tabulate import tabulate
 from fluxtp.bench.gemm_grid import GemmCase, heuristic_config
 from fluxtp.configs import config_class, describe
 
-# The copy chunks are a communication knob: the same tiling screened with other chunks is the same GEMM.
-_CHUNKS = re.compile(r" chunk_rows=\d+")
+# The all-gather's copy chunks and the reduce-scatter's transport are communication knobs, which a
+# one-GPU entry takes from the heuristic of the day it is launched: the tiling is what was tuned.
+_COMMUNICATION = re.compile(r" chunk_rows=\d+| (push|pull|copy_engine)(?= )")
 
 
 def _tiling(description: str) -> str:
-    return _CHUNKS.sub("", description)
+    return _COMMUNICATION.sub("", description)
 
 
 @dataclass(frozen=True)

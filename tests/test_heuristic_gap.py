@@ -21,7 +21,7 @@ def _row(case: GemmCase, screen: dict, recorded) -> dict:
     return {**dataclasses.asdict(case), "screen_ms": screen, "heuristic_config": dataclasses.asdict(recorded)}
 
 
-def test_gaps_over_the_best_screened_tiling_chunks_aside():
+def test_gaps_over_the_best_screened_tiling_communication_knobs_aside():
     ag = GemmCase("all_gather_matmul", 4096, 28672, 8192, 4, "float8_e4m3fn", fast_accum=True)
     now = heuristic_config(ag, warp_specialized=True)
     older = dataclasses.replace(now, num_stages=now.num_stages + 1)  # what an older heuristic was
@@ -30,12 +30,20 @@ def test_gaps_over_the_best_screened_tiling_chunks_aside():
     rs = GemmCase("matmul_reduce_scatter", 2048, 8192, 28672, 8)
     rs_now = heuristic_config(rs)
     rs_older = dataclasses.replace(rs_now, group_m=4)
-    rs_screen = {describe(rs_older): 0.5, "128x128x64 w4 s4 g8 push epilogue_split=2": 0.4}
+    # another transport is the same tiling; another epilogue split is not
+    other_transport = dataclasses.replace(rs_now, transport="pull" if rs_now.transport != "pull" else "push")
+    rs_screen = {describe(rs_older): 0.5, "128x128x64 w4 s4 g8 push epilogue_split=2": 0.4,
+                 describe(dataclasses.replace(other_transport, epilogue_split=2)): 0.45}  # fmt: skip
     (gap, rs_gap) = heuristic_gap.gaps([_row(ag, screen, older), _row(rs, rs_screen, rs_older)])
     assert gap.case == ag and gap.recorded == pytest.approx(1.5) and gap.current == pytest.approx(1.25)
     assert gap.current_config == describe(now).split(" chunk_rows=")[0]
-    # the reduce-scatter's current heuristic was not screened: no ratio, counted apart
+    # the reduce-scatter's current heuristic (its tiling, whatever the transport) was not screened:
+    # no ratio, counted apart
     assert rs_gap.recorded == pytest.approx(1.25) and rs_gap.current is None
+    screened_now = {**rs_screen, describe(other_transport): 0.6}
+    (_, scored) = heuristic_gap.gaps([_row(ag, screen, older), _row(rs, screened_now, rs_older)])
+    assert scored.current == pytest.approx(1.5)
+    assert not any(t in scored.current_config for t in ("push", "pull", "copy_engine"))
     (summary_ag, summary_rs) = heuristic_gap.summary("file", [gap, rs_gap])
     assert summary_ag == ["file", "all_gather_matmul float8_e4m3fn fast", 1, "1.5000 (1.500)", "1.2500 (1.250)", 0]
     assert summary_rs == ["file", "matmul_reduce_scatter bfloat16", 1, "1.2500 (1.250)", "-", 1]

@@ -60,6 +60,7 @@ from fluxtp.bench.gemm_grid import (
     GRIDS,
     GemmCase,
     case_inputs,
+    case_of,
     cublas_reference,
     fp8_case_inputs,
     expected_rows,
@@ -329,11 +330,6 @@ def main() -> None:
         data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=worlds[0] if len(worlds) == 1 else 0,
                         command=command_line())
         print("wrote", write_json(data, args.out))
-
-
-def case_of(row: dict) -> GemmCase:
-    """The case of a results row (fields a row of an older file lacks take their defaults)."""
-    return GemmCase(**{f: row[f] for f in GemmCase.__dataclass_fields__ if f in row})
 
 
 def format_table(rows: list[dict]) -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from fluxtp.bench.gemm_grid import GemmCase, heuristic_config
+from fluxtp.bench.gemm_grid import GemmCase, case_of, heuristic_config
 from fluxtp.configs import config_class, describe
 
 # The all-gather's copy chunks and the reduce-scatter's transport are communication knobs, which a
@@ -47,10 +47,6 @@ class Gap:
     recorded: float  # the tune's heuristic over the best screened time
     current: float | None  # this checkout's heuristic over it; None: not among the screened tilings
     current_config: str
-
-
-def case_of(row: dict) -> GemmCase:
-    return GemmCase(**{f: row[f] for f in GemmCase.__dataclass_fields__ if f in row})
 
 
 def gaps(rows: list[dict]) -> list[Gap]:

@@ -134,6 +134,12 @@ def grid(name: str) -> list[GemmCase]:
     return GRIDS[name]()
 
 
+def case_of(row: dict) -> GemmCase:
+    """The case of a results row (gemm_efficiency, tune --one-gpu); fields a row of an older file
+    lacks take their defaults."""
+    return GemmCase(**{f: row[f] for f in GemmCase.__dataclass_fields__ if f in row})
+
+
 def parse_cases(text: str, world: int, dtype: str = "bfloat16", weight_layout: str = "linear") -> list[GemmCase]:
     """`ag:MxNxK,rs:MxNxK,...` (the layers' global sizes) at one TP degree."""
     cases = []

@@ -715,7 +715,7 @@ def cmd_tune(args) -> int:
     if args.budget_seconds <= 0:
         parser.error(f"--budget-seconds must be positive, got {args.budget_seconds}")
     if args.dtype not in ("bfloat16", "float16"):
-        parser.error(f"--dtype {args.dtype}: the multi-GPU tune runs bf16 and fp16 (FP8 all-gathers: --one-gpu)")
+        parser.error(f"--dtype {args.dtype}: the multi-GPU tune runs bf16 and fp16 (FP8 GEMMs: --one-gpu)")
     vary = tuple(f for f in (getattr(args, "vary", None) or "").split(",") if f)
     fields = {f.name for f in dataclasses.fields(config_class(args.op))}
     if set(vary) - fields:

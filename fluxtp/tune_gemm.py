@@ -5,9 +5,10 @@ tile grouping of each fused op's GEMM-only mode (the op's own kernel, exactly as
 W-rank call launches it, every flag preset; fluxtp.bench.gemm_grid). Per case (GPU, world,
 dtype, op, N, K, M bucket, weight layout; the cache's key):
 1. the tilings of ONE_GPU_TILINGS that fit (fluxtp.tune.fits), and WARP_SPECIALIZED_TILINGS where
-   the all-gather's warp-specialized kernel runs, each with the communication knobs the
-   heuristic gives that tiling (copy chunks; the reduce-scatter's transport), are checked
-   against cuBLAS on random data and screened in one short interleaved measurement;
+   the all-gather's warp-specialized kernel runs (FP8 cases: the warp-specialized kernels' FP8
+   tilings), each with the communication knobs the heuristic gives that tiling (copy chunks; the
+   reduce-scatter's transport), are checked against cuBLAS on random data and screened in one
+   short interleaved measurement;
 2. the three fastest and the heuristic's config are timed interleaved with cuBLAS
    (fluxtp.bench.harness; medians of the rounds). Every variant is a CUDA graph replay: the
    kernels alone are timed, not the host's launch (fluxtp.bench.harness.graphed).
@@ -50,10 +51,15 @@ from fluxtp.bench.gemm_grid import (
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
 from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, key_dtype, load, m_bucket
+from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
+from fluxtp.backends.fused._scaled import Scaled
+from fluxtp.configs import MatmulReduceScatterConfig
 from fluxtp.configs._classes import (
+    REDUCER_FP8_WIDE_PRECISE_TILING,
     WARP_SPECIALIZED_FP8_FAST_TILING,
     WARP_SPECIALIZED_FP8_TILING,
     WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING,
+    fp8_tiling,
 )
 from fluxtp.tune import write_entries
 
@@ -76,10 +82,11 @@ WARP_SPECIALIZED_TILINGS = (
     (128, 256, 64, 8, 3),
     (128, 128, 64, 4, 4),
 )
-# FP8 all-gathers (the warp-specialized kernel): its 128x128x128 tiling at these stages (six fit
-# beside a bf16 output's staging) and row bands, and with fast accumulation its 128x256x128 one
-# (three stages fit) in either band. On one H100 each moved single cases 10-30% either way with no
-# rule between them (docs/perf-log.md).
+# FP8 GEMMs (the warp-specialized kernels): the 128x128x128 tiling at these stages (in the
+# all-gather six fit beside a bf16 output's staging, in the reducer kernel what fits beside its
+# partials) and row bands, and the 128x256x128 one of the call's accumulation in either band. On
+# one H100 each moved single all-gather cases 10-30% either way with no rule between them
+# (docs/perf-log.md).
 FP8_STAGES = (4, 5, 6)
 FP8_GROUP_MS = (4, 8)
 FINALISTS = 3
@@ -98,10 +105,13 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
     """The tilings to screen for a case, each with the communication knobs of the heuristic;
     warp_specialized: the GPU runs the all-gather's warp-specialized kernel for the case
     (warp_specialized_runs; other ops have none to screen)."""
-    warp_specialized = warp_specialized and case.op == "all_gather_matmul"
+    warp_specialized = warp_specialized and (case.op == "all_gather_matmul" or case.fp8)
     base = heuristic_config(case, warp_specialized)
     if case.fp8:
-        return [base, *_fp8_candidates(case, base)] if warp_specialized else [base]
+        if not warp_specialized:
+            return [base]
+        more = _fp8_candidates if case.op == "all_gather_matmul" else _fp8_reduce_scatter_candidates
+        return [base, *more(case, base)]
     tilings = [(t, False) for t in ONE_GPU_TILINGS] + [(t, True) for t in WARP_SPECIALIZED_TILINGS if warp_specialized]
     out = []
     for (bm, bn, bk, warps, stages), on_warp_specialized in tilings:
@@ -124,6 +134,27 @@ def _fp8_candidates(case: GemmCase, base) -> list:
     wide = dataclasses.replace(base, **wide_tiling, warp_specialized=True)
     out += [dataclasses.replace(wide, group_m=g) for g in FP8_GROUP_MS]
     return [with_communication_heuristic(case, c) for c in dict.fromkeys(out) if c != base]
+
+
+def _fp8_reduce_scatter_candidates(case: GemmCase, base) -> list:
+    """An FP8 reduce-scatter's reducer-kernel tilings that fit beside a bf16 output's partials:
+    the 128x128x128 one at FP8_STAGES and FP8_GROUP_MS, the 128x256x128 one of its accumulation in
+    either band; where the heuristic keeps the Triton kernel (fast accumulation below
+    REDUCER_MIN_WORLD ranks), that kernel's FP8 tilings in either band too. base's left out."""
+    _, (n, _) = case.shard_shapes
+    precise = not case.fast_accum
+    wide = WARP_SPECIALIZED_FP8_FAST_TILING if case.fast_accum else REDUCER_FP8_WIDE_PRECISE_TILING
+    tilings = [{**WARP_SPECIALIZED_FP8_TILING, "num_stages": s} for s in FP8_STAGES] + [wide]
+    reducer = [MatmulReduceScatterConfig(**t, group_m=g, epilogue_split=2, warp_specialized=True)
+               for t, g in itertools.product(tilings, FP8_GROUP_MS)]  # fmt: skip
+    scaled = Scaled(torch.bfloat16, True, precise)
+    out = [c for c in reducer if reducer_fits(c, n, case.world, 1, scaled)]
+    if not base.warp_specialized:
+        for tiling in (fp8_tiling(precise, narrow=False), fp8_tiling(precise, narrow=True)):
+            split = 2 if tiling["block_n"] == 128 else 4
+            out += [MatmulReduceScatterConfig(**tiling, group_m=g, epilogue_split=split) for g in FP8_GROUP_MS]
+    out = [with_communication_heuristic(case, c) for c in out]
+    return [c for c in dict.fromkeys(out) if c != base]
 
 
 def with_communication_heuristic(case: GemmCase, config):
@@ -419,15 +450,12 @@ def cmd_tune_one_gpu(args) -> int:
         if not any(case.fp8 for case in cases):
             parser.error("--fast-accum: FP8 cases only (--grid fp8-all-gather, or --dtype float8_e4m3fn)")
         cases = [dataclasses.replace(case, fast_accum=True) if case.fp8 else case for case in cases]
-    if any(case.fp8 and case.op != "all_gather_matmul" for case in cases):
-        parser.error("--one-gpu tunes the FP8 all-gather only; the FP8 reduce-scatter takes fixed tilings "
-                     "(fluxtp.configs.reducer_fp8_tiling)")
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE, file=sys.stderr, flush=True)
         return 2
     fp8 = [case for case in cases if case.fp8]
     if fp8 and not warp_specialized_runs(fp8[0], torch.device("cuda", 0)):
-        print("fluxtp tune: FP8 all-gathers are tuned on the warp-specialized kernel, which this GPU or Triton "
+        print("fluxtp tune: FP8 GEMMs are tuned on the warp-specialized kernels, which this GPU or Triton "
               "cannot run (a Hopper GPU, sm_90)", file=sys.stderr, flush=True)  # fmt: skip
         return 2
     return run(cases, args.cache, getattr(args, "out", None), getattr(args, "command_line", "fluxtp tune --one-gpu"))

@@ -161,6 +161,36 @@ def test_one_gpu_candidates_of_an_fp8_all_gather_are_its_stages_and_bands_on_the
         GemmCase(AG, 4096, 28672, 8192, 8, fast_accum=True)
 
 
+def test_one_gpu_candidates_of_an_fp8_reduce_scatter_are_the_reducer_kernels_tilings_that_fit():
+    """An FP8 reduce-scatter screens the reducer kernel's 128x128x128 tiling at the stages that fit
+    beside bf16 partials in bands of 4 or 8 row tiles, and the 128x256x128 one of its accumulation
+    in either band, the heuristic as launched first (on the reducer kernel where it goes); where the
+    heuristic keeps the Triton kernel (fast accumulation at TP=2), that kernel's FP8 tilings too;
+    where the GPU runs neither warp-specialized kernel there is nothing to screen."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
+    from fluxtp.backends.fused._scaled import Scaled
+
+    case = GemmCase(RS, 4096, 8192, 28672, 8, "float8_e4m3fn")
+    base = tune_gemm.heuristic_config(case, True)
+    assert base.warp_specialized and base == MatmulReduceScatterConfig.heuristic_fp8(4096, 8192, 3584, 8, True).on_reducer_kernel(
+        8, 4096, 8192, 3584, True)  # fmt: skip
+    space = tune_gemm.candidates(case, warp_specialized=True)
+    assert space[0] == base and len(space) == len(set(space)) and len({tune.describe(c) for c in space}) == len(space)
+    assert all(c.warp_specialized and (c.block_m, c.block_k) == (128, 128) for c in space)
+    assert {(c.block_n, c.group_m) for c in space} == {(128, 4), (128, 8), (256, 4), (256, 8)}
+    assert all(reducer_fits(c, 8192, 8, 1, Scaled(torch.bfloat16, True, True)) for c in space)
+    assert {c.num_stages for c in space if c.block_n == 128} <= {4, 5, 6} and {c.num_stages for c in space if c.block_n == 256} == {4}
+    for c in space:  # the transport is the heuristic's for that very tiling
+        assert c == tune_gemm.with_communication_heuristic(case, c)
+    assert tune_gemm.candidates(case) == [tune_gemm.heuristic_config(case)] and not space[0] == tune_gemm.heuristic_config(case)
+    fast = GemmCase(RS, 4096, 8192, 28672, 2, "float8_e4m3fn", fast_accum=True)
+    fast_space = tune_gemm.candidates(fast, warp_specialized=True)
+    assert not fast_space[0].warp_specialized and (fast_space[0].block_n, fast_space[0].num_stages) == (256, 3)
+    assert {(c.block_n, c.num_stages) for c in fast_space if not c.warp_specialized} == {(256, 3), (128, 4)}
+    assert {(c.block_n, c.num_stages) for c in fast_space if c.warp_specialized} >= {(128, 4), (256, 3)}
+    assert len(fast_space) == len(set(fast_space)) and tune_gemm.case_key(fast, "H").dtype == "float8_e4m3fn+fast_accum"
+
+
 def test_compile_jobs_name_each_distinct_kernel_once():
     cases = [GemmCase(AG, m, 28672, 8192, 2) for m in (1024, 4096, 8192)]
     jobs = tune_gemm._compile_jobs(cases)
@@ -212,17 +242,16 @@ def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
     assert proc.returncode == 2 and "--one-gpu needs --grid, or --op and --shapes" in proc.stderr
     proc = fluxtp("tune", "--one-gpu", "--grid", "nope")
     assert proc.returncode == 2 and "unknown grid 'nope'" in proc.stderr
-    proc = fluxtp("tune", "--one-gpu", "--grid", "fp8-smoke")
-    assert proc.returncode == 2 and "tunes the FP8 all-gather only" in proc.stderr
     proc = fluxtp("tune", "--one-gpu", "--grid", "smoke", "--fast-accum")
     assert proc.returncode == 2 and "--fast-accum: FP8 cases only" in proc.stderr
     proc = fluxtp("tune", "--op", AG, "--shapes", "1024x4096x4096", "--dtype", "float8_e4m3fn")
-    assert proc.returncode == 2 and "FP8 all-gathers: --one-gpu" in proc.stderr
+    assert proc.returncode == 2 and "FP8 GEMMs: --one-gpu" in proc.stderr
     proc = fluxtp("tune")
     assert proc.returncode == 2 and "--op and --shapes are required" in proc.stderr
     if not torch.cuda.is_available():
-        proc = fluxtp("tune", "--one-gpu", "--grid", "smoke")
-        assert proc.returncode == 2 and "need NVIDIA GPUs" in proc.stderr
+        for grid_name in ("smoke", "fp8-smoke"):  # FP8 reduce-scatters included
+            proc = fluxtp("tune", "--one-gpu", "--grid", grid_name)
+            assert proc.returncode == 2 and "need NVIDIA GPUs" in proc.stderr
 
 
 def test_a_tiling_replaces_the_heuristics_only_on_a_clear_lead():

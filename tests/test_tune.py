@@ -315,6 +315,44 @@ def test_an_fp8_all_gather_takes_its_tuned_entry_for_its_accumulation_on_the_war
     assert _all_gather_matmul._config_for(x, w, 2, None, precise) == tuned.with_communication_heuristic(512)
 
 
+def test_an_fp8_reduce_scatter_takes_its_tuned_entry_for_its_accumulation_where_it_runs(cache, monkeypatch):
+    """An FP8 reduce-scatter launches its table entry for its accumulation (float8 keys, tuned with
+    bf16 partials): a Triton-kernel entry anywhere, a reducer-kernel one where that kernel runs and
+    the call's partials leave it room (a float32 output's do not beside 128x256 tiles: the
+    heuristic then); untuned, the heuristic on the reducer kernel where it runs."""
+    from fluxtp.backends.fused import _matmul_reduce_scatter, _scaled
+    from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING
+
+    x, w = torch.zeros(1024, 64).to(torch.float8_e4m3fn), torch.zeros(256, 64).to(torch.float8_e4m3fn)
+    precise, fast = _scaled.Scaled(torch.bfloat16, True, True), _scaled.Scaled(torch.bfloat16, True, False)
+    wide_out = _scaled.Scaled(torch.float32, True, True)
+    untuned = _matmul_reduce_scatter._config_for(x, w, 4, None, precise)
+    assert not untuned.warp_specialized  # CPU: the Triton kernel's heuristic
+    assert untuned == MatmulReduceScatterConfig.heuristic_fp8(1024, 256, 64, 4, True)
+    one_gpu = entry(gpu="cpu", world=4, dtype="float8_e4m3fn", op=RS, n=256, k=256, m=1024)
+    measured = {**one_gpu.measured, "mode": configs.GEMM_ONLY_MODE}
+    triton = dataclasses.replace(untuned, group_m=4)
+    tune.write_entries([tune.Entry(one_gpu.key, triton, measured)])
+    assert _matmul_reduce_scatter._config_for(x, w, 4, None, precise) == triton
+    assert _matmul_reduce_scatter._config_for(x, w, 4, None, fast) == untuned_fast(x, w)  # its own key
+    # A reducer-kernel entry: the heuristic where that kernel does not run (here, the CPU)...
+    reducer = MatmulReduceScatterConfig(**REDUCER_FP8_WIDE_PRECISE_TILING, group_m=4, epilogue_split=2,
+                                        warp_specialized=True).with_communication_heuristic(1024, 256, 4)  # fmt: skip
+    tune.write_entries([tune.Entry(one_gpu.key, reducer, measured)])
+    assert _matmul_reduce_scatter._config_for(x, w, 4, None, precise) == untuned
+    # ...and itself where it runs, unless a float32 output's partials leave its tiles no room.
+    monkeypatch.setattr(_scaled, "pingpong_unsupported", lambda *args, **kwargs: None)
+    assert _matmul_reduce_scatter._config_for(x, w, 4, None, precise) == reducer
+    assert not _matmul_reduce_scatter.reducer_fits(reducer, 256, 4, 1, wide_out)
+    heuristic = _matmul_reduce_scatter._config_for(x, w, 4, None, wide_out)
+    assert heuristic == _matmul_reduce_scatter.scaled_heuristic(1024, 256, 64, 4, wide_out, True)
+    assert heuristic.warp_specialized and heuristic.block_n == 128
+
+
+def untuned_fast(x, w):
+    return MatmulReduceScatterConfig.heuristic_fp8(x.shape[0], w.shape[0], x.shape[1], 4, False)
+
+
 def test_a_one_gpu_entry_takes_todays_communication_knobs(cache):
     """An entry tuned on one GPU (GEMM-only) measured its tiling alone: the launcher takes its
     tiling with the heuristic's transport (push at TP=4) and copy chunks; an entry measured with

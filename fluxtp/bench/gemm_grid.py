@@ -184,8 +184,9 @@ def expected_rows(case: GemmCase, full: torch.Tensor) -> torch.Tensor:
 
 def heuristic_config(case: GemmCase, warp_specialized: bool = False):
     """The config the launcher takes when no table has an entry for the case (an FP8 one: with
-    its accumulation and a bf16 output); warp_specialized: on a GPU where the all-gather may
-    take its warp-specialized kernel (warp_specialized_runs)."""
+    its accumulation and a bf16 output); warp_specialized: on a GPU where the case may take a
+    warp-specialized kernel (warp_specialized_runs: the FP8 reduce-scatter's reducer kernel too)."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import scaled_heuristic
     from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 
     (rows, k), (n, _) = case.shard_shapes
@@ -193,7 +194,7 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
         precise = not case.fast_accum
         if case.op == "all_gather_matmul":
             return AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, precise, warp_specialized=warp_specialized)
-        return MatmulReduceScatterConfig.heuristic_fp8(case.M, n, k, case.world, precise)
+        return scaled_heuristic(case.M, n, k, case.world, _bf16_output(case), warp_specialized)
     if case.op == "all_gather_matmul":
         return AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
     return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
@@ -211,15 +212,24 @@ def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scale
 
 
 def warp_specialized_runs(case: GemmCase, device) -> bool:
-    """Whether the case's all-gather may take the warp-specialized kernel on `device` (on Hopper),
-    as the launcher decides."""
+    """Whether the case may take a warp-specialized kernel on `device` (on Hopper), as the launcher
+    decides: the all-gather's, or an FP8 reduce-scatter's reducer kernel (a bf16 / fp16 one's
+    takes a fixed tiling: MatmulReduceScatterConfig.on_reducer_kernel)."""
     from fluxtp.backends.fused import _all_gather_matmul, _scaled
 
+    if case.fp8:
+        return _scaled.pingpong_unsupported(device, _bf16_output(case)) is None
     if case.op != "all_gather_matmul":
         return False
-    if case.fp8:
-        return _scaled.pingpong_unsupported(device, _scaled.Scaled(torch.bfloat16, True, not case.fast_accum)) is None
     return _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype])
+
+
+def _bf16_output(case: GemmCase):
+    """An FP8 case's scaled call (fluxtp.backends.fused._scaled.Scaled): row-wise scales, a bf16
+    output, the case's accumulation."""
+    from fluxtp.backends.fused import _scaled
+
+    return _scaled.Scaled(torch.bfloat16, True, not case.fast_accum)
 
 
 def gemm_only_case(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, config=None, scales=None):

@@ -320,7 +320,8 @@ class MatmulReduceScatterConfig(GemmTiling):
             if world < (REDUCER_FP8_PRECISE_MIN_WORLD if fp8_precise else REDUCER_MIN_WORLD):
                 return self
             tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n, k)
-            return dataclasses.replace(self, **tiling, warp_specialized=True)
+            # epilogue_split as warp_specialized_fp8 writes it (the kernel ignores it): one config a tiling
+            return dataclasses.replace(self, **tiling, epilogue_split=2, warp_specialized=True)
         work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
         if world < REDUCER_MIN_WORLD or (world < REDUCER_WORLD and work < REDUCER_MIN_WORK):
             return self

@@ -295,7 +295,7 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, 
     return Choice(heuristic(op, m_total, n, k, world, warp_specialized), "heuristic", why)
 
 
-# float8: the FP8 ops' tilings (fluxtp tune --one-gpu, all-gather only), by accumulation (key_dtype).
+# float8: the FP8 ops' tilings (fluxtp tune --one-gpu), by accumulation (key_dtype).
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                 torch.float8_e4m3fn: "float8_e4m3fn"}  # fmt: skip
 FAST_ACCUM_SUFFIX = "+fast_accum"

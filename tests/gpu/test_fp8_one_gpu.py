@@ -21,6 +21,7 @@ import triton
 import fluxtp
 from fluxtp import fp8
 from fluxtp._dist import GroupInfo
+from fluxtp.configs import describe
 from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
 from fluxtp.backends.fused._matmul_reduce_scatter import TRANSPORTS, MatmulReduceScatterConfig, gemm_only
 from fluxtp.backends.fused._scaled import Scaled, flat, pingpong_unsupported
@@ -299,6 +300,42 @@ def test_reduce_scatter_fp8_simulated_ranks(tiling, warp_specialized, transport,
     want = _reference(parts[0][0][:m], scales[0][0][:m].reshape(-1, 1) if row_wise else scales[0][0], parts[0][1],
                       scales[0][1], bias)  # fmt: skip
     assert rel_error(own, want.cpu()) <= tolerance(out_dtype, k_local, not precise, hopper=True), f"{what}: gemm_only"
+
+
+@pytest.mark.parametrize(
+    "world, m, n, k_local, precise",
+    [
+        (4, 300, 1024, 640, True),  # ragged rows, K blocks no whole number of stages
+        (2, 200, 768, 1024, False),  # fast at TP=2: the Triton kernel's tilings too
+    ],
+)
+def test_reduce_scatter_fp8_every_tiling_the_tuner_screens(world, m, n, k_local, precise):
+    """Every tiling `fluxtp tune --one-gpu` screens for an FP8 reduce-scatter (its stages and row
+    bands on the reducer kernel, whose bands of reduction follow group_m), W ranks simulated with
+    row-wise scales and bf16 partials: float64 reference, bitwise repeatable."""
+    from fluxtp import tune_gemm
+    from fluxtp.bench.gemm_grid import GemmCase
+
+    skip_unless_hopper()
+    case = GemmCase("matmul_reduce_scatter", world * m, n, world * k_local, world, "float8_e4m3fn", fast_accum=not precise)
+    space = tune_gemm.candidates(case, warp_specialized=True)
+    assert space[0].warp_specialized == (precise or world >= 4) and len(space) >= 6
+    seed = random.randrange(1 << 30)
+    x, w, scales, partials, _ = _rank_operands(seed, world, m, n, k_local, True)
+    bias = torch.randn(n, device="cuda", dtype=torch.float32)
+    scaled = Scaled(torch.bfloat16, True, precise)
+    ref = sum(partials) + bias.double().cpu()
+    for cfg in space:
+        what = f"{describe(cfg)} world={world} m={m} precise={precise} seed={seed}"
+        outs, _ = simulate(x, w, bias, world, k_local, cfg, float("nan"), MAX_SPINS, scaled=scaled, rank_scales=scales)
+        again, _ = simulate(x, w, bias, world, k_local, cfg, 12345.0, MAX_SPINS, scaled=scaled, rank_scales=scales)
+        for r in range(world):
+            rows = slice(r * m, (r + 1) * m)
+            allowed = tolerance(torch.bfloat16, world * k_local, not precise, hopper=True)
+            allowed += partial_rounding(torch.bfloat16, [p[rows] for p in partials], ref[rows])
+            err = rel_error(outs[r], ref[rows])
+            assert err <= allowed, f"{what} rank={r}: rel err {err:.2e}"
+            assert torch.equal(outs[r], again[r]), f"{what} rank={r}: not bitwise repeatable"
 
 
 @pytest.mark.parametrize("transport", ["push", "copy_engine"])

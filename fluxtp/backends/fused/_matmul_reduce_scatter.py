@@ -478,24 +478,40 @@ def launch_kernel(
 
 
 def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None, scaled=None) -> MatmulReduceScatterConfig:
-    """The caller's config, else the tuned table's for this shape, else the heuristic (FP8: its
-    own, nothing tuned yet); those (not the caller's) on the reducer kernel where
+    """The caller's config, else the tuned table's for this shape (a scaled call's: its
+    accumulation's entry, tuned with a bf16 output, where that runs with the call's output), else
+    the heuristic; an unscaled call's entry and every heuristic on the reducer kernel where
     on_reducer_kernel says and it runs here."""
     m_total, k = x.shape
     n = weight.shape[0]
     if config is not None:
         return config
+    reducer_runs = _scaled.pingpong_unsupported(x.device, scaled, x.dtype) is None
     if scaled is None:
         config = table_config(x, weight, world)
         reducer = config.on_reducer_kernel(world, m_total, n, k)
-    else:
-        config = MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
-        reducer = config.on_reducer_kernel(world, m_total, n, k, scaled.precise_acc, scaled.out_dtype.itemsize)
-    runs = reducer is not config and _scaled.pingpong_unsupported(x.device, scaled, x.dtype) is None
-    split = _scaled.split_accumulator(scaled, reducer.block_n)
-    part = partial_dtype(x, scaled).itemsize
-    fits = runs and reducer_unsupported(reducer, n, world, x.element_size(), part, split) is None
-    return reducer if fits else config
+        moves = reducer is not config and reducer_runs and reducer_fits(reducer, n, world, x.element_size())
+        return reducer if moves else config
+    tuned = tuned_config(_OP, x, weight, world, not scaled.precise_acc)
+    if tuned is not None and (not tuned.warp_specialized or reducer_runs and reducer_fits(tuned, n, world, 1, scaled)):
+        return tuned
+    return scaled_heuristic(m_total, n, k, world, scaled, reducer_runs)
+
+
+def scaled_heuristic(m_total: int, n: int, k: int, world: int, scaled, reducer_runs: bool) -> MatmulReduceScatterConfig:
+    """A scaled call's config without a table entry: heuristic_fp8's, on the reducer kernel where
+    on_reducer_kernel says and it fits (reducer_runs: this GPU and Triton run that kernel)."""
+    config = MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
+    reducer = config.on_reducer_kernel(world, m_total, n, k, scaled.precise_acc, scaled.out_dtype.itemsize)
+    return reducer if reducer is not config and reducer_runs and reducer_fits(reducer, n, world, 1, scaled) else config
+
+
+def reducer_fits(config: MatmulReduceScatterConfig, n: int, world: int, itemsize: int, scaled=None) -> bool:
+    """Whether the reducer kernel takes `config` for rows of n elements at this world size, its
+    operands of itemsize bytes (a scaled call's partials in its out_dtype): reducer_unsupported."""
+    partial_size = itemsize if scaled is None else scaled.out_dtype.itemsize
+    split = _scaled.split_accumulator(scaled, config.block_n)
+    return reducer_unsupported(config, n, world, itemsize, partial_size, split) is None
 
 
 def table_config(x, weight, world: int) -> MatmulReduceScatterConfig:

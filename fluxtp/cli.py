@@ -287,7 +287,7 @@ def _add_tune_parser(subparsers) -> None:
     one_gpu.add_argument("--one-gpu", action="store_true", help="tune the GEMM tiling on one GPU, no peers needed")
     one_gpu.add_argument(
         "--grid",
-        help="a named grid of cases (fluxtp/bench/gemm_grid.py: full, bf16, all-gather, fp8-all-gather, fp8-reduce-scatter, llama3-70b, smoke)",
+        help="a named grid of cases (fluxtp/bench/gemm_grid.py: full, bf16, fp16, all-gather, fp8-all-gather, fp8-reduce-scatter, llama3-70b, smoke)",
     )
     one_gpu.add_argument("--worlds", default="2,4,8", help="with --shapes: the TP degrees to tune for (default 2,4,8)")
     one_gpu.add_argument("--cache", metavar="FILE.json", help="the cache file to write (default: the user's cache)")

@@ -93,9 +93,15 @@ def test_the_warp_specialized_all_gather_is_chosen_only_where_it_runs():
     fast_ws = AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, False, warp_specialized=True)
     assert fast_ws.warp_specialized
     assert {k: getattr(fast_ws, k) for k in WARP_SPECIALIZED_FP8_FAST_TILING} == WARP_SPECIALIZED_FP8_FAST_TILING
-    # A fast call whose wide tiles do not fill one wave, or with a float32 output, stays on Triton.
-    sparse = AllGatherMatmulConfig.heuristic_fp8(128, 1792, 4096, 8, False, warp_specialized=True)  # 56 tiles
-    assert not sparse.warp_specialized and sparse.block_n == 128
+    # A fast call whose narrow tiles win takes them there, six stages in bands of four beside a bf16
+    # output (56 wide tiles, 112 narrow ones: one wave either way)...
+    sparse = AllGatherMatmulConfig.heuristic_fp8(128, 1792, 4096, 8, False, warp_specialized=True)
+    assert sparse.warp_specialized and (sparse.block_n, sparse.num_stages, sparse.group_m) == (128, 6, 4)
+    assert AllGatherMatmulConfig.heuristic_fp8(1024, 7168, 4096, 2, False, warp_specialized=True) == ws  # 448 wide tiles
+    # ...and one whose wide tiles do not fill one wave, where its narrow ones do not win, or with a
+    # float32 output, stays on Triton (72 wide tiles, 144 narrow ones).
+    between = AllGatherMatmulConfig.heuristic_fp8(128, 2304, 4096, 8, False, warp_specialized=True)
+    assert not between.warp_specialized and between.block_n == 256
     assert not AllGatherMatmulConfig.heuristic_fp8(4096, 7168, 4096, 2, False, warp_specialized=True,
                                                    out_bytes=4).warp_specialized  # fmt: skip
     # On Triton a float32 output takes 128x128 tiles even where 128x256 ones fill the waves (their

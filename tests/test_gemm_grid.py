@@ -149,10 +149,11 @@ def test_one_gpu_candidates_of_an_fp8_all_gather_are_its_stages_and_bands_on_the
     assert all(c.warp_specialized and (c.block_m, c.block_k) == (128, 128) for c in space)
     assert all(c.chunk_rows == base.chunk_rows for c in space)
     assert tune_gemm.candidates(case) == [tune_gemm.heuristic_config(case)]
-    # Fast accumulation: its 128x256x128 tiling in either band beside them, under its own key.
+    # Fast accumulation: its 128x256x128 tiling in either band beside them, under its own key (the
+    # heuristic's narrow tiles first, as the precise call's).
     fast = dataclasses.replace(case, fast_accum=True)
     fast_space = tune_gemm.candidates(fast, warp_specialized=True)
-    assert fast_space[0] == tune_gemm.heuristic_config(fast, True) and (fast_space[0].block_n, fast_space[0].num_stages) == (256, 3)
+    assert fast_space[0] == tune_gemm.heuristic_config(fast, True) and (fast_space[0].block_n, fast_space[0].num_stages) == (128, 6)
     assert {(c.block_n, c.num_stages, c.group_m) for c in fast_space} == {
         *((128, s, g) for s in (4, 5, 6) for g in (4, 8)), (256, 3, 4), (256, 3, 8)}  # fmt: skip
     assert tune_gemm.case_key(fast, "H").dtype == "float8_e4m3fn+fast_accum" and tune_gemm.case_key(case, "H").dtype == "float8_e4m3fn"
@@ -232,6 +233,26 @@ def test_shipped_table_answers_every_fp8_all_gather_of_the_grid_on_h100(fast_acc
         entry = entries.get(tune_gemm.case_key(case, "NVIDIA H100 80GB HBM3"))
         assert entry is not None, f"no shipped entry for {case.label()}"
         assert entry.measured["mode"] == "gemm_only" and (fast_accum or entry.config.warp_specialized)
+
+
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_shipped_table_answers_every_fp8_reduce_scatter_of_the_grid_on_h200(fast_accum):
+    """The FP8 reduce-scatters' tilings tuned on one H200, per accumulation: every case of the
+    fp8-reduce-scatter grid has its exact entry, each on a kernel its call can take with a bf16
+    output (the reducer kernel's within its shared memory)."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
+    from fluxtp.backends.fused._scaled import Scaled
+
+    entries, _ = tune.load(shipped=True)
+    for case in grid("fp8-reduce-scatter"):
+        case = dataclasses.replace(case, fast_accum=fast_accum)
+        entry = entries.get(tune_gemm.case_key(case, "NVIDIA H200"))
+        assert entry is not None, f"no shipped entry for {case.label()}"
+        assert entry.measured["mode"] == "gemm_only"
+        (_, _), (n, _) = case.shard_shapes
+        config = entry.config
+        assert not config.warp_specialized or reducer_fits(config, n, case.world, 1, Scaled(torch.bfloat16, True, not fast_accum))
+        assert tune_gemm.with_communication_heuristic(case, config) in tune_gemm.candidates(case, warp_specialized=True)
 
 
 def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():

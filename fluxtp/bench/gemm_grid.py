@@ -114,6 +114,7 @@ GRIDS = {
     # transposed weights at llama3-70b (bf16): what the shipped GEMM tables cover.
     "full": _full,
     "bf16": lambda: [c for c in _full() if c.dtype == "bfloat16"],
+    "fp16": lambda: [c for c in _full() if c.dtype == "float16"],
     # The all-gathers of "full" (the ones the warp-specialized kernel can serve).
     "all-gather": lambda: [c for c in _full() if c.op == "all_gather_matmul"],
     "llama3-70b": lambda: model_cases("llama3-70b", layouts=("linear", "transposed")),

@@ -170,24 +170,31 @@ class AllGatherMatmulConfig(GemmTiling):
                       warp_specialized: bool = False, out_bytes: int = 2) -> AllGatherMatmulConfig:  # fmt: skip
         """The scaled (FP8) ops' tiling (fp8_tiling), the same copy chunks as heuristic().
         warp_specialized: the call may take the warp-specialized kernel (Hopper; the launcher
-        decides), which it then does in its tiling for the call's accumulation. A fast call stays
-        on Triton where the 128x256 tiles do not fill one wave (llama3-8b TP=8 1024 tokens: 1.62x
-        torch._scaled_mm against Triton's narrow tiles' 1.28) or where its output's staging does
-        not fit beside three stages (out_bytes: the output dtype's size; float32 does not). On
+        decides), which it then does in its tiling for the call's accumulation and output
+        (out_bytes: the output dtype's size). A fast call stays on Triton where neither of its
+        tilings there fits: 128x128 tiles where they win (narrow_tiles_win) beside a 2-byte output,
+        128x256 ones where they fill a wave beside it (at llama3-8b TP=8 1024 tokens, 0.4 of a
+        wave, they took 1.62x torch._scaled_mm against Triton's narrow tiles' 1.28). On
         Triton a float32 output takes 128x128 tiles: the 128x256 ones' float32 epilogue asked for
         272 KiB of shared memory (Triton 3.6, one H100: OutOfResources at the launch)."""
         tile_rows = world * cdiv(rows_per_rank, 128)
         narrow = narrow_tiles_win(tile_rows, n, sms)
-        fast_fits = out_bytes <= 2 and tile_rows * cdiv(n, 256) >= sms
-        if warp_specialized and (precise_acc or fast_fits):
-            tiling = WARP_SPECIALIZED_FP8_TILING if precise_acc else WARP_SPECIALIZED_FP8_FAST_TILING
-            if precise_acc and out_bytes <= 2:
-                # Wide tiles where they fill their waves (narrow_tiles_win); else six stages of 128x128
-                # beside a 2-byte output's staging, in bands of four row tiles: one H100's tune of the
-                # FP8 all-gather grid screened it within 1.1% of the best of six stage / band choices
-                # in geomean (worst 1.07), five stages in bands of eight 4.7% (worst 1.17) (docs/perf-log.md).
-                wide = {**WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING, "group_m": 4}
-                tiling = {**tiling, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT} if narrow else wide
+        two_byte = out_bytes <= 2
+        fast_fits = two_byte and tile_rows * cdiv(n, 256) >= sms
+        if warp_specialized and (precise_acc or fast_fits or narrow and two_byte):
+            if narrow and two_byte:
+                # Where 128x256 tiles leave their last wave mostly empty (narrow_tiles_win): six stages
+                # of 128x128 beside a 2-byte output's staging, in bands of four row tiles, either
+                # accumulation. Precise: one H100's tune of the FP8 all-gather grid screened it within
+                # 1.1% of the best of six stage / band choices in geomean (worst 1.07); fast: 0.80-1.03x
+                # the 128x256 tiling's time at 16 untuned shapes on one H200 (docs/perf-log.md).
+                tiling = {**WARP_SPECIALIZED_FP8_TILING, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT}
+            elif precise_acc:
+                # Wide tiles (column halves) where they fill their waves; a 4-byte output's staging
+                # leaves room for 128x128 tiles only.
+                tiling = {**WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING, "group_m": 4} if two_byte else WARP_SPECIALIZED_FP8_TILING
+            else:
+                tiling = WARP_SPECIALIZED_FP8_FAST_TILING
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)
         return AllGatherMatmulConfig(**fp8_tiling(precise_acc, narrow or out_bytes > 2)).with_communication_heuristic(
             rows_per_rank)

@@ -69,13 +69,16 @@ ALL_GATHER_CASES = [
     (4, 2, 384, 1536, 1024, True, torch.float16, False, 128),  # a chunk per tile row, the ring wraps
     (8, 5, 256, 640, 1152, False, torch.float32, True, 128),  # TMA stores, an odd number of 128-wide K blocks
     (4, 3, 200, 256, 384, True, torch.float16, True, 128),  # under one tile of rows a rank, three K blocks
+    (8, 3, 100, 896, 1024, True, torch.bfloat16, False, 128),  # fast, narrow tiles win: 128x128 on the ws kernel
 ]
 
 
 def _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype):
-    """The heuristic's Triton config; warp-specialized, the heuristic's tiling for precise calls,
-    the fast tiling for fast ones (a float32 output on two stages, so that its staging fits)."""
-    if warp_specialized and not precise:
+    """The heuristic's Triton config; warp-specialized, the heuristic's tiling where it takes that
+    kernel, else the fast tiling (a float32 output on two stages, so that its staging fits)."""
+    ws_heuristic = AllGatherMatmulConfig.heuristic_fp8(m, n, k, world, precise, warp_specialized=True,
+                                                       out_bytes=out_dtype.itemsize)  # fmt: skip
+    if warp_specialized and not precise and not ws_heuristic.warp_specialized:
         stages = 2 if out_dtype == torch.float32 else WARP_SPECIALIZED_FP8_FAST_TILING["num_stages"]
         return AllGatherMatmulConfig(**{**WARP_SPECIALIZED_FP8_FAST_TILING, "num_stages": stages}, warp_specialized=True,
                                      chunk_rows=chunk_rows)  # fmt: skip
@@ -160,8 +163,8 @@ def test_all_gather_fp8_waits_for_rows_and_scales(tiling, warp_specialized, worl
 
 def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_here():
     """On this Hopper GPU, scaled all-gathers go to the warp-specialized kernel, precise ones and
-    fast ones whose wide tiles fill the waves; reduce-scatters to theirs (the reducer kernel)
-    precise from TP=2, fast from TP=4."""
+    fast ones whose wide tiles fill the waves or whose narrow ones win; reduce-scatters to theirs
+    (the reducer kernel) precise from TP=2, fast from TP=4."""
     from fluxtp.backends.fused._all_gather_matmul import _config_for
     from fluxtp.backends.fused._matmul_reduce_scatter import _config_for as rs_config_for
 
@@ -171,7 +174,11 @@ def test_the_fp8_heuristic_takes_the_warp_specialized_kernel_for_precise_calls_h
     assert _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
     wide = torch.zeros(7168, 1024, device="cuda").to(torch.float8_e4m3fn)  # fast: where 128x256 tiles fill the waves
     assert _config_for(x, wide, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
-    assert not _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized
+    narrow = _config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False))  # 24 wide tiles, 48 narrow ones
+    assert narrow.warp_specialized and narrow.block_n == 128
+    between = torch.zeros(2304, 1024, device="cuda").to(torch.float8_e4m3fn)  # 72 wide tiles, 144 narrow ones
+    assert not _config_for(torch.zeros(128, 1024, device="cuda").to(torch.float8_e4m3fn), between, 8, None,
+                           Scaled(torch.bfloat16, True, False)).warp_specialized  # fmt: skip
     # The reduce-scatter's: precise from TP=2, fast from TP=4 (docs/perf-log.md).
     assert rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, True)).warp_specialized
     assert not rs_config_for(x, w, 2, None, Scaled(torch.bfloat16, True, False)).warp_specialized

@@ -124,3 +124,56 @@ def test_fp8_layers_fused_match_nccl():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     run_on_ranks(_layers_body, WORLD, random.randrange(1 << 30))
+
+
+def _tuned_body(rank, world, seed, cache_dir):
+    """scaled_matmul_reduce_scatter launches its accumulation's table entry (a user cache holding a
+    reducer-kernel tiling other than the heuristic's, in bands of 4; fast at TP=2 the heuristic's
+    is the Triton kernel), and its result is right; a
+    float32 output, whose partials leave that tiling no room, launches the heuristic."""
+    from fluxtp import configs, tune
+    from fluxtp.backends.fused import _matmul_reduce_scatter
+    from fluxtp.backends.fused._scaled import Scaled
+    from fluxtp.configs import MatmulReduceScatterConfig
+    from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING, WARP_SPECIALIZED_FP8_TILING
+
+    os.environ["FLUXTP_CACHE_DIR"] = cache_dir
+    configs.reload()
+    device = torch.device("cuda", rank)
+    m, n, k_local = 512, 2048, 1024
+    seen = []
+    original = _matmul_reduce_scatter.Plan.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.config)
+
+    _matmul_reduce_scatter.Plan.__init__ = spy
+    x = torch.zeros(m * world, k_local, device=device).to(torch.float8_e4m3fn)
+    w = torch.zeros(n, k_local, device=device).to(torch.float8_e4m3fn)
+    for fast in (False, True):  # precise: 128x256 tiles where 128x128 ones at five stages are the heuristic's
+        tiling = WARP_SPECIALIZED_FP8_TILING if fast else REDUCER_FP8_WIDE_PRECISE_TILING
+        entry = MatmulReduceScatterConfig(**tiling, group_m=4, epilogue_split=2, warp_specialized=True)
+        expected = entry.with_communication_heuristic(m * world, n, world)
+        heuristic = _matmul_reduce_scatter.scaled_heuristic(m * world, n, k_local, world, Scaled(torch.bfloat16, True, not fast), True)
+        assert heuristic != expected, heuristic
+        key = configs.Key(torch.cuda.get_device_name(device), world, configs.key_dtype("float8_e4m3fn", fast),
+                          "matmul_reduce_scatter", n, k_local * world, configs.m_bucket(m * world), "linear")  # fmt: skip
+        if rank == 0:
+            tune.write_entries([configs.Entry(key, entry, {"M": m * world, "mode": configs.GEMM_ONLY_MODE})])
+        torch.distributed.barrier()
+        configs.reload()
+        assert _matmul_reduce_scatter._config_for(x, w, world, None, Scaled(torch.bfloat16, True, not fast)) == expected
+        seen.clear()
+        check_scaled_reduce_scatter(rank, world, seed, m, n, k_local, device, "fused", True, torch.bfloat16, None, fast=fast)
+        assert seen and seen[-1] == expected, (seen, expected)
+        if not fast:
+            seen.clear()
+            check_scaled_reduce_scatter(rank, world, seed + 1, m, n, k_local, device, "fused", True, torch.float32, None)
+            assert seen and seen[-1].block_n == 128, seen
+
+
+def test_fp8_reduce_scatter_launches_its_tuned_entry(tmp_path):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the reducer kernel needs a Hopper GPU")
+    run_on_ranks(_tuned_body, WORLD, random.randrange(1 << 30), str(tmp_path / "cache"))

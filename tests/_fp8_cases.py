@@ -35,6 +35,12 @@ def tolerance(out_dtype, k: int, fast: bool, hopper: bool = False) -> float:
     return TOLERANCE[out_dtype] + (PROMOTED_ACCUM if hopper else 0.0)
 
 
+def on_gpu(device) -> bool:
+    """Whether the op ran on a GPU's FP8 tensor cores (tolerance's hopper: their promoted
+    accumulation), not the CPU's exact dequantized product."""
+    return torch.device(device).type == "cuda"
+
+
 def partial_rounding(out_dtype, partials, total, roundings: int = 1) -> float:
     """What the reduce-scatter adds: its partials are rounded to out_dtype before the sum (u of
     each partial's norm, over the output's norm), and NCCL's ring rounds its running sum at every hop
@@ -100,7 +106,7 @@ def check_all_gather_scaled(rank, world, seed, m, n_local, k, device, backend, r
     assert sg.shape == ((m * world, 1) if row_wise else sx_shard.shape), f"{what}: gathered scales of shape {tuple(sg.shape)}"
     ref = dequantized(xq, sx) @ dequantized(wq, sw.reshape(-1, 1)).T + (b.double() if b is not None else 0)
     err = rel_error(y, ref)
-    assert err <= tolerance(out_dtype, k, fast), f"{what}: rel err {err:.2e}"
+    assert err <= tolerance(out_dtype, k, fast, on_gpu(device)), f"{what}: rel err {err:.2e}"
     again = dict(group=group, bias=bias, out_dtype=out_dtype, backend=backend, use_fast_accum=fast)
     y2, xg2, sg2 = fluxtp.all_gather_scaled_matmul(*args, **again, return_gathered=True)
     assert torch.equal(y2, y) and torch.equal(xg2.view(torch.uint8), xg.view(torch.uint8)) and torch.equal(sg2, sg), (
@@ -108,7 +114,7 @@ def check_all_gather_scaled(rank, world, seed, m, n_local, k, device, backend, r
     )
     # Not keeping the rows is another plan, which "auto" may give another backend (its rounding).
     err = rel_error(fluxtp.all_gather_scaled_matmul(*args, **again), ref)
-    assert err <= tolerance(out_dtype, k, fast), f"{what}: without return_gathered, rel err {err:.2e}"
+    assert err <= tolerance(out_dtype, k, fast, on_gpu(device)), f"{what}: without return_gathered, rel err {err:.2e}"
 
 
 def check_scaled_reduce_scatter(rank, world, seed, m, n, k_local, device, backend, row_wise, out_dtype, bias_dtype,
@@ -135,7 +141,7 @@ def check_scaled_reduce_scatter(rank, world, seed, m, n, k_local, device, backen
     if b is not None:
         ref += b.double()
     roundings = 1 if backend in ("fused", "torch") else world
-    allowed = tolerance(out_dtype, k, fast) + partial_rounding(out_dtype, partials, ref, roundings)
+    allowed = tolerance(out_dtype, k, fast, on_gpu(device)) + partial_rounding(out_dtype, partials, ref, roundings)
     bias = None if b is None else b.to(device)
     out = fluxtp.scaled_matmul_reduce_scatter(*args, group=group, bias=bias, out_dtype=out_dtype, backend=backend, use_fast_accum=fast)
     what = f"scaled_matmul_reduce_scatter {backend} W={world} m={m} n={n} k_local={k_local} row_wise={row_wise} {out_dtype} bias={bias_dtype}"

@@ -187,12 +187,13 @@ class AllGatherMatmulConfig(GemmTiling):
                 # of 128x128 beside a 2-byte output's staging, in bands of four row tiles, either
                 # accumulation. Precise: one H100's tune of the FP8 all-gather grid screened it within
                 # 1.1% of the best of six stage / band choices in geomean (worst 1.07); fast: 0.80-1.03x
-                # the 128x256 tiling's time at 16 untuned shapes on one H200 (docs/perf-log.md).
+                # the 128x256 tiling's time at 23 untuned shapes on one H200 (docs/perf-log.md).
                 tiling = {**WARP_SPECIALIZED_FP8_TILING, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT}
             elif precise_acc:
                 # Wide tiles (column halves) where they fill their waves; a 4-byte output's staging
                 # leaves room for 128x128 tiles only.
-                tiling = {**WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING, "group_m": 4} if two_byte else WARP_SPECIALIZED_FP8_TILING
+                wide = {**WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING, "group_m": 4}
+                tiling = wide if two_byte else WARP_SPECIALIZED_FP8_TILING
             else:
                 tiling = WARP_SPECIALIZED_FP8_FAST_TILING
             return AllGatherMatmulConfig(**tiling, warp_specialized=True).with_communication_heuristic(rows_per_rank)

@@ -141,8 +141,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         from fluxtp import tune
 
         return tune.cmd_info_configs(args)
-    if args.op is not None or args.shapes or args.gpu or args.world is not None or args.weight_layout is not None:
-        args.parser.error("--op, --shapes, --gpu, --world and --weight-layout go with --configs")
+    if (args.op is not None or args.shapes or args.gpu or args.world is not None or args.weight_layout is not None
+            or args.fast_accum):  # fmt: skip
+        args.parser.error("--op, --shapes, --gpu, --world, --weight-layout and --fast-accum go with --configs")
     device_type = local_device_type()
     n_gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     print(f"fluxtp    {fluxtp.__version__}")
@@ -258,7 +259,9 @@ def _add_info_config_arguments(info) -> None:
     configs.add_argument("--shapes", metavar="MxNxK,...", help="global layer sizes (default: LLaMA-70B MLP dims)")
     configs.add_argument("--gpu", help="GPU name to look up (default: torch.cuda's GPU 0, or 'cpu' without one)")
     configs.add_argument("--world", type=int, help="group size (default: the local GPUs, at least 2)")
-    configs.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="default: bfloat16")
+    configs.add_argument("--dtype", choices=("bfloat16", "float16", "float8_e4m3fn"), default="bfloat16",
+                         help="default: bfloat16 (float8_e4m3fn: the scaled ops', row-wise, a bf16 output)")  # fmt: skip
+    configs.add_argument("--fast-accum", action="store_true", help="with --dtype float8_e4m3fn: use_fast_accum calls")
     configs.add_argument(
         "--weight-layout",
         choices=WEIGHT_LAYOUTS,

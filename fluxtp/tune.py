@@ -149,6 +149,7 @@ from fluxtp.configs._table import (  # noqa: F401
     config_from_dict,
     config_to_dict,
     dumps,
+    key_dtype,
     load,
     m_bucket,
     measured_verdict,
@@ -776,6 +777,7 @@ def _vs_nccl(choice: Choice, layout: str) -> str:
 def cmd_info_configs(args) -> int:
     """`fluxtp info --configs`: which config each shape would get, and why (no GPU needed),
     fitted to the terminal's width (or $COLUMNS)."""
+    from fluxtp.backends.fused._scaled import Scaled
     from fluxtp.bench.ops import DEFAULT_SHAPES, parse_shapes, shard_shapes
 
     parser = args.parser
@@ -793,11 +795,15 @@ def cmd_info_configs(args) -> int:
     except ValueError as e:
         parser.error(str(e))
     path, shipped = cache_path(), shipped_path()
-    # This GPU's heuristic on the kernel the launcher takes here (another GPU's, named by --gpu: the
-    # Triton kernel's, as no local test says what that GPU runs).
+    # This GPU's configs as the launcher takes them here (another GPU's, named by --gpu: its entries
+    # as recorded, its heuristic the Triton kernel's, as no local test says what that GPU runs).
     local = gpus > 0 and gpu == torch.cuda.get_device_name(0)
     dtype = getattr(torch, args.dtype)
-    warp_specialized = {op: local and _warp_specialized_runs(op, torch.device("cuda", 0), dtype) for op in ops}
+    fast_accum = getattr(args, "fast_accum", False)
+    if fast_accum and dtype != torch.float8_e4m3fn:
+        parser.error("--fast-accum: FP8 calls only (--dtype float8_e4m3fn)")
+    scaled = Scaled(torch.bfloat16, True, not fast_accum) if dtype == torch.float8_e4m3fn else None
+    runs = {op: _launcher_kernels_run(op, torch.device("cuda", 0), dtype, scaled) if local else None for op in ops}
     width = terminal_width()
     for label, table, is_shipped, absent in (
         ("config cache", path, False, "no file yet (`fluxtp tune` writes it)"),
@@ -814,7 +820,8 @@ def cmd_info_configs(args) -> int:
     layout = getattr(args, "weight_layout", None) or "linear"
     print(
         wrap(
-            f"lookup for: {gpu}, world {world}, {args.dtype}, {layout} weight "
+            f"lookup for: {gpu}, world {world}, {key_dtype(args.dtype, fast_accum)}"
+            f"{' (bf16 output)' if scaled else ''}, {layout} weight "
             "(the user's cache, then the shipped table, then the heuristic)",
             width,
         )
@@ -822,23 +829,70 @@ def cmd_info_configs(args) -> int:
     for op in dict.fromkeys(op for op, _ in cases):
         print()
         op_shapes = [s for o, s in cases if o == op]
-        print(_format_choices(op, op_shapes, gpu, world, args.dtype, layout, path, shipped, width, warp_specialized[op]))
+        print(_format_choices(op, op_shapes, gpu, world, args.dtype, layout, path, shipped, width, runs[op], scaled))
     return 0
 
 
-def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width, warp_specialized=False) -> str:
+def _launcher_kernels_run(op: str, device, dtype: torch.dtype, scaled) -> bool:
+    """Whether the launcher of an `op` call (scaled: an FP8 one's) may take its warp-specialized
+    kernel on `device`: the all-gather's, or the reduce-scatter's reducer kernel."""
+    from fluxtp.backends.fused._scaled import pingpong_unsupported
+
+    if scaled is None and op == "all_gather_matmul":
+        return _warp_specialized_runs(op, device, dtype)
+    return pingpong_unsupported(device, scaled, dtype) is None
+
+
+def _as_launched_here(op: str, choice: Choice, shape, world: int, dtype: str, scaled, runs: bool | None):
+    """The config a call launches for a lookup's answer, where the launcher's warp-specialized
+    kernels run (runs), do not, or, on another GPU than this one (None), as its entry records it
+    (its heuristic on the Triton kernel): the unscaled reduce-scatter's moved to the reducer kernel
+    where that rule says; an FP8 call's entry where its kernel takes it, else its own heuristic."""
+    from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
+
+    tuned = None if choice.source == "heuristic" else choice.config
+    if runs is None and (tuned is not None or scaled is None):
+        return choice.config
+    runs = bool(runs)
+    if op == "all_gather_matmul":
+        if scaled is None:
+            return choice.config
+        return _all_gather_matmul.scaled_config(tuned, shape.M // world, shape.N // world, shape.K, world, scaled, runs)
+    k = shape.K // world
+    if scaled is None:
+        itemsize = getattr(torch, dtype).itemsize
+        return _matmul_reduce_scatter.routed(choice.config, shape.M, shape.N, k, world, itemsize, runs)
+    return _matmul_reduce_scatter.scaled_config(tuned, shape.M, shape.N, k, world, scaled, runs)
+
+
+def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width, runs=None, scaled=None) -> str:
     """One op's table for `fluxtp info --configs`, fitted to `width`: the config of each shape and
     where it comes from; below it, why, for the shapes whose source and bucket do not say it all
-    (a nearest bucket, another layout's entry, the heuristic), grouped by reason."""
+    (a nearest bucket, another layout's entry, the heuristic), grouped by reason. runs: whether
+    the launcher's warp-specialized kernels run on this GPU (None: another GPU's lookup); scaled:
+    an FP8 call's (a bf16 output)."""
     rows, reasons = [], {}
+    key = key_dtype(dtype, scaled is not None and not scaled.precise_acc)
     for s in shapes:
-        choice = choose(op, gpu, world, dtype, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout,
-                        warp_specialized=warp_specialized)  # fmt: skip
+        choice = choose(op, gpu, world, key, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout,
+                        warp_specialized=bool(runs) and op == "all_gather_matmul")  # fmt: skip
+        config = _as_launched_here(op, choice, s, world, dtype, scaled, runs)
+        if config != choice.config and choice.source != "heuristic" and not config.warp_specialized:
+            why = f"heuristic: the {choice.origin}'s entry ({describe(choice.config)}) names a kernel that does not run here"
+            choice = dataclasses.replace(choice, source="heuristic", origin=HEURISTIC, entry=None, why=why)
         source = choice.origin if choice.source == "heuristic" else f"{choice.origin}, {choice.source}"
-        rows.append([str(s), m_bucket(s.M), source, describe(choice.config), _vs_nccl(choice, layout)])
-        said_all = choice.source == "exact" and choice.entry.key.weight_layout == layout
+        moved = op == "matmul_reduce_scatter" and config.warp_specialized and not choice.config.warp_specialized
+        if moved:
+            source += ", on the reducer kernel"
+        rows.append([str(s), m_bucket(s.M), source, describe(config), _vs_nccl(choice, layout)])
+        said_all = choice.source == "exact" and choice.entry.key.weight_layout == layout and not moved
         if not said_all:
             reasons.setdefault(choice.why, []).append(s)
+        if runs is None and gpu != "cpu" and op == "matmul_reduce_scatter" and scaled is None:
+            reducer = _as_launched_here(op, choice, s, world, dtype, scaled, True)
+            if reducer != config:  # what a Hopper GPU of that name moves it to; no local test says it is one
+                reasons.setdefault(f"on a Hopper GPU whose Triton runs the warp-specialized kernels, the reducer "
+                                   f"kernel instead: {describe(reducer)}", []).append(s)  # fmt: skip
     headers = ["MxNxK", "M bucket", "source", "config", "vs nccl"]
     # The config wraps first (it is the widest), then the source and the verdict.
     table = fit_table(rows, headers, width, wrappable={2: 9, 3: 20, 4: 8})

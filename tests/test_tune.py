@@ -1126,6 +1126,55 @@ def test_info_configs_fits_the_terminal(cache, shipped, monkeypatch, capsys, col
     assert "no tuned entry in the shipped table" in " ".join(words)
 
 
+def test_info_configs_shows_the_fp8_tables_and_the_reducer_kernel_as_launched(cache, shipped, wide, capsys):
+    """--dtype float8_e4m3fn [--fast-accum] looks up the FP8 keys of each accumulation and falls back
+    to the FP8 heuristics; where the launcher's warp-specialized kernels run here, a reduce-scatter
+    shows the reducer kernel its call takes, and an entry naming a kernel that does not run here
+    gives way to the heuristic; another GPU's lookup notes the reducer kernel a Hopper GPU takes."""
+    from fluxtp.backends.fused import _matmul_reduce_scatter
+    from fluxtp.backends.fused._scaled import Scaled
+    from fluxtp.bench.ops import Shape
+    from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING
+
+    rs_key = dict(op=RS, n=8192, k=28672, m=4096, world=4)
+    reducer = MatmulReduceScatterConfig(**REDUCER_FP8_WIDE_PRECISE_TILING, group_m=4, epilogue_split=2, warp_specialized=True)
+    fp8 = entry(dtype="float8_e4m3fn", **rs_key)
+    tune.write_entries([tune.Entry(fp8.key, reducer, {"M": 4096, "mode": configs.GEMM_ONLY_MODE})])
+    tune.write_entries([entry(**rs_key, group_m=4)])  # bf16: the Triton kernel's tiling
+    args = ["info", "--configs", "--op", RS, "--shapes", "4096x8192x28672,1024x4096x14336", "--gpu", H200, "--world", "4"]
+    assert cli.main([*args, "--dtype", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    assert f"lookup for: {H200}, world 4, float8_e4m3fn (bf16 output)" in out
+    rows = config_tables(out)[0][RS]
+    assert " user cache, exact " in rows["4096x8192x28672"]
+    assert tune.describe(reducer.with_communication_heuristic(4096, 8192, 4)) in rows["4096x8192x28672"]
+    # no entry: the FP8 heuristic (another GPU's: on the Triton kernel), not bf16's
+    fp8_heuristic = MatmulReduceScatterConfig.heuristic_fp8(1024, 4096, 3584, 4, True)
+    assert " heuristic " in rows["1024x4096x14336"] and tune.describe(fp8_heuristic) in rows["1024x4096x14336"]
+    assert cli.main([*args, "--dtype", "float8_e4m3fn", "--fast-accum"]) == 0
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn+fast_accum (bf16 output)" in out and " heuristic " in config_tables(out)[0][RS]["4096x8192x28672"]
+    # Another GPU's bf16 lookup: the entry as recorded, and what a Hopper GPU moves it to.
+    assert cli.main(args) == 0
+    rows, notes = config_tables(capsys.readouterr().out)
+    assert " w8 s3 g4 " in rows[RS]["4096x8192x28672"] and "the reducer kernel instead: 128x256x64 ws s3" in notes[RS]
+    # This GPU, its kernels running: the bf16 entry on the reducer kernel, as the launcher routes it.
+    shape = Shape(4096, 8192, 28672)
+    choice = tune.choose(RS, H200, 4, "bfloat16", 4096, 8192, 28672)
+    launched = tune._as_launched_here(RS, choice, shape, 4, "bfloat16", None, True)
+    assert launched == _matmul_reduce_scatter.routed(choice.config, 4096, 8192, 7168, 4, 2, True) and launched.warp_specialized
+    table = tune._format_choices(RS, [shape], H200, 4, "bfloat16", "linear", cache, shipped, 400, True)
+    assert "user cache, exact, on the reducer kernel" in table and tune.describe(launched) in table
+    # ...and not running: an FP8 entry of the reducer kernel gives way to the FP8 heuristic.
+    table = tune._format_choices(RS, [shape], H200, 4, "float8_e4m3fn", "linear", cache, shipped, 400, False,
+                                 Scaled(torch.bfloat16, True, True))  # fmt: skip
+    assert "names a kernel that does not run here" in table
+    assert tune.describe(MatmulReduceScatterConfig.heuristic_fp8(4096, 8192, 7168, 4, True)) in table.splitlines()[3]
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--configs", "--fast-accum"])
+    assert "--fast-accum: FP8 calls only" in capsys.readouterr().err
+
+
 def test_info_configs_needs_no_gpu_and_rejects_options_without_it(cache, capsys):
     # no --gpu: torch.cuda's GPU 0, or "cpu" on a host without one
     assert cli.main(["info", "--configs", "--op", RS, "--shapes", "8192x8192x28672"]) == 0

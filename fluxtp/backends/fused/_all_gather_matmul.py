@@ -57,7 +57,7 @@ from fluxtp.backends.fused._launch import (
     num_sms,
     tma_ready,
 )
-from fluxtp.configs import AllGatherMatmulConfig, tuned_config
+from fluxtp.configs import HOPPER_SMS, AllGatherMatmulConfig, tuned_config
 from fluxtp.kernels._all_gather_matmul import all_gather_matmul_kernel
 from fluxtp.kernels._copy import copy_kernel
 
@@ -340,14 +340,8 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     device = x_shard.device
     if scaled is not None:
         warp_specialized = _scaled.pingpong_unsupported(device, scaled) is None
-        out_bytes = scaled.out_dtype.itemsize
         tuned = tuned_config(_OP, x_shard, weight, world, not scaled.precise_acc) if warp_specialized else None
-        if tuned is not None and tuned.warp_specialized:
-            tuned = tuned.with_fp8_output(out_bytes)
-        if tuned is not None:
-            return tuned
-        return AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, weight.shape[0], k, world, scaled.precise_acc,
-                                                   num_sms(device), warp_specialized, out_bytes)  # fmt: skip
+        return scaled_config(tuned, rows_per_rank, weight.shape[0], k, world, scaled, warp_specialized, num_sms(device))
     warp_specialized = warp_specialized_runs(device, weight.dtype)
     tuned = tuned_config(_OP, x_shard, weight, world)
     if tuned is None:
@@ -355,6 +349,20 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     # An entry on the warp-specialized kernel read where it cannot run (the interpreter, a Triton
     # without its Gluon): that tiling on Triton.
     return tuned if warp_specialized or not tuned.warp_specialized else dataclasses.replace(tuned, warp_specialized=False)
+
+
+def scaled_config(tuned: AllGatherMatmulConfig | None, rows_per_rank: int, n: int, k: int, world: int, scaled,
+                  warp_specialized: bool, sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
+    """A scaled call's config as launched: its table entry (tuned: None for none; read only where
+    the call may take the warp-specialized kernel) for the call's output
+    (AllGatherMatmulConfig.with_fp8_output), else heuristic_fp8's."""
+    tuned = tuned if warp_specialized else None
+    if tuned is not None and tuned.warp_specialized:
+        tuned = tuned.with_fp8_output(scaled.out_dtype.itemsize)
+    if tuned is not None:
+        return tuned
+    return AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, n, k, world, scaled.precise_acc, sms, warp_specialized,
+                                               scaled.out_dtype.itemsize)  # fmt: skip
 
 
 class Plan:

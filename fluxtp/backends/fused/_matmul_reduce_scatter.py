@@ -488,11 +488,23 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
         return config
     reducer_runs = _scaled.pingpong_unsupported(x.device, scaled, x.dtype) is None
     if scaled is None:
-        config = table_config(x, weight, world)
-        reducer = config.on_reducer_kernel(world, m_total, n, k)
-        moves = reducer is not config and reducer_runs and reducer_fits(reducer, n, world, x.element_size())
-        return reducer if moves else config
+        return routed(table_config(x, weight, world), m_total, n, k, world, x.element_size(), reducer_runs)
     tuned = tuned_config(_OP, x, weight, world, not scaled.precise_acc)
+    return scaled_config(tuned, m_total, n, k, world, scaled, reducer_runs)
+
+
+def routed(config: MatmulReduceScatterConfig, m_total: int, n: int, k: int, world: int, itemsize: int,
+           reducer_runs: bool) -> MatmulReduceScatterConfig:  # fmt: skip
+    """An unscaled call's table entry or heuristic as launched: on the reducer kernel where
+    on_reducer_kernel says and it fits (reducer_runs: this GPU and Triton run that kernel)."""
+    reducer = config.on_reducer_kernel(world, m_total, n, k)
+    return reducer if reducer is not config and reducer_runs and reducer_fits(reducer, n, world, itemsize) else config
+
+
+def scaled_config(tuned: MatmulReduceScatterConfig | None, m_total: int, n: int, k: int, world: int, scaled,
+                  reducer_runs: bool) -> MatmulReduceScatterConfig:  # fmt: skip
+    """A scaled call's config as launched: its table entry (tuned: None for none) where that runs
+    with the call's partials, else scaled_heuristic's."""
     if tuned is not None and (not tuned.warp_specialized or reducer_runs and reducer_fits(tuned, n, world, 1, scaled)):
         return tuned
     return scaled_heuristic(m_total, n, k, world, scaled, reducer_runs)

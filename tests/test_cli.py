@@ -244,7 +244,7 @@ def test_help_defaults_are_the_ones_that_run(monkeypatch, capsys):
     assert "vocabulary 128256 for llama3-8b, 128256 for llama3-70b, 1024 for tiny" in bench
     # info --configs and tune.
     info = _help(monkeypatch, capsys, "info")
-    assert re.search(r"--dtype \{bfloat16,float16\}\s+default: bfloat16", info)
+    assert re.search(r"--dtype \{bfloat16,float16,float8_e4m3fn\}\s+default: bfloat16", info)
     assert cli.build_parser().parse_args(["info"]).dtype == "bfloat16"
     tune_help = _help(monkeypatch, capsys, "tune")
     tune_args = cli.build_parser().parse_args(["tune"])

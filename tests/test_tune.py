@@ -1250,17 +1250,24 @@ def test_reduce_scatter_runs_push_and_copy_engine_configs_on_the_reducer_kernel_
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False) == fp8_wide
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, False, out_bytes=4) == fp8_reducer
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, True) == five_stages
+    # Fast below TP=4: from 4096 rows a rank with 2-byte slots (TP=2 at 8192 tokens), else Triton.
+    assert fp8.on_reducer_kernel(2, 8192, 4096, 7168, False) == fp8_wide
+    assert fp8.on_reducer_kernel(2, 8190, 4096, 7168, False) == fp8  # 4095 rows a rank
+    assert fp8.on_reducer_kernel(2, 16384, 4096, 7168, False, out_bytes=4) == fp8
     assert fp8.on_reducer_kernel(8, 1024, 4096, 1792, True, out_bytes=4) == fp8_reducer
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 2) is None
     assert "shared memory" in _matmul_reduce_scatter.reducer_unsupported(fp8_wide, 4096, 8, 1, 4)
-    # TP=2: precise on it too (bf16 slots, the copy engine's transport kept), fast on Triton.
+    # TP=2: precise on it too (bf16 slots, the copy engine's transport kept), fast on Triton below
+    # 4096 rows a rank.
     fp8_tp2 = MatmulReduceScatterConfig.heuristic_fp8(16384, 8192, 14336, 2, True)
     assert fp8_tp2.transport == "copy_engine"
     assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, True) == dataclasses.replace(
         fp8_tp2, **REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True)  # fmt: skip
     assert fp8_tp2.on_reducer_kernel(2, 512, 4096, 7168, True) == dataclasses.replace(
         fp8_tp2, **{**WARP_SPECIALIZED_FP8_TILING, "num_stages": 5}, warp_specialized=True)  # 4 x 16 x 56 blocks: narrow
-    assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, False) == fp8_tp2
+    assert fp8_tp2.on_reducer_kernel(2, 4096, 8192, 14336, False) == fp8_tp2
+    assert fp8_tp2.on_reducer_kernel(2, 16384, 8192, 14336, False) == dataclasses.replace(
+        fp8_tp2, **WARP_SPECIALIZED_FP8_FAST_TILING, warp_specialized=True)  # fmt: skip
     assert push.on_reducer_kernel(2, 16384, 8192, 14336, None) == push  # bf16 at TP=2: Triton
     # 1-byte operands, a float32 output's slots
     assert _matmul_reduce_scatter.reducer_unsupported(fp8_reducer, 4096, 8, 1, 4) is None

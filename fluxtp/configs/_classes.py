@@ -245,7 +245,8 @@ MAX_COPY_ENGINE_WORLD = 2
 
 
 # Push and copy-engine reduce-scatters run on the reducer kernel from REDUCER_WORLD ranks on, FP8
-# ones with precise accumulation from REDUCER_FP8_PRECISE_MIN_WORLD, fast ones from REDUCER_MIN_WORLD,
+# ones with precise accumulation from REDUCER_FP8_PRECISE_MIN_WORLD, fast ones from REDUCER_MIN_WORLD
+# (and below it from REDUCER_FP8_FAST_MIN_ROWS rows a rank),
 # and bf16 / fp16 ones from REDUCER_MIN_WORLD where the GEMM has REDUCER_MIN_WORK units of 128x256x64
 # multiply-adds or more: below that at TP=4 its reduction's tail outweighs what it saves
 # (MatmulReduceScatterConfig.on_reducer_kernel).
@@ -253,6 +254,10 @@ REDUCER_WORLD = 8
 REDUCER_MIN_WORLD = 4
 REDUCER_FP8_PRECISE_MIN_WORLD = 2
 REDUCER_MIN_WORK = 20_000
+# Fast FP8 ones with 2-byte partials take it below REDUCER_MIN_WORLD too from this many rows a rank:
+# at TP=2 and 4096-8192 rows a rank its time was 0.945-0.981x the Triton kernel's at the grid's 8
+# cases on one H100, and H200's tune moved all 8 there (0.88-0.975x); below, 0.985-1.22x on H100.
+REDUCER_FP8_FAST_MIN_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -321,11 +326,14 @@ class MatmulReduceScatterConfig(GemmTiling):
         reducer_fp8_tiling: from TP=2 with precise accumulation, from TP=4 with fast (one H100,
         precise: 0.62-0.89x the Triton kernel's time at TP=8; at TP=4 0.85-0.95 from 20k blocks,
         0.90-0.98 below since the fifth stage; at TP=2 0.83-1.02, 0.91 in geomean; fast: 0.74-1.04
-        at TP=8, 0.78-1.04 at TP=4, 0.935 in geomean; level at TP=2)."""
+        at TP=8, 0.78-1.04 at TP=4, 0.935 in geomean; at TP=2 from REDUCER_FP8_FAST_MIN_ROWS rows a
+        rank with 2-byte slots)."""
         if self.warp_specialized or self.transport == "pull":
             return self
         if fp8_precise is not None:
-            if world < (REDUCER_FP8_PRECISE_MIN_WORLD if fp8_precise else REDUCER_MIN_WORLD):
+            min_world = REDUCER_FP8_PRECISE_MIN_WORLD if fp8_precise else REDUCER_MIN_WORLD
+            many_rows = not fp8_precise and out_bytes <= 2 and m_total // world >= REDUCER_FP8_FAST_MIN_ROWS
+            if world < min_world and not many_rows:
                 return self
             tiling = reducer_fp8_tiling(fp8_precise, out_bytes, m_total, n, k)
             # epilogue_split as warp_specialized_fp8 writes it (the kernel ignores it): one config a tiling

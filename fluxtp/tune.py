@@ -856,7 +856,7 @@ def _as_launched_here(op: str, choice: Choice, shape, world: int, dtype: str, sc
     runs = bool(runs)
     if op == "all_gather_matmul":
         if scaled is None:
-            return choice.config
+            return choice.config if tuned is None else _all_gather_matmul.runnable(tuned, runs)
         return _all_gather_matmul.scaled_config(tuned, shape.M // world, shape.N // world, shape.K, world, scaled, runs)
     k = shape.K // world
     if scaled is None:
@@ -877,17 +877,19 @@ def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width,
         choice = choose(op, gpu, world, key, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout,
                         warp_specialized=bool(runs) and op == "all_gather_matmul")  # fmt: skip
         config = _as_launched_here(op, choice, s, world, dtype, scaled, runs)
-        if config != choice.config and choice.source != "heuristic" and not config.warp_specialized:
+        moved = op == "matmul_reduce_scatter" and config.warp_specialized and not choice.config.warp_specialized
+        twin = config != choice.config and config == dataclasses.replace(choice.config, warp_specialized=False)
+        if config != choice.config and choice.source != "heuristic" and not (moved or twin):
             why = f"heuristic: the {choice.origin}'s entry ({describe(choice.config)}) names a kernel that does not run here"
             choice = dataclasses.replace(choice, source="heuristic", origin=HEURISTIC, entry=None, why=why)
         source = choice.origin if choice.source == "heuristic" else f"{choice.origin}, {choice.source}"
-        moved = op == "matmul_reduce_scatter" and config.warp_specialized and not choice.config.warp_specialized
-        if moved:
-            source += ", on the reducer kernel"
+        source += ", on the reducer kernel" if moved else ", on the Triton kernel" if twin else ""
         rows.append([str(s), m_bucket(s.M), source, describe(config), _vs_nccl(choice, layout)])
-        said_all = choice.source == "exact" and choice.entry.key.weight_layout == layout and not moved
+        said_all = choice.source == "exact" and choice.entry.key.weight_layout == layout and not (moved or twin)
         if not said_all:
             reasons.setdefault(choice.why, []).append(s)
+        if twin:
+            reasons.setdefault("the entry's warp-specialized kernel does not run here: its tiling on Triton", []).append(s)
         if runs is None and gpu != "cpu" and op == "matmul_reduce_scatter" and scaled is None:
             reducer = _as_launched_here(op, choice, s, world, dtype, scaled, True)
             if reducer != config:  # what a Hopper GPU of that name moves it to; no local test says it is one

@@ -1170,6 +1170,15 @@ def test_info_configs_shows_the_fp8_tables_and_the_reducer_kernel_as_launched(ca
                                  Scaled(torch.bfloat16, True, True))  # fmt: skip
     assert "names a kernel that does not run here" in table
     assert tune.describe(MatmulReduceScatterConfig.heuristic_fp8(4096, 8192, 7168, 4, True)) in table.splitlines()[3]
+    # A bf16 all-gather entry on the warp-specialized kernel, where that does not run: its Triton twin.
+    tune.write_entries([entry(m=4096, block_n=256, num_stages=3, group_m=4, warp_specialized=True)])
+    ag_shape = Shape(4096, 28672, 8192)
+    ag_choice = tune.choose(AG, H200, 2, "bfloat16", 4096, 28672, 8192)
+    assert ag_choice.config.warp_specialized
+    table = tune._format_choices(AG, [ag_shape], H200, 2, "bfloat16", "linear", cache, shipped, 400, False)
+    twin = dataclasses.replace(ag_choice.config, warp_specialized=False)
+    assert "user cache, exact, on the Triton kernel" in table and tune.describe(twin) in table
+    assert "does not run here: its tiling on Triton" in table
     with pytest.raises(SystemExit):
         cli.main(["info", "--configs", "--fast-accum"])
     assert "--fast-accum: FP8 calls only" in capsys.readouterr().err

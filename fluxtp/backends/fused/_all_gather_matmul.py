@@ -346,8 +346,13 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
     tuned = tuned_config(_OP, x_shard, weight, world)
     if tuned is None:
         return AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world, num_sms(device), warp_specialized)
-    # An entry on the warp-specialized kernel read where it cannot run (the interpreter, a Triton
-    # without its Gluon): that tiling on Triton.
+    return runnable(tuned, warp_specialized)
+
+
+def runnable(tuned: AllGatherMatmulConfig, warp_specialized: bool) -> AllGatherMatmulConfig:
+    """An unscaled call's table entry as launched: one on the warp-specialized kernel read where
+    that cannot run (warp_specialized False: the interpreter, a Triton without its Gluon) runs its
+    tiling on Triton."""
     return tuned if warp_specialized or not tuned.warp_specialized else dataclasses.replace(tuned, warp_specialized=False)
 
 

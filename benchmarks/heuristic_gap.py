@@ -14,8 +14,12 @@ mean (worst):
   all-gather's warp-specialized kernel where the tune screened that kernel), looked up among the
   screened tilings (copy chunks and transport aside: communication knobs): an edit of the heuristic is scored on committed measurements before any GPU
   runs it. A current config the tune did not screen counts under `unscreened` and is left out.
+- `final`: the recorded heuristic's time over the tuned config's in the tune's final interleaved
+  measurement (six rounds, and a second one of the two where they differ: the row's `ms`), i.e.
+  what the table entry buys over that heuristic; 1 where the heuristic was kept.
 Screens are two rounds and every tiling in them is timed alike, so a ratio of 1.02 is within noise
-of 1; a rule fitted to these files is scored in-sample and still needs an independent run.
+of 1 (single cases' screens and finals have differed by 5-10%: compare `recorded` with `final`); a
+rule fitted to these files is scored in-sample and still needs an independent run.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Gap:
     recorded: float  # the tune's heuristic over the best screened time
     current: float | None  # this checkout's heuristic over it; None: not among the screened tilings
     current_config: str
+    final: float | None = None  # the recorded heuristic's time over the tuned one's, in the tune's final measurement
 
 
 def gaps(rows: list[dict]) -> list[Gap]:
@@ -65,7 +70,9 @@ def gaps(rows: list[dict]) -> list[Gap]:
         warp_specialized = any(" ws " in k for k in screened)
         config = _tiling(describe(heuristic_config(case, warp_specialized)))
         current = screened.get(config)
-        out.append(Gap(case, recorded / best, None if current is None else current / best, config))
+        ms = row.get("ms", {})
+        final = ms["heuristic"] / ms["tuned"] if ms.get("heuristic") and ms.get("tuned") else None
+        out.append(Gap(case, recorded / best, None if current is None else current / best, config, final))
     return out
 
 
@@ -83,9 +90,11 @@ def summary(name: str, found: list[Gap]) -> list[list]:
         mine = [g for g in found if _group(g.case) == group]
         recorded = [g.recorded for g in mine]
         current = [g.current for g in mine if g.current is not None]
+        final = [g.final for g in mine if g.final is not None]
         rows.append([
             name, group, len(mine), f"{_geomean(recorded):.4f} ({max(recorded):.3f})",
             f"{_geomean(current):.4f} ({max(current):.3f})" if current else "-", len(mine) - len(current),
+            f"{_geomean(final):.4f} ({max(final):.3f})" if final else "-",
         ])
     return rows
 
@@ -104,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         found = gaps(data["rows"])
         table += summary(os.path.basename(path).removeprefix("tune_gemm-").removesuffix(".json"), found)
         everything += found
-    headers = ["tune", "op", "cases", "recorded heuristic / best (worst)", "current / best (worst)", "unscreened"]
+    headers = ["tune", "op", "cases", "recorded heuristic / best (worst)", "current / best (worst)", "unscreened",
+               "final: recorded heuristic / tuned (max)"]  # fmt: skip
     print(tabulate(table, headers=headers))
     if args.worst:
         worst = sorted((g for g in everything if g.current is not None), key=lambda g: -g.current)[: args.worst]

@@ -39,6 +39,7 @@ import torch
 from fluxtp._dist import GroupInfo
 from fluxtp.bench.gemm_grid import (
     GemmCase,
+    bf16_output,
     case_inputs,
     cublas_reference,
     expected_rows,
@@ -52,19 +53,19 @@ from fluxtp.bench.gemm_grid import (
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
 from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, key_dtype, load, m_bucket
 from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
-from fluxtp.backends.fused._scaled import Scaled
 from fluxtp.configs import MatmulReduceScatterConfig
 from fluxtp.configs._classes import (
     REDUCER_FP8_WIDE_PRECISE_TILING,
     WARP_SPECIALIZED_FP8_FAST_TILING,
     WARP_SPECIALIZED_FP8_TILING,
     WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING,
+    epilogue_split_for,
     fp8_tiling,
 )
 from fluxtp.tune import write_entries
 
 # (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue
-# handles a 256-wide tile in 4 column slices, a narrower one in 2 (register pressure).
+# slices by epilogue_split_for.
 ONE_GPU_TILINGS = (
     (128, 256, 64, 8, 3),
     (128, 128, 64, 4, 4),
@@ -118,7 +119,7 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
         tiling = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=8,
                       warp_specialized=on_warp_specialized)  # fmt: skip
         if case.op == "matmul_reduce_scatter":
-            tiling["epilogue_split"] = 4 if bn >= 256 else 2
+            tiling["epilogue_split"] = epilogue_split_for(bn)
         config = with_communication_heuristic(case, dataclasses.replace(base, **tiling))
         if fits(case.op, config):
             out.append(config)
@@ -147,11 +148,11 @@ def _fp8_reduce_scatter_candidates(case: GemmCase, base) -> list:
     tilings = [{**WARP_SPECIALIZED_FP8_TILING, "num_stages": s} for s in FP8_STAGES] + [wide]
     reducer = [MatmulReduceScatterConfig(**t, group_m=g, epilogue_split=2, warp_specialized=True)
                for t, g in itertools.product(tilings, FP8_GROUP_MS)]  # fmt: skip
-    scaled = Scaled(torch.bfloat16, True, precise)
+    scaled = bf16_output(case)
     out = [c for c in reducer if reducer_fits(c, n, case.world, 1, scaled)]
     if not base.warp_specialized:
         for tiling in (fp8_tiling(precise, narrow=False), fp8_tiling(precise, narrow=True)):
-            split = 2 if tiling["block_n"] == 128 else 4
+            split = epilogue_split_for(tiling["block_n"])
             out += [MatmulReduceScatterConfig(**tiling, group_m=g, epilogue_split=split) for g in FP8_GROUP_MS]
     out = [with_communication_heuristic(case, c) for c in out]
     return [c for c in dict.fromkeys(out) if c != base]

@@ -195,7 +195,7 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
         precise = not case.fast_accum
         if case.op == "all_gather_matmul":
             return AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, precise, warp_specialized=warp_specialized)
-        return scaled_heuristic(case.M, n, k, case.world, _bf16_output(case), warp_specialized)
+        return scaled_heuristic(case.M, n, k, case.world, bf16_output(case), warp_specialized)
     if case.op == "all_gather_matmul":
         return AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
     return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
@@ -219,13 +219,13 @@ def warp_specialized_runs(case: GemmCase, device) -> bool:
     from fluxtp.backends.fused import _all_gather_matmul, _scaled
 
     if case.fp8:
-        return _scaled.pingpong_unsupported(device, _bf16_output(case)) is None
+        return _scaled.pingpong_unsupported(device, bf16_output(case)) is None
     if case.op != "all_gather_matmul":
         return False
     return _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype])
 
 
-def _bf16_output(case: GemmCase):
+def bf16_output(case: GemmCase):
     """An FP8 case's scaled call (fluxtp.backends.fused._scaled.Scaled): row-wise scales, a bf16
     output, the case's accumulation."""
     from fluxtp.backends.fused import _scaled

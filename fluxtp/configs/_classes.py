@@ -260,6 +260,12 @@ REDUCER_MIN_WORK = 20_000
 REDUCER_FP8_FAST_MIN_ROWS = 4096
 
 
+def epilogue_split_for(block_n: int) -> int:
+    """The Triton reduce-scatter's epilogue slices for tiles block_n wide: a 256-wide tile in 4,
+    a narrower one in 2 (register pressure: MatmulReduceScatterConfig.epilogue_split)."""
+    return 4 if block_n >= 256 else 2
+
+
 @dataclass(frozen=True)
 class MatmulReduceScatterConfig(GemmTiling):
     """How one fused GEMM+ReduceScatter call is launched; every rank must use the same one."""
@@ -299,7 +305,7 @@ class MatmulReduceScatterConfig(GemmTiling):
         same transport rule as heuristic(): the Triton kernel's, which on_reducer_kernel moves to the
         reducer kernel where that measured faster."""
         tiling = fp8_tiling(precise_acc, narrow=False)
-        config = MatmulReduceScatterConfig(**tiling, epilogue_split=2 if tiling["block_n"] == 128 else 4)
+        config = MatmulReduceScatterConfig(**tiling, epilogue_split=epilogue_split_for(tiling["block_n"]))
         return config.with_communication_heuristic(m_total, n, world)
 
     @staticmethod

@@ -494,11 +494,14 @@ def _config_for(x, weight, world: int, config: MatmulReduceScatterConfig | None,
 
 
 def routed(config: MatmulReduceScatterConfig, m_total: int, n: int, k: int, world: int, itemsize: int,
-           reducer_runs: bool) -> MatmulReduceScatterConfig:  # fmt: skip
-    """An unscaled call's table entry or heuristic as launched: on the reducer kernel where
-    on_reducer_kernel says and it fits (reducer_runs: this GPU and Triton run that kernel)."""
-    reducer = config.on_reducer_kernel(world, m_total, n, k)
-    return reducer if reducer is not config and reducer_runs and reducer_fits(reducer, n, world, itemsize) else config
+           reducer_runs: bool, scaled=None) -> MatmulReduceScatterConfig:  # fmt: skip
+    """An unscaled call's table entry or heuristic, or a scaled call's heuristic, as launched: on
+    the reducer kernel where on_reducer_kernel says and it fits (reducer_runs: this GPU and Triton
+    run that kernel)."""
+    fp8 = () if scaled is None else (scaled.precise_acc, scaled.out_dtype.itemsize)
+    reducer = config.on_reducer_kernel(world, m_total, n, k, *fp8)
+    moves = reducer is not config and reducer_runs and reducer_fits(reducer, n, world, itemsize, scaled)
+    return reducer if moves else config
 
 
 def scaled_config(tuned: MatmulReduceScatterConfig | None, m_total: int, n: int, k: int, world: int, scaled,
@@ -514,8 +517,7 @@ def scaled_heuristic(m_total: int, n: int, k: int, world: int, scaled, reducer_r
     """A scaled call's config without a table entry: heuristic_fp8's, on the reducer kernel where
     on_reducer_kernel says and it fits (reducer_runs: this GPU and Triton run that kernel)."""
     config = MatmulReduceScatterConfig.heuristic_fp8(m_total, n, k, world, scaled.precise_acc)
-    reducer = config.on_reducer_kernel(world, m_total, n, k, scaled.precise_acc, scaled.out_dtype.itemsize)
-    return reducer if reducer is not config and reducer_runs and reducer_fits(reducer, n, world, 1, scaled) else config
+    return routed(config, m_total, n, k, world, 1, reducer_runs, scaled)
 
 
 def reducer_fits(config: MatmulReduceScatterConfig, n: int, world: int, itemsize: int, scaled=None) -> bool:

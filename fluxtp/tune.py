@@ -410,6 +410,18 @@ def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int,
     ]
 
 
+def launched_space(op: str, space: list, shape, world: int, kernels_run: bool, itemsize: int) -> list:
+    """The candidates as a call launches a table entry of each, duplicates dropped: a reduce-scatter's
+    on the reducer kernel where on_reducer_kernel says and kernels_run (_launcher_kernels_run), so
+    the tune measures what its entry launches; an all-gather's as they are."""
+    if op != "matmul_reduce_scatter":
+        return space
+    from fluxtp.backends.fused._matmul_reduce_scatter import routed
+
+    k = shape.K // world
+    return list(dict.fromkeys(routed(c, shape.M, shape.N, k, world, itemsize, kernels_run) for c in space))
+
+
 def _warp_specialized_runs(op: str, device, dtype: torch.dtype) -> bool:
     """Whether an `op` call of `dtype` on `device` may take the all-gather's warp-specialized kernel
     (the launcher's own test; no other op has one to choose)."""
@@ -458,6 +470,7 @@ def tune_shape(
         space = varied_space(op, start, vary, shape.M, shape.N, shape.K, world, warp_specialized)
     else:
         space = search_space(op, shape.M, shape.N, shape.K, world, warp_specialized)
+    space = launched_space(op, space, shape, world, _launcher_kernels_run(op, device, dtype, None), dtype.itemsize)
     base = space[0]
     start = time.monotonic()
     screen_end = start + SCREEN_SHARE * max(0.0, deadline - start)

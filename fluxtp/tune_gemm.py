@@ -38,6 +38,7 @@ import torch
 
 from fluxtp._dist import GroupInfo
 from fluxtp.bench.gemm_grid import (
+    DTYPE_NAMES,
     GemmCase,
     bf16_output,
     case_inputs,
@@ -52,10 +53,12 @@ from fluxtp.bench.gemm_grid import (
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
 from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, key_dtype, load, m_bucket
-from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
+from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits, routed
 from fluxtp.configs import MatmulReduceScatterConfig
 from fluxtp.configs._classes import (
+    GROUP_MS,
     REDUCER_FP8_WIDE_PRECISE_TILING,
+    REDUCER_TILING,
     WARP_SPECIALIZED_FP8_FAST_TILING,
     WARP_SPECIALIZED_FP8_TILING,
     WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING,
@@ -103,17 +106,19 @@ COMPILE_WORKERS = 8
 
 
 def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
-    """The tilings to screen for a case, each with the communication knobs of the heuristic;
-    warp_specialized: the GPU runs the all-gather's warp-specialized kernel for the case
-    (warp_specialized_runs; other ops have none to screen)."""
-    warp_specialized = warp_specialized and (case.op == "all_gather_matmul" or case.fp8)
+    """The tilings to screen for a case, each with the communication knobs of the heuristic and
+    as a call launches it; warp_specialized: the GPU runs the case's warp-specialized kernel
+    (warp_specialized_runs): the all-gather's, screened beside Triton's, or the reduce-scatter's
+    reducer kernel, which a table's Triton tiling moves to where on_reducer_kernel says (so the
+    tiling measured is the one launched) and which is screened in every band of GROUP_MS."""
     base = heuristic_config(case, warp_specialized)
     if case.fp8:
         if not warp_specialized:
             return [base]
         more = _fp8_candidates if case.op == "all_gather_matmul" else _fp8_reduce_scatter_candidates
         return [base, *more(case, base)]
-    tilings = [(t, False) for t in ONE_GPU_TILINGS] + [(t, True) for t in WARP_SPECIALIZED_TILINGS if warp_specialized]
+    on_ag_kernel = warp_specialized and case.op == "all_gather_matmul"
+    tilings = [(t, False) for t in ONE_GPU_TILINGS] + [(t, True) for t in WARP_SPECIALIZED_TILINGS if on_ag_kernel]
     out = []
     for (bm, bn, bk, warps, stages), on_warp_specialized in tilings:
         tiling = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=8,
@@ -122,8 +127,21 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
             tiling["epilogue_split"] = epilogue_split_for(bn)
         config = with_communication_heuristic(case, dataclasses.replace(base, **tiling))
         if fits(case.op, config):
-            out.append(config)
+            out.append(_as_launched(case, config, warp_specialized))
+    if case.op == "matmul_reduce_scatter" and warp_specialized:
+        tiling = MatmulReduceScatterConfig(**REDUCER_TILING, warp_specialized=True)
+        reducer = [with_communication_heuristic(case, dataclasses.replace(tiling, group_m=g)) for g in GROUP_MS]
+        out += [c for c in reducer if _as_launched(case, c, True) == c]  # those that fit
     return list(dict.fromkeys([base, *out]))
+
+
+def _as_launched(case: GemmCase, config, warp_specialized: bool):
+    """A bf16 / fp16 reduce-scatter's table entry as the launcher takes it (routed: on the reducer
+    kernel where on_reducer_kernel says and warp_specialized, the GPU runs it); others as they are."""
+    if case.op != "matmul_reduce_scatter":
+        return config
+    (_, k), (n, _) = case.shard_shapes
+    return routed(config, case.M, n, k, case.world, DTYPE_NAMES[case.dtype].itemsize, warp_specialized)
 
 
 def _fp8_candidates(case: GemmCase, base) -> list:

@@ -129,8 +129,42 @@ def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
     narrow = GemmCase(AG, 1024, 14336, 4096, 8)  # the heuristic's 128x128 stays on Triton; both screened
     assert not tune_gemm.candidates(narrow, warp_specialized=True)[0].warp_specialized
     assert sum(c.warp_specialized for c in tune_gemm.candidates(narrow, warp_specialized=True)) == 2
+
+
+def test_one_gpu_candidates_of_a_reduce_scatter_are_as_launched_with_the_reducer_kernel_in_every_band():
+    """A bf16 / fp16 reduce-scatter's candidates are what a call launches from a table entry of
+    them: where the GPU runs the reducer kernel, the Triton tilings that on_reducer_kernel moves
+    there (TP=8; TP=4 from REDUCER_MIN_WORK) are that kernel's, and its tiling is screened in each
+    band of GROUP_MS beside them (at TP=2 too, where no Triton tiling moves); a launch of each is
+    the candidate itself, so the tune measures what its entry launches."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import routed
+    from fluxtp.configs._classes import GROUP_MS, REDUCER_TILING
+
+    on_reducer = {(*REDUCER_TILING.values(), g) for g in GROUP_MS}
+
+    def tilings(space):
+        return {(c.block_m, c.block_n, c.block_k, c.num_stages, c.num_warps, c.epilogue_split, c.group_m)
+                for c in space if c.warp_specialized}  # fmt: skip
+
+    for dtype in ("bfloat16", "float16"):
+        tp8 = GemmCase(RS, 1024, 4096, 14336, 8, dtype)
+        space = tune_gemm.candidates(tp8, warp_specialized=True)
+        assert space[0] == tune_gemm.heuristic_config(tp8, True) and space[0].warp_specialized
+        assert all(c.warp_specialized for c in space) and tilings(space) == on_reducer and len(space) == 3
+        small_tp4 = GemmCase(RS, 1024, 4096, 14336, 4, dtype)  # 8 x 16 x 56 blocks: Triton's stay
+        space = tune_gemm.candidates(small_tp4, warp_specialized=True)
+        assert not space[0].warp_specialized and tilings(space) == on_reducer
+        assert [c for c in space if not c.warp_specialized] == tune_gemm.candidates(small_tp4)
+        for case in (tp8, small_tp4, GemmCase(RS, 8192, 4096, 14336, 2, dtype, "transposed")):
+            space = tune_gemm.candidates(case, warp_specialized=True)
+            (_, k), (n, _) = case.shard_shapes
+            assert all(routed(c, case.M, n, k, case.world, 2, True) == c for c in space)
+            assert len(space) == len(set(space)) == len({tune.describe(c) for c in space})
+            for c in space:
+                assert c == tune_gemm.with_communication_heuristic(case, c)
+    # Where the GPU does not run it, the Triton tilings as they are (none moves).
     rs = GemmCase(RS, 8192, 8192, 28672, 8)
-    assert tune_gemm.candidates(rs, warp_specialized=True) == tune_gemm.candidates(rs)
+    assert not any(c.warp_specialized for c in tune_gemm.candidates(rs)) and len(tune_gemm.candidates(rs)) == 8
 
 
 def test_one_gpu_candidates_of_an_fp8_all_gather_are_its_stages_and_bands_on_the_warp_specialized_kernel():

@@ -409,6 +409,52 @@ def test_all_gather_takes_a_tuned_kernel_as_measured_and_routes_only_the_heurist
     assert _all_gather_matmul._config_for(x, w, 2, None) == dataclasses.replace(on_it.config, warp_specialized=False)
 
 
+def test_multi_gpu_tune_measures_reduce_scatter_candidates_as_launched():
+    """The multi-GPU tune's reduce-scatter candidates are what an entry of each launches: at TP=8
+    on a GPU that runs the reducer kernel, each push or copy-engine tiling is that kernel's (one
+    candidate per band and transport), pull stays on Triton; where it does not run, all stay."""
+    from fluxtp.bench.ops import Shape
+    from fluxtp.configs._classes import REDUCER_TILING
+
+    shape = Shape(4096, 8192, 28672)
+    space = tune.search_space(RS, shape.M, shape.N, shape.K // 8, 8)
+    launched = tune.launched_space(RS, space, shape, 8, True, 2)
+    k = shape.K // 8
+    assert launched[0] == tune.heuristic(RS, shape.M, shape.N, k, 8).on_reducer_kernel(8, shape.M, shape.N, k)
+    on_reducer = [c for c in launched if c.warp_specialized]
+    bands_and_transports = {(g, t) for g in (4, 8, 16) for t in ("push", "copy_engine")}
+    assert {(c.group_m, c.transport) for c in on_reducer} == bands_and_transports
+    tiling = {f: getattr(on_reducer[0], f) for f in REDUCER_TILING}
+    assert tiling == REDUCER_TILING and all({f: getattr(c, f) for f in REDUCER_TILING} == tiling for c in on_reducer)
+    assert all(c.transport == "pull" for c in launched if not c.warp_specialized) and len(launched) == len(set(launched))
+    assert tune.launched_space(RS, space, shape, 8, False, 2) == space
+    ag_space = tune.search_space(AG, 4096, 28672, 8192, 8)
+    assert tune.launched_space(AG, ag_space, Shape(4096, 28672, 8192), 8, True, 2) == ag_space
+
+
+def test_reduce_scatter_takes_a_reducer_kernel_entry_as_measured_and_its_twin_where_it_cannot_run(cache, monkeypatch):
+    """A bf16 reduce-scatter's table entry on the reducer kernel (what the one-GPU tune writes
+    where it measured that kernel fastest, at TP=2 too) launches as it is where that kernel runs;
+    where it cannot (no Hopper, a Triton without its Gluon) or cannot take it (pull), its tiling
+    runs on Triton."""
+    from fluxtp.backends.fused import _matmul_reduce_scatter
+    from fluxtp.configs._classes import REDUCER_TILING
+
+    runs = {"now": None}
+    monkeypatch.setattr(_matmul_reduce_scatter._scaled, "pingpong_unsupported", lambda *args: runs["now"])
+    x, w = torch.empty(4096, 32, dtype=torch.bfloat16), torch.empty(512, 32, dtype=torch.bfloat16)
+    assert not _matmul_reduce_scatter._config_for(x, w, 2, None).warp_specialized  # TP=2: the heuristic stays
+    on_it = entry(op=RS, gpu="cpu", world=2, n=512, k=64, m=4096, **REDUCER_TILING, group_m=4, warp_specialized=True)
+    tune.write_entries([on_it])
+    assert _matmul_reduce_scatter._config_for(x, w, 2, None) == on_it.config
+    runs["now"] = "it needs a Hopper GPU (sm_90)"
+    assert _matmul_reduce_scatter._config_for(x, w, 2, None) == dataclasses.replace(on_it.config, warp_specialized=False)
+    runs["now"] = None
+    pulled = dataclasses.replace(on_it, config=dataclasses.replace(on_it.config, transport="pull"))
+    tune.write_entries([pulled])
+    assert _matmul_reduce_scatter._config_for(x, w, 2, None) == dataclasses.replace(pulled.config, warp_specialized=False)
+
+
 def test_no_cache_file_means_heuristic_and_no_warning(cache):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

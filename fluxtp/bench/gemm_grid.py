@@ -186,8 +186,8 @@ def expected_rows(case: GemmCase, full: torch.Tensor) -> torch.Tensor:
 def heuristic_config(case: GemmCase, warp_specialized: bool = False):
     """The config the launcher takes when no table has an entry for the case (an FP8 one: with
     its accumulation and a bf16 output); warp_specialized: on a GPU where the case may take a
-    warp-specialized kernel (warp_specialized_runs: the FP8 reduce-scatter's reducer kernel too)."""
-    from fluxtp.backends.fused._matmul_reduce_scatter import scaled_heuristic
+    warp-specialized kernel (warp_specialized_runs: the reduce-scatter's reducer kernel too)."""
+    from fluxtp.backends.fused._matmul_reduce_scatter import routed, scaled_heuristic
     from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 
     (rows, k), (n, _) = case.shard_shapes
@@ -198,7 +198,8 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
         return scaled_heuristic(case.M, n, k, case.world, bf16_output(case), warp_specialized)
     if case.op == "all_gather_matmul":
         return AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
-    return MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
+    config = MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
+    return routed(config, case.M, n, k, case.world, DTYPE_NAMES[case.dtype].itemsize, warp_specialized)
 
 
 def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scales=None):
@@ -214,15 +215,12 @@ def launched_config(case: GemmCase, x: torch.Tensor, weight: torch.Tensor, scale
 
 def warp_specialized_runs(case: GemmCase, device) -> bool:
     """Whether the case may take a warp-specialized kernel on `device` (on Hopper), as the launcher
-    decides: the all-gather's, or an FP8 reduce-scatter's reducer kernel (a bf16 / fp16 one's
-    takes a fixed tiling: MatmulReduceScatterConfig.on_reducer_kernel)."""
-    from fluxtp.backends.fused import _all_gather_matmul, _scaled
+    decides: the all-gather's, or the reduce-scatter's reducer kernel."""
+    from fluxtp.backends.fused import _scaled
 
     if case.fp8:
         return _scaled.pingpong_unsupported(device, bf16_output(case)) is None
-    if case.op != "all_gather_matmul":
-        return False
-    return _all_gather_matmul.warp_specialized_runs(device, DTYPE_NAMES[case.dtype])
+    return _scaled.pingpong_unsupported(device, None, DTYPE_NAMES[case.dtype]) is None
 
 
 def bf16_output(case: GemmCase):

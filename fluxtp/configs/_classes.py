@@ -258,6 +258,9 @@ REDUCER_MIN_WORK = 20_000
 # at TP=2 and 4096-8192 rows a rank its time was 0.945-0.981x the Triton kernel's at the grid's 8
 # cases on one H100, and H200's tune moved all 8 there (0.88-0.975x); below, 0.985-1.22x on H100.
 REDUCER_FP8_FAST_MIN_ROWS = 4096
+# The reducer kernel's bf16 / fp16 tiling (its shared memory holds no more stages), with the
+# num_warps and epilogue_split of its Triton twin (the kernel ignores both: one config a tiling).
+REDUCER_TILING = {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "num_warps": 8, "epilogue_split": 4}
 
 
 def epilogue_split_for(block_n: int) -> int:
@@ -327,8 +330,7 @@ class MatmulReduceScatterConfig(GemmTiling):
         GEMM-only, the four models at 1024-16384 tokens: 0.78-1.01x the Triton kernel's time at
         TP=8, 0.90-1.02x at TP=4 from 57k blocks; since its tail loads together, 0.97x at 28k blocks
         and 1.02-1.05x at 14k and 7k, and 1.00-1.04x at 14k and 7k after its tail went to four
-        warps; docs/perf-log.md), in 128x256x64 tiles and 3 stages (its shared memory holds no
-        more). A scaled call (fp8_precise: its accumulation; out_bytes: its slots') in
+        warps; docs/perf-log.md), in REDUCER_TILING. A scaled call (fp8_precise: its accumulation; out_bytes: its slots') in
         reducer_fp8_tiling: from TP=2 with precise accumulation, from TP=4 with fast (one H100,
         precise: 0.62-0.89x the Triton kernel's time at TP=8; at TP=4 0.85-0.95 from 20k blocks,
         0.90-0.98 below since the fifth stage; at TP=2 0.83-1.02, 0.91 in geomean; fast: 0.74-1.04
@@ -347,7 +349,7 @@ class MatmulReduceScatterConfig(GemmTiling):
         work = cdiv(m_total, 128) * cdiv(n, 256) * cdiv(k, 64)
         if world < REDUCER_MIN_WORLD or (world < REDUCER_WORLD and work < REDUCER_MIN_WORK):
             return self
-        return dataclasses.replace(self, block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
+        return dataclasses.replace(self, **REDUCER_TILING, warp_specialized=True)
 
     def with_communication_heuristic(self, m_total: int, n: int, world: int) -> MatmulReduceScatterConfig:
         """This tiling with the heuristic's transport: the copy engine's up to MAX_COPY_ENGINE_WORLD

@@ -11,6 +11,7 @@ and names the peer rank and tile.
 """
 
 import dataclasses
+import os
 import random
 
 import pytest
@@ -288,6 +289,46 @@ def _reducer_body(rank, world, seed, transport):
 def test_reducer_kernel_whole_calls(transport):
     skip_unless_hopper()
     run_on_ranks(_reducer_body, WORLD, random.randrange(1 << 30), transport, backend="nccl", timeout_s=400)
+
+
+def _table_entry_body(rank, world, seed, cache_dir):
+    """A table entry on the reducer kernel (what the one-GPU tune writes where that kernel measured
+    fastest, at TP=2 too, in a band other than the heuristic's) launches as it is through the
+    public op, bf16 and fp16, and its result is right."""
+    from fluxtp import configs, tune
+
+    os.environ["FLUXTP_CACHE_DIR"] = cache_dir
+    configs.reload()
+    seen = []
+    original = _matmul_reduce_scatter.Plan.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.config)
+
+    _matmul_reduce_scatter.Plan.__init__ = spy
+    try:
+        for i, dtype in enumerate(DTYPES):
+            rows, n, k_local = (1024, 1024, 512) if i == 0 else (300, 1000, 256)  # ragged rows in fp16
+            entry = dataclasses.replace(REDUCER, group_m=4).with_communication_heuristic(rows * world, n, world)
+            key = configs.Key(torch.cuda.get_device_name(), world, str(dtype).removeprefix("torch."), "matmul_reduce_scatter",
+                              n, k_local * world, configs.m_bucket(rows * world), "linear")  # fmt: skip
+            if rank == 0:
+                tune.write_entries([configs.Entry(key, entry, {"M": rows * world, "mode": configs.GEMM_ONLY_MODE})])
+            dist.barrier()
+            configs.reload()
+            x, w, b, xl, wl = _inputs(seed + i, world, rank, rows * world, n, k_local, dtype, True)
+            _poison_output_pool(rows, n, dtype)
+            seen.clear()
+            _check(_fused(xl, wl, b), x, w, b, rank, world, f"{dtype} table entry")
+            assert seen and seen[-1] == entry, (seen, entry)
+    finally:
+        _matmul_reduce_scatter.Plan.__init__ = original
+
+
+def test_a_reducer_kernel_table_entry_launches_as_it_is(tmp_path):
+    skip_unless_hopper()
+    run_on_ranks(_table_entry_body, WORLD, random.randrange(1 << 30), str(tmp_path / "cache"), backend="nccl")
 
 
 def _two_groups_body(rank, world, seed):

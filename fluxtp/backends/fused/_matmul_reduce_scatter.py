@@ -27,6 +27,7 @@ the partial slots (and the copy engine's bands) and the output in out_dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -497,7 +498,11 @@ def routed(config: MatmulReduceScatterConfig, m_total: int, n: int, k: int, worl
            reducer_runs: bool, scaled=None) -> MatmulReduceScatterConfig:  # fmt: skip
     """An unscaled call's table entry or heuristic, or a scaled call's heuristic, as launched: on
     the reducer kernel where on_reducer_kernel says and it fits (reducer_runs: this GPU and Triton
-    run that kernel)."""
+    run that kernel); an entry on the reducer kernel where that does not run or take it: its
+    Triton twin (the same tiling)."""
+    if config.warp_specialized:
+        fits = reducer_runs and reducer_fits(config, n, world, itemsize, scaled)
+        return config if fits else dataclasses.replace(config, warp_specialized=False)
     fp8 = () if scaled is None else (scaled.precise_acc, scaled.out_dtype.itemsize)
     reducer = config.on_reducer_kernel(world, m_total, n, k, *fp8)
     moves = reducer is not config and reducer_runs and reducer_fits(reducer, n, world, itemsize, scaled)

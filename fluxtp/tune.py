@@ -422,14 +422,6 @@ def launched_space(op: str, space: list, shape, world: int, kernels_run: bool, i
     return list(dict.fromkeys(routed(c, shape.M, shape.N, k, world, itemsize, kernels_run) for c in space))
 
 
-def _warp_specialized_runs(op: str, device, dtype: torch.dtype) -> bool:
-    """Whether an `op` call of `dtype` on `device` may take the all-gather's warp-specialized kernel
-    (the launcher's own test; no other op has one to choose)."""
-    from fluxtp.backends.fused._all_gather_matmul import warp_specialized_runs
-
-    return op == "all_gather_matmul" and warp_specialized_runs(device, dtype)
-
-
 def tune_shape(
     op, shape, dtype, deadline, info, device, generator, show_progress=False, weight_layout="linear", start=None, vary=()
 ) -> ShapeResult:
@@ -464,13 +456,13 @@ def tune_shape(
     else:
         ref, ref_gathered = reference(*inputs[0], group=info.group, backend="nccl"), None
 
-    # The all-gather's warp-specialized kernel is screened where the launcher may take it.
-    warp_specialized = _warp_specialized_runs(op, device, dtype)
+    # The warp-specialized kernels are screened where the launcher may take them.
+    warp_specialized = _launcher_kernels_run(device, dtype)
     if vary:
         space = varied_space(op, start, vary, shape.M, shape.N, shape.K, world, warp_specialized)
     else:
         space = search_space(op, shape.M, shape.N, shape.K, world, warp_specialized)
-    space = launched_space(op, space, shape, world, _launcher_kernels_run(op, device, dtype, None), dtype.itemsize)
+    space = launched_space(op, space, shape, world, warp_specialized, dtype.itemsize)
     base = space[0]
     start = time.monotonic()
     screen_end = start + SCREEN_SHARE * max(0.0, deadline - start)
@@ -650,7 +642,7 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         if job.vary:  # what the op launches for this shape now: the cache's, the shipped table's or the heuristic
             start = choose(
                 job.op, gpu, world, dtype_name, shape.M, shape.N, shape.K, path=job.path,
-                weight_layout=job.weight_layout, warp_specialized=_warp_specialized_runs(job.op, device, job.dtype),
+                weight_layout=job.weight_layout, warp_specialized=_launcher_kernels_run(device, job.dtype),
             ).config
         try:
             result = tune_shape(
@@ -816,7 +808,7 @@ def cmd_info_configs(args) -> int:
     if fast_accum and dtype != torch.float8_e4m3fn:
         parser.error("--fast-accum: FP8 calls only (--dtype float8_e4m3fn)")
     scaled = Scaled(torch.bfloat16, True, not fast_accum) if dtype == torch.float8_e4m3fn else None
-    runs = {op: _launcher_kernels_run(op, torch.device("cuda", 0), dtype, scaled) if local else None for op in ops}
+    runs = {op: _launcher_kernels_run(torch.device("cuda", 0), dtype, scaled) if local else None for op in ops}
     width = terminal_width()
     for label, table, is_shipped, absent in (
         ("config cache", path, False, "no file yet (`fluxtp tune` writes it)"),
@@ -846,13 +838,12 @@ def cmd_info_configs(args) -> int:
     return 0
 
 
-def _launcher_kernels_run(op: str, device, dtype: torch.dtype, scaled) -> bool:
-    """Whether the launcher of an `op` call (scaled: an FP8 one's) may take its warp-specialized
-    kernel on `device`: the all-gather's, or the reduce-scatter's reducer kernel."""
+def _launcher_kernels_run(device, dtype: torch.dtype, scaled=None) -> bool:
+    """Whether a fused call of `dtype` (scaled: an FP8 one's) may take its op's warp-specialized
+    kernel on `device` (the launchers' own test): the all-gather's, or the reduce-scatter's
+    reducer kernel."""
     from fluxtp.backends.fused._scaled import pingpong_unsupported
 
-    if scaled is None and op == "all_gather_matmul":
-        return _warp_specialized_runs(op, device, dtype)
     return pingpong_unsupported(device, scaled, dtype) is None
 
 

@@ -150,8 +150,9 @@ def test_the_all_gathers_space_has_the_warp_specialized_kernel_where_it_runs(M, 
     space = tune.search_space(AG, M, N, K, 2, warp_specialized=True)
     assert space[0] == AllGatherMatmulConfig.heuristic(M // 2, N // 2, K, 2, warp_specialized=True)
     assert set(space) == set(both)
-    # the reduce-scatter has no such twin to screen
-    assert tune.candidates(RS, M, N // 4, K * 4, 2, warp_specialized=True) == tune.candidates(RS, M, N // 4, K * 4, 2)
+    # the reduce-scatter's are its reducer kernel's, after Triton's (test_multi_gpu_tune_measures_...)
+    rs_both = tune.candidates(RS, M, N // 4, K * 4, 2, warp_specialized=True)
+    assert [c for c in rs_both if not c.warp_specialized] == tune.candidates(RS, M, N // 4, K * 4, 2)
 
 
 def test_reduce_scatter_transport_heuristic_and_check():
@@ -412,12 +413,14 @@ def test_all_gather_takes_a_tuned_kernel_as_measured_and_routes_only_the_heurist
 def test_multi_gpu_tune_measures_reduce_scatter_candidates_as_launched():
     """The multi-GPU tune's reduce-scatter candidates are what an entry of each launches: at TP=8
     on a GPU that runs the reducer kernel, each push or copy-engine tiling is that kernel's (one
-    candidate per band and transport), pull stays on Triton; where it does not run, all stay."""
+    candidate per band and transport), pull stays on Triton; where it does not run, all stay. At
+    TP=2, where no Triton tiling moves, the reducer kernel's are in the space beside them."""
     from fluxtp.bench.ops import Shape
     from fluxtp.configs._classes import REDUCER_TILING
 
     shape = Shape(4096, 8192, 28672)
-    space = tune.search_space(RS, shape.M, shape.N, shape.K // 8, 8)
+    space = tune.search_space(RS, shape.M, shape.N, shape.K // 8, 8, warp_specialized=True)
+    assert tune.search_space(RS, shape.M, shape.N, shape.K // 8, 8) == [c for c in space if not c.warp_specialized]
     launched = tune.launched_space(RS, space, shape, 8, True, 2)
     k = shape.K // 8
     assert launched[0] == tune.heuristic(RS, shape.M, shape.N, k, 8).on_reducer_kernel(8, shape.M, shape.N, k)
@@ -427,7 +430,11 @@ def test_multi_gpu_tune_measures_reduce_scatter_candidates_as_launched():
     tiling = {f: getattr(on_reducer[0], f) for f in REDUCER_TILING}
     assert tiling == REDUCER_TILING and all({f: getattr(c, f) for f in REDUCER_TILING} == tiling for c in on_reducer)
     assert all(c.transport == "pull" for c in launched if not c.warp_specialized) and len(launched) == len(set(launched))
-    assert tune.launched_space(RS, space, shape, 8, False, 2) == space
+    triton_space = tune.search_space(RS, shape.M, shape.N, shape.K // 8, 8)
+    assert tune.launched_space(RS, triton_space, shape, 8, False, 2) == triton_space
+    tp2 = tune.search_space(RS, shape.M, shape.N, shape.K // 2, 2, warp_specialized=True)
+    assert tune.launched_space(RS, tp2, shape, 2, True, 2) == tp2
+    assert {(c.group_m, c.transport) for c in tp2 if c.warp_specialized} == bands_and_transports
     ag_space = tune.search_space(AG, 4096, 28672, 8192, 8)
     assert tune.launched_space(AG, ag_space, Shape(4096, 28672, 8192), 8, True, 2) == ag_space
 

@@ -477,9 +477,10 @@ def _chunk_rows(rows_per_rank: int, pieces: int, block_m: int) -> int:
 
 def candidates(op: str, m_total: int, n: int, k: int, world: int, warp_specialized: bool = False) -> list:
     """Every config of the space that fits, in enumeration order, without duplicates.
-    warp_specialized: the all-gather may take its warp-specialized kernel (a bf16 / fp16 call on
-    Hopper): each 128-row tiling of 64-deep stages there too, at the warps of Triton's tiling of
-    that shape (the kernel's own warps ignore num_warps, so one twin a tiling)."""
+    warp_specialized: the op may take its warp-specialized kernel (a bf16 / fp16 call on Hopper):
+    the all-gather's each 128-row tiling of 64-deep stages there too, at the warps of Triton's
+    tiling of that shape (the kernel's own warps ignore num_warps, so one twin a tiling); the
+    reduce-scatter's reducer kernel in REDUCER_TILING, each band, push or the copy engine."""
     cls = config_class(op)
     out = []
     for (bm, bn), bk, warps, stages, group_m in itertools.product(TILES, BLOCK_KS, WARPS, STAGES, GROUP_MS):
@@ -496,6 +497,9 @@ def candidates(op: str, m_total: int, n: int, k: int, world: int, warp_specializ
                 for transport, split in itertools.product(RS_TRANSPORTS, RS_EPILOGUE_SPLITS)
             ]
         out.extend(v for v in variants if fits(op, v))
+    if warp_specialized and op == "matmul_reduce_scatter":
+        transports = [t for t in RS_TRANSPORTS if t != "pull"]
+        out.extend(cls(**REDUCER_TILING, group_m=g, transport=t, warp_specialized=True) for g in GROUP_MS for t in transports)
     return list(dict.fromkeys(out))
 
 

@@ -95,9 +95,10 @@ def test_tune_finishes_in_budget_and_the_next_call_uses_the_winner(op, tmp_path)
     gpu = torch.cuda.get_device_name(0)
     assert entry.key == tune.Key(gpu, WORLD, "bfloat16", op, shape.N, shape.K, tune.m_bucket(shape.M))
     assert entry.measured["ms"] <= entry.measured["heuristic_ms"]  # the heuristic was a finalist
-    # the tuner's space: with the all-gather's warp-specialized kernel where this GPU runs it
-    warp_specialized = op == "all_gather_matmul" and warp_specialized_runs(torch.device("cuda", 0), torch.bfloat16)
-    assert entry.config in tune.search_space(op, shape.M, shape.N, shape.K, WORLD, warp_specialized)
+    # the tuner's space as launched: with the op's warp-specialized kernel where this GPU runs it
+    warp_specialized = warp_specialized_runs(torch.device("cuda", 0), torch.bfloat16)
+    space = tune.search_space(op, shape.M, shape.N, shape.K, WORLD, warp_specialized)
+    assert entry.config in tune.launched_space(op, space, shape, WORLD, warp_specialized, 2)
     choice = tune.choose(op, gpu, WORLD, "bfloat16", shape.M, shape.N, shape.K, path=cache_dir / tune.CACHE_FILE)
     assert choice.source == "exact" and choice.config == entry.config
 

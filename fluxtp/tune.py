@@ -110,6 +110,7 @@ from fluxtp.configs._classes import (  # noqa: F401
     GROUP_MS,
     MAX_ACC_REGISTERS,
     MAX_ACC_REGISTERS_UNSPLIT_EPILOGUE,
+    REDUCER_TILING,
     RS_EPILOGUE_SPLITS,
     RS_TRANSPORTS,
     SMEM_LIMIT_BYTES,
@@ -398,16 +399,23 @@ def _time_left(deadline: float, info, device) -> float:
 
 def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int,
                  warp_specialized: bool = False) -> list:  # fmt: skip
-    """`start`, then the candidates that differ from it in the `vary` fields only."""
+    """`start`, then the candidates that differ from it in the `vary` fields only. A
+    reduce-scatter's warp_specialized names the kernel: varied from a Triton entry, the reducer
+    kernel's tiling (REDUCER_TILING, the one it has) stands for the entry's, so the entry meets
+    its reducer-kernel twin (the same band and transport); from a reducer-kernel entry, its Triton
+    twin is that tiling on Triton."""
     fields = {f.name for f in dataclasses.fields(start)}
     unknown = sorted(set(vary) - fields)
     if unknown:
         raise ValueError(f"{op} configs have no field(s) {', '.join(unknown)}; they have {', '.join(sorted(fields))}")
     pinned = {f: getattr(start, f) for f in vary}
-    return [start] + [
-        c for c in candidates(op, m_total, n, k, world, warp_specialized)
-        if c != start and dataclasses.replace(c, **pinned) == start
-    ]
+
+    def varies_only_there(c) -> bool:
+        reducer_twin = op == "matmul_reduce_scatter" and "warp_specialized" in vary and c.warp_specialized
+        tiling = {f: getattr(start, f) for f in REDUCER_TILING} if reducer_twin and not start.warp_specialized else {}
+        return dataclasses.replace(c, **{**tiling, **pinned}) == start
+
+    return [start] + [c for c in candidates(op, m_total, n, k, world, warp_specialized) if c != start and varies_only_there(c)]
 
 
 def launched_space(op: str, space: list, shape, world: int, kernels_run: bool, itemsize: int) -> list:

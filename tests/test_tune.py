@@ -971,6 +971,27 @@ def test_rank_tune_can_vary_only_some_fields_of_the_config_in_use(tmp_path):
         tune.varied_space(AG, in_use, ("transport",), 1024, 64, 32, 2)
 
 
+def test_varying_a_reduce_scatters_kernel_meets_the_entrys_twin_on_the_other_kernel():
+    """--vary warp_specialized on a reduce-scatter entry: a Triton entry of any tiling against the
+    reducer kernel in the same band and transport (its one tiling), a reducer-kernel entry against
+    that tiling on Triton; with group_m varied too, the twin in every band; pull has no twin."""
+    from fluxtp.configs._classes import REDUCER_TILING
+
+    m, n, k = 16384, 4096, 7168
+    triton = MatmulReduceScatterConfig(block_n=128, num_warps=4, num_stages=5, epilogue_split=2, group_m=16)
+    space = tune.varied_space(RS, triton, ("warp_specialized",), m, n, k, 2, warp_specialized=True)
+    twin = MatmulReduceScatterConfig(**REDUCER_TILING, group_m=16, transport=triton.transport, warp_specialized=True)
+    assert space == [triton, twin]
+    assert tune.varied_space(RS, twin, ("warp_specialized",), m, n, k, 2, warp_specialized=True) == [
+        twin, dataclasses.replace(twin, warp_specialized=False)]  # fmt: skip
+    banded = tune.varied_space(RS, triton, ("warp_specialized", "group_m"), m, n, k, 2, warp_specialized=True)
+    assert {(c.warp_specialized, c.group_m) for c in banded} == {(w, g) for w in (False, True) for g in (4, 8, 16)}
+    assert all(c.block_n == 128 for c in banded if not c.warp_specialized)
+    pulled = dataclasses.replace(triton, transport="pull")
+    assert tune.varied_space(RS, pulled, ("warp_specialized",), m, n, k, 2, warp_specialized=True) == [pulled]
+    assert tune.varied_space(RS, triton, ("warp_specialized",), m, n, k, 2) == [triton]  # where it cannot run
+
+
 LUCKY = [False]  # the stand-in below: BEST is fast until the confirmation measures it
 
 

@@ -120,6 +120,34 @@ def test_fp8_layers_world_of_one():
     _layers_body(0, 1, random.randrange(1 << 30))
 
 
+def test_fp8_column_layer_with_save_memory_quantizes_its_rows_once(monkeypatch):
+    """save_memory keeps the FP8 rows and scales the all-gather moved: the forward quantizes the
+    input rows once for both, and the layer computes exactly what it does without save_memory."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 16, bias=True)
+    x = torch.randn(8, 32) * 2.0 ** torch.randint(-3, 4, (8, 1))
+    grad = torch.randn(8, 16)
+    real, quantized = fp8.quantize_rows, []
+
+    def counting(t, *args, **kwargs):
+        quantized.append(tuple(t.shape))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "quantize_rows", counting)
+    results = {}
+    for save_memory in (False, True):
+        layer = ColumnParallelLinear.from_linear(linear, fp8=True, save_memory=save_memory, backend="nccl")
+        x_in = x.clone().requires_grad_(True)
+        quantized.clear()
+        y = layer(x_in)
+        forward_rows = quantized.count(tuple(x.shape))
+        y.backward(grad)
+        results[save_memory] = (y.detach(), x_in.grad, layer.weight.grad, layer.bias.grad)
+        assert forward_rows == 1, f"save_memory={save_memory}: the input rows quantized {forward_rows} times"
+    for kept, saved in zip(results[False], results[True]):
+        assert torch.equal(kept, saved)
+
+
 # ---------------------------------------------------------------- a short training run
 
 STEPS = 40

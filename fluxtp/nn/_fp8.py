@@ -58,8 +58,9 @@ class Fp8Gemms:
         return gather_rows(x_q.view(torch.uint8), info, backend).view(x_q.dtype), gather_rows(scales, info, backend)
 
     @staticmethod
-    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True):
-        x_q, scale_x = _rows(x_shard)
+    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True,
+                      rows=None):  # fmt: skip
+        x_q, scale_x = _rows(x_shard) if rows is None else rows
         w_q, scale_w = _rows(weight)
         out = all_gather_scaled_matmul(
             x_q, w_q, scale_x, scale_w.view(1, -1), group=info.group, bias=bias, out_dtype=x_shard.dtype,

@@ -65,8 +65,10 @@ class _Gemms:
         return gather_rows(rows, info, backend)
 
     @staticmethod
-    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True):
-        """(x_shard gathered @ weight^T + bias, gathered, or None unless `keep`)."""
+    def gather_linear(x_shard, weight, bias, info: GroupInfo, backend: str, grad: bool = False, keep: bool = True,
+                      rows=None):  # fmt: skip
+        """(x_shard gathered @ weight^T + bias, gathered, or None unless `keep`); rows: `rows(x_shard)`
+        where the caller has it already (FP8: not quantized twice)."""
         out = all_gather_matmul(x_shard, weight, group=info.group, bias=bias, backend=backend, return_gathered=keep)
         return out if keep else (out, None)
 
@@ -115,9 +117,10 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     def forward(ctx, x_shard_m, info: GroupInfo, backend: str, save_memory: bool, keep_gathered: bool, gemms, n: int,
                 *params):  # fmt: skip
         weights, biases = params[:n], params[n:]
-        y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend, keep=keep_gathered)
+        rows = gemms.rows(x_shard_m) if save_memory else None  # what the backward keeps, made once
+        y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend, keep=keep_gathered, rows=rows)
         ys = [y_0] + [gemms.linear(gathered, w, b) for w, b in zip(weights[1:], biases[1:])]
-        saved = gemms.pack(gemms.rows(x_shard_m)) if save_memory else () if gathered is None else gemms.pack(gathered)
+        saved = gemms.pack(rows) if save_memory else () if gathered is None else gemms.pack(gathered)
         ctx.save_for_backward(*weights, *saved)
         ctx.info, ctx.backend, ctx.save_memory, ctx.gemms, ctx.n = info, backend, save_memory, gemms, n
         ctx.has_bias = [b is not None for b in biases]

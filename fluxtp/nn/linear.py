@@ -118,7 +118,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                 *params):  # fmt: skip
         weights, biases = params[:n], params[n:]
         rows = gemms.rows(x_shard_m) if save_memory else None  # what the backward keeps, made once
-        y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend, keep=keep_gathered, rows=rows)
+        y_0, gathered = gemms.gather_linear(x_shard_m, weights[0], biases[0], info, backend, keep=keep_gathered,
+                                            rows=rows)  # fmt: skip
         ys = [y_0] + [gemms.linear(gathered, w, b) for w, b in zip(weights[1:], biases[1:])]
         saved = gemms.pack(rows) if save_memory else () if gathered is None else gemms.pack(gathered)
         ctx.save_for_backward(*weights, *saved)

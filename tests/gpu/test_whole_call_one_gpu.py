@@ -311,3 +311,58 @@ def test_fp8_whole_calls_through_the_public_ops(world, rank, m, n, k, row_wise):
         out = fluxtp.scaled_matmul_reduce_scatter(xq.cuda(), w, sx.cuda(), scale_w, group=group, backend="fused")
         torch.cuda.synchronize()
         assert out.shape == (m, n) and out.dtype == torch.bfloat16, f"{what}: reduce-scatter gave {tuple(out.shape)} {out.dtype}"
+
+
+def _garbage_during_recording_body(rank, world):
+    """Cyclic garbage holding a symmetric allocation (as stale call plans hold views of a replaced
+    workspace), and a collector that runs at every allocation: a call recorded as a CUDA graph must
+    not free it during the capture (CUDA refuses the unmapping there and the process aborts), and
+    the garbage goes once the capture is over."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from fluxtp.backends.fused import _launch
+
+    group_name = dist.group.WORLD.group_name
+    symm_mem.enable_symm_mem_for_group(group_name)
+
+    class Holder:
+        pass
+
+    gc.collect()
+    gc.freeze()  # what exists now stays out of the collections below; the garbage is all they see
+    freed = []
+    holder = Holder()
+    holder.cycle = holder
+    holder.buffer = symm_mem.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    holder.handle = symm_mem.rendezvous(holder.buffer, group_name)
+    weakref.finalize(holder, freed.append, True)
+    del holder
+    x = torch.zeros(16, device="cuda")
+
+    def record():
+        for _ in range(1000):
+            [object()]  # container allocations: each may start a collection
+        x.add_(1)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph = _launch._recorded_on(torch.cuda.Stream(), torch.cuda.CUDAGraph(), record)
+        assert not freed, "the garbage was collected during the capture"
+        graph.replay()
+        torch.cuda.synchronize()
+        gc.collect()
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+    assert freed and x.eq(1).all(), (freed, x)
+
+
+def test_garbage_holding_a_symmetric_allocation_is_not_collected_while_a_call_records():
+    from fluxtp.testing import run_on_ranks
+
+    run_on_ranks(_garbage_during_recording_body, 1, backend="nccl")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import gc
 import sys
 import warnings
 
@@ -463,14 +464,22 @@ def on_stream(stream: torch.cuda.Stream, steps, restore: torch.cuda.Stream) -> N
 def _recorded_on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, record) -> torch.cuda.CUDAGraph:
     """`graph` with what `record()` issues on `stream` (made current meanwhile) captured into it;
     raises where CUDA cannot capture an operation. thread_local: other threads' CUDA work (a data
-    loader's copies) may go on meanwhile."""
+    loader's copies) may go on meanwhile. Python's cyclic garbage collector is off meanwhile: a
+    collection that frees a symmetric allocation (stale call plans hold views of replaced
+    workspaces) unmaps it, which CUDA refuses during a capture, and the process aborts."""
 
     def capture():
-        graph.capture_begin(capture_error_mode="thread_local")
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            record()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                record()
+            finally:
+                graph.capture_end()
         finally:
-            graph.capture_end()
+            if collecting:
+                gc.enable()
 
     on_stream(stream, capture, torch.cuda.current_stream(stream.device))
     return graph

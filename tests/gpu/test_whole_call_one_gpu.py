@@ -344,9 +344,8 @@ def _garbage_during_recording_body(rank, world):
     x = torch.zeros(16, device="cuda")
 
     def record():
-        for _ in range(1000):
-            [object()]  # container allocations: each may start a collection
-        x.add_(1)
+        kept = [[] for _ in range(1000)]  # container allocations kept alive: collections start
+        x.add_(len(kept) // 1000)
 
     thresholds = gc.get_threshold()
     gc.set_threshold(1, 1, 1)

@@ -315,9 +315,10 @@ def test_fp8_whole_calls_through_the_public_ops(world, rank, m, n, k, row_wise):
 
 def _garbage_during_recording_body(rank, world):
     """Cyclic garbage holding a symmetric allocation (as stale call plans hold views of a replaced
-    workspace), and a collector that runs at every allocation: a call recorded as a CUDA graph must
-    not free it during the capture (CUDA refuses the unmapping there and the process aborts), and
-    the garbage goes once the capture is over."""
+    workspace), young, and a collection due within the recording's allocations: a call recorded as
+    a CUDA graph must not free it during the capture (CUDA refuses the unmapping there and the
+    process aborts: out of this guard, one collection in a capture did), and the garbage goes once
+    the capture is over."""
     import gc
     import weakref
 
@@ -326,38 +327,37 @@ def _garbage_during_recording_body(rank, world):
 
     from fluxtp.backends.fused import _launch
 
-    group_name = dist.group.WORLD.group_name
-    symm_mem.enable_symm_mem_for_group(group_name)
-
     class Holder:
         pass
 
-    gc.collect()
-    gc.freeze()  # what exists now stays out of the collections below; the garbage is all they see
+    group_name = dist.group.WORLD.group_name
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    x = torch.zeros(16, device="cuda")
+
+    def record():
+        kept = [[] for _ in range(1000)]  # container allocations kept alive: a collection is due
+        x.add_(len(kept) // 1000)
+
     freed = []
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.disable()  # no collection until the recording's: the garbage stays in the youngest generation
     holder = Holder()
     holder.cycle = holder
     holder.buffer = symm_mem.empty(1 << 20, dtype=torch.uint8, device="cuda")
     holder.handle = symm_mem.rendezvous(holder.buffer, group_name)
     weakref.finalize(holder, freed.append, True)
     del holder
-    x = torch.zeros(16, device="cuda")
-
-    def record():
-        kept = [[] for _ in range(1000)]  # container allocations kept alive: collections start
-        x.add_(len(kept) // 1000)
-
-    thresholds = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
+    gc.set_threshold(gc.get_count()[0] + 200, *thresholds[1:])  # due within record's allocations only
+    gc.enable()
     try:
-        graph = _launch._recorded_on(torch.cuda.Stream(), torch.cuda.CUDAGraph(), record)
+        _launch._recorded_on(stream, graph, record)
         assert not freed, "the garbage was collected during the capture"
         graph.replay()
         torch.cuda.synchronize()
         gc.collect()
     finally:
         gc.set_threshold(*thresholds)
-        gc.unfreeze()
     assert freed and x.eq(1).all(), (freed, x)
 
 

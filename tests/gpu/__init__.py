@@ -22,6 +22,20 @@ def _world() -> int:
 WORLD = _world()
 
 
+def plan_configs(module) -> list:
+    """The config of every call plan of a fused launcher `module` (its Plan) built in this process
+    from now on, in order (a plan launches the config it resolved, on every call of its signature)."""
+    seen = []
+    original = module.Plan.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.config)
+
+    module.Plan.__init__ = spy
+    return seen
+
+
 def skip_unless_hopper() -> None:
     """Skip the calling test off Hopper: the warp-specialized (Gluon) kernels are for sm_90."""
     import pytest

@@ -136,19 +136,13 @@ def _tuned_body(rank, world, seed, cache_dir):
     from fluxtp.backends.fused._scaled import Scaled
     from fluxtp.configs import MatmulReduceScatterConfig
     from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING, WARP_SPECIALIZED_FP8_TILING
+    from tests.gpu import plan_configs
 
     os.environ["FLUXTP_CACHE_DIR"] = cache_dir
     configs.reload()
     device = torch.device("cuda", rank)
     m, n, k_local = 512, 2048, 1024
-    seen = []
-    original = _matmul_reduce_scatter.Plan.__init__
-
-    def spy(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        seen.append(self.config)
-
-    _matmul_reduce_scatter.Plan.__init__ = spy
+    seen = plan_configs(_matmul_reduce_scatter)
     x = torch.zeros(m * world, k_local, device=device).to(torch.float8_e4m3fn)
     w = torch.zeros(n, k_local, device=device).to(torch.float8_e4m3fn)
     for fast in (False, True):  # precise: 128x256 tiles where 128x128 ones at five stages are the heuristic's

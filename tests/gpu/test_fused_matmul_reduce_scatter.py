@@ -24,7 +24,7 @@ from fluxtp.backends import fused
 from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, check_matmul_reduce, draw, rel_error
-from tests.gpu import WORLD, run_until_trap, skip_unless_hopper
+from tests.gpu import WORLD, plan_configs, run_until_trap, skip_unless_hopper
 
 pytestmark = [
     pytest.mark.gpu,
@@ -299,31 +299,21 @@ def _table_entry_body(rank, world, seed, cache_dir):
 
     os.environ["FLUXTP_CACHE_DIR"] = cache_dir
     configs.reload()
-    seen = []
-    original = _matmul_reduce_scatter.Plan.__init__
-
-    def spy(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        seen.append(self.config)
-
-    _matmul_reduce_scatter.Plan.__init__ = spy
-    try:
-        for i, dtype in enumerate(DTYPES):
-            rows, n, k_local = (1024, 1024, 512) if i == 0 else (300, 1000, 256)  # ragged rows in fp16
-            entry = dataclasses.replace(REDUCER, group_m=4).with_communication_heuristic(rows * world, n, world)
-            key = configs.Key(torch.cuda.get_device_name(), world, str(dtype).removeprefix("torch."), "matmul_reduce_scatter",
-                              n, k_local * world, configs.m_bucket(rows * world), "linear")  # fmt: skip
-            if rank == 0:
-                tune.write_entries([configs.Entry(key, entry, {"M": rows * world, "mode": configs.GEMM_ONLY_MODE})])
-            dist.barrier()
-            configs.reload()
-            x, w, b, xl, wl = _inputs(seed + i, world, rank, rows * world, n, k_local, dtype, True)
-            _poison_output_pool(rows, n, dtype)
-            seen.clear()
-            _check(_fused(xl, wl, b), x, w, b, rank, world, f"{dtype} table entry")
-            assert seen and seen[-1] == entry, (seen, entry)
-    finally:
-        _matmul_reduce_scatter.Plan.__init__ = original
+    seen = plan_configs(_matmul_reduce_scatter)
+    for i, dtype in enumerate(DTYPES):
+        rows, n, k_local = (1024, 1024, 512) if i == 0 else (300, 1000, 256)  # ragged rows in fp16
+        entry = dataclasses.replace(REDUCER, group_m=4).with_communication_heuristic(rows * world, n, world)
+        key = configs.Key(torch.cuda.get_device_name(), world, str(dtype).removeprefix("torch."), "matmul_reduce_scatter",
+                          n, k_local * world, configs.m_bucket(rows * world), "linear")  # fmt: skip
+        if rank == 0:
+            tune.write_entries([configs.Entry(key, entry, {"M": rows * world, "mode": configs.GEMM_ONLY_MODE})])
+        dist.barrier()
+        configs.reload()
+        x, w, b, xl, wl = _inputs(seed + i, world, rank, rows * world, n, k_local, dtype, True)
+        _poison_output_pool(rows, n, dtype)
+        seen.clear()
+        _check(_fused(xl, wl, b), x, w, b, rank, world, f"{dtype} table entry")
+        assert seen and seen[-1] == entry, (seen, entry)
 
 
 def test_a_reducer_kernel_table_entry_launches_as_it_is(tmp_path):

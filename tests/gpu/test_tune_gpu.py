@@ -18,7 +18,7 @@ from fluxtp import tune
 from fluxtp.backends.fused._all_gather_matmul import warp_specialized_runs
 from fluxtp.bench.ops import Shape, relative_error, shard_shapes
 from fluxtp.testing import run_on_ranks
-from tests.gpu import WORLD
+from tests.gpu import WORLD, plan_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,20 +32,9 @@ CASES = {
 
 
 def _launched_configs(op: str) -> list:
-    """Record the config of every fused call plan of op built in this process (a plan launches
-    the config it resolved, on every call of its signature)."""
     from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
 
-    seen = []
-    module = _all_gather_matmul if op == "all_gather_matmul" else _matmul_reduce_scatter
-    original = module.Plan.__init__
-
-    def spy(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        seen.append(self.config)
-
-    module.Plan.__init__ = spy
-    return seen
+    return plan_configs(_all_gather_matmul if op == "all_gather_matmul" else _matmul_reduce_scatter)
 
 
 def _call_and_check(rank, world, op, shape, cache_dir, expected, out_file):

@@ -415,7 +415,8 @@ def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int,
         tiling = {f: getattr(start, f) for f in REDUCER_TILING} if reducer_twin and not start.warp_specialized else {}
         return dataclasses.replace(c, **{**tiling, **pinned}) == start
 
-    return [start] + [c for c in candidates(op, m_total, n, k, world, warp_specialized) if c != start and varies_only_there(c)]
+    space = candidates(op, m_total, n, k, world, warp_specialized)
+    return [start] + [c for c in space if c != start and varies_only_there(c)]
 
 
 def launched_space(op: str, space: list, shape, world: int, kernels_run: bool, itemsize: int) -> list:

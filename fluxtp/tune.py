@@ -817,7 +817,7 @@ def cmd_info_configs(args) -> int:
     if fast_accum and dtype != torch.float8_e4m3fn:
         parser.error("--fast-accum: FP8 calls only (--dtype float8_e4m3fn)")
     scaled = Scaled(torch.bfloat16, True, not fast_accum) if dtype == torch.float8_e4m3fn else None
-    runs = {op: _launcher_kernels_run(torch.device("cuda", 0), dtype, scaled) if local else None for op in ops}
+    runs = _launcher_kernels_run(torch.device("cuda", 0), dtype, scaled) if local else None
     width = terminal_width()
     for label, table, is_shipped, absent in (
         ("config cache", path, False, "no file yet (`fluxtp tune` writes it)"),
@@ -843,7 +843,7 @@ def cmd_info_configs(args) -> int:
     for op in dict.fromkeys(op for op, _ in cases):
         print()
         op_shapes = [s for o, s in cases if o == op]
-        print(_format_choices(op, op_shapes, gpu, world, args.dtype, layout, path, shipped, width, runs[op], scaled))
+        print(_format_choices(op, op_shapes, gpu, world, args.dtype, layout, path, shipped, width, runs, scaled))
     return 0
 
 

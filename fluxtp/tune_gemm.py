@@ -53,7 +53,7 @@ from fluxtp.bench.gemm_grid import (
 )
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
 from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, key_dtype, load, m_bucket
-from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits, routed
+from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
 from fluxtp.configs import MatmulReduceScatterConfig
 from fluxtp.configs._classes import (
     GROUP_MS,
@@ -65,7 +65,8 @@ from fluxtp.configs._classes import (
     epilogue_split_for,
     fp8_tiling,
 )
-from fluxtp.tune import write_entries
+from fluxtp.bench.ops import Shape
+from fluxtp.tune import launched_space, write_entries
 
 # (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue
 # slices by epilogue_split_for.
@@ -127,21 +128,14 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
             tiling["epilogue_split"] = epilogue_split_for(bn)
         config = with_communication_heuristic(case, dataclasses.replace(base, **tiling))
         if fits(case.op, config):
-            out.append(_as_launched(case, config, warp_specialized))
+            out.append(config)
+    itemsize = DTYPE_NAMES[case.dtype].itemsize
+    out = launched_space(case.op, out, Shape(case.M, case.N, case.K), case.world, warp_specialized, itemsize)
     if case.op == "matmul_reduce_scatter" and warp_specialized:
         tiling = MatmulReduceScatterConfig(**REDUCER_TILING, warp_specialized=True)
         reducer = [with_communication_heuristic(case, dataclasses.replace(tiling, group_m=g)) for g in GROUP_MS]
-        out += [c for c in reducer if _as_launched(case, c, True) == c]  # those that fit
+        out += [c for c in reducer if reducer_fits(c, case.N, case.world, itemsize)]
     return list(dict.fromkeys([base, *out]))
-
-
-def _as_launched(case: GemmCase, config, warp_specialized: bool):
-    """A bf16 / fp16 reduce-scatter's table entry as the launcher takes it (routed: on the reducer
-    kernel where on_reducer_kernel says and warp_specialized, the GPU runs it); others as they are."""
-    if case.op != "matmul_reduce_scatter":
-        return config
-    (_, k), (n, _) = case.shard_shapes
-    return routed(config, case.M, n, k, case.world, DTYPE_NAMES[case.dtype].itemsize, warp_specialized)
 
 
 def _fp8_candidates(case: GemmCase, base) -> list:

@@ -332,8 +332,8 @@ class MatmulReduceScatterConfig(GemmTiling):
         and 1.02-1.05x at 14k and 7k, and 1.00-1.04x at 14k and 7k after its tail went to four
         warps; docs/perf-log.md), in REDUCER_TILING. A scaled call (fp8_precise: its accumulation;
         out_bytes: its slots') in reducer_fp8_tiling: from TP=2 with precise accumulation, from
-        TP=4 with fast (one H100, precise: 0.62-0.89x the Triton kernel's time at TP=8; at TP=4 0.85-0.95 from 20k blocks,
-        0.90-0.98 below since the fifth stage; at TP=2 0.83-1.02, 0.91 in geomean; fast: 0.74-1.04
+        TP=4 with fast (one H100, precise: 0.62-0.89x the Triton kernel's time at TP=8; at TP=4
+        0.85-0.95 from 20k blocks, 0.90-0.98 below since the fifth stage; at TP=2 0.83-1.02, 0.91 in geomean; fast: 0.74-1.04
         at TP=8, 0.78-1.04 at TP=4, 0.935 in geomean; at TP=2 from REDUCER_FP8_FAST_MIN_ROWS rows a
         rank with 2-byte slots)."""
         if self.warp_specialized or self.transport == "pull":

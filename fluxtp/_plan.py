@@ -3,18 +3,16 @@ launchers; DESIGN.md: an eager call should cost about a cuBLAS call plus a few s
 
 A signature holds every property of a call's tensors that a plan may depend on (type, dtype,
 device, shape, strides, 16-byte alignment) beside the op's other arguments; a plan never holds
-the call's tensors themselves (the caching allocator must be free to reuse their memory). A plan
-is valid while fluxtp._generation has the value it was built under.
+the call's tensors themselves (the caching allocator must be free to reuse their memory), nor
+anything that refers back to it (a plan is freed the moment its cache drops it, not when Python's
+collector finds a cycle). A plan is valid until fluxtp._generation.bump() drops it.
 """
 
 from __future__ import annotations
 
 import atexit
-import weakref
 
 from fluxtp import _generation
-
-_caches: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
@@ -22,7 +20,7 @@ def _clear_all() -> None:
     """Drop every plan before the interpreter shuts down: plans hold process groups, and a gloo
     group first released during interpreter teardown aborted the process at exit
     ("terminate called without an active exception", after torch's destroy_process_group)."""
-    for cache in list(_caches):
+    for cache in list(_generation.caches):
         cache.clear()
 
 
@@ -34,26 +32,22 @@ def tensor_key(t) -> tuple:
 
 
 class PlanCache:
-    """signature -> plan, each valid while the generation it was built under lasts."""
+    """signature -> plan; _generation.bump() empties every cache at once (plans are valid while
+    nothing they resolved changes)."""
 
     def __init__(self, max_size: int = 1024):
         self._plans: dict = {}
         self._max_size = max_size
-        self._generation = _generation.value
-        _caches.add(self)
+        _generation.caches.add(self)
 
     def get(self, key):
-        entry = self._plans.get(key)
-        if entry is not None and entry[0] == _generation.value:
-            return entry[1]
-        return None
+        return self._plans.get(key)
 
     def put(self, key, plan):
-        """Keep `plan` for `key` (built under the current generation); returns it."""
-        if len(self._plans) >= self._max_size or self._generation != _generation.value:
-            self._plans.clear()  # stale plans go at once: they may hold groups and buffers
-            self._generation = _generation.value
-        self._plans[key] = (_generation.value, plan)
+        """Keep `plan` for `key`; returns it."""
+        if len(self._plans) >= self._max_size:
+            self._plans.clear()
+        self._plans[key] = plan
         return plan
 
     def clear(self) -> None:

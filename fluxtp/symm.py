@@ -51,6 +51,7 @@ class SymmBuffer:
 
 
 _buffers: dict[tuple[str, int, str], SymmBuffer] = {}
+_op_workspaces: list[dict] = []  # each op's state over its buffers (op_workspaces)
 _streams: dict[int, torch.cuda.Stream] = {}
 _enabled_groups: set[str] = set()
 _reasons: dict[str, str | None] = {}
@@ -172,11 +173,22 @@ def stream_wait_at_least(flags: torch.Tensor, index: int, value: int) -> None:
     _driver.stream_wait_value32(stream.cuda_stream, flags.data_ptr() + index * flags.element_size(), value)
 
 
+def op_workspaces() -> dict:
+    """A dict for an op's state kept over its symmetric buffers (views, flags, peer addresses),
+    keyed by tuples that start with the group's name: free_workspaces drops a group's entries
+    with its buffers."""
+    workspaces: dict = {}
+    _op_workspaces.append(workspaces)
+    return workspaces
+
+
 def free_workspaces(group_name: str | None = None) -> None:
-    """Drop the cached buffers of one group (or all), and every cached call plan (they hold views
-    of them). Call on every rank, after a device sync."""
-    for key in [k for k in _buffers if group_name is None or k[0] == group_name]:
-        del _buffers[key]
+    """Free the symmetric buffers of one group (or all) now: drop them, the ops' state over them
+    and every cached call plan (plans hold views of them). Call on every rank, after a device
+    sync, outside CUDA graph capture."""
+    for cache in (_buffers, *_op_workspaces):
+        for key in [k for k in cache if group_name is None or k[0] == group_name]:
+            del cache[key]
     _generation.bump()
     if group_name is None:
         _reasons.clear()

@@ -6,11 +6,15 @@ The gathered input must be an exact copy and the product within fp16 rounding, f
 on the call that builds the call plan and on a second call with other data that reuses it; and
 a call that keeps no gathered input (it gathers into the workspace's rows, its barriers and pulls
 issued as they are recorded, before the GEMM: the CPU has no graphs) must compute the same product.
+A plan dropped by its cache is freed at once, with no collection (it holds nothing that refers
+back to it).
 """
 
+import gc
 import os
 import sys
 import types
+import weakref
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -67,11 +71,12 @@ def main():
         signals_seen.append("gemm")
         held.append(args)
 
-    built = []
+    built, plans = [], []
     plan_init = ag.Plan.__init__
 
     def counted_init(self, *args, **kwargs):
         built.append(args[3].rank)
+        plans.append(weakref.ref(self))
         plan_init(self, *args, **kwargs)
 
     ag._Gemm.__call__ = hold
@@ -114,6 +119,15 @@ def main():
             err = ((y.double() - ref).norm() / ref.norm()).item()
             assert err < TOL, f"call {call} rank {rank}: rel err {err:.2e}"
     assert built == [*range(world)] * 2, f"plans built for ranks {built}: two per rank, reused by the second call"
+    gc.collect()
+    gc.disable()
+    try:
+        assert all(ref() is not None for ref in plans), "a cached plan was freed"
+        ag._plans.clear()
+        alive = sum(ref() is not None for ref in plans)
+        assert not alive, f"{alive} of {len(plans)} plans outlived their cache: something refers back to them"
+    finally:
+        gc.enable()
     print("ok")
 
 

@@ -14,14 +14,35 @@ from fluxtp._plan import PlanCache, tensor_key
 from fluxtp.testing import run_on_ranks
 
 
-def test_a_plan_lives_while_its_generation_does():
-    cache = PlanCache()
+def test_a_plan_lives_until_the_generation_moves_and_goes_at_once():
+    """A bump empties every cache then and there: what only stale plans hold (a replaced
+    workspace) is freed outside any capture, not at a later put."""
+    cache, other = PlanCache(), PlanCache()
     plan = cache.put("k", object())
+    other.put("k", object())
     assert cache.get("k") is plan
     _generation.bump()
-    assert cache.get("k") is None
-    cache.put("other", 1)  # the first put after a bump drops every stale plan at once
-    assert len(cache) == 1
+    assert cache.get("k") is None and len(cache) == 0 and len(other) == 0
+
+
+def test_freed_workspaces_take_the_ops_state_over_them_and_every_plan(monkeypatch):
+    """free_workspaces(group) drops that group's buffers and each op's entries over them (keyed by
+    the group's name first), no other group's, and every cached plan."""
+    mine, theirs = symm.op_workspaces(), symm.op_workspaces()
+    monkeypatch.setattr(symm, "_buffers", {("g", 0, "op"): "buffer", ("h", 0, "op"): "buffer"})
+    mine.update({("g", 0): "ws", ("h", 0): "ws"})
+    theirs[("g", 1, "all_reduce")] = "ws"
+    cache = PlanCache()
+    cache.put("k", object())
+    try:
+        symm.free_workspaces("g")
+        assert list(symm._buffers) == [("h", 0, "op")] and list(mine) == [("h", 0)] and not theirs
+        assert len(cache) == 0
+        symm.free_workspaces()
+        assert not symm._buffers and not mine
+    finally:
+        symm._op_workspaces.remove(mine)
+        symm._op_workspaces.remove(theirs)
 
 
 def test_the_signature_tells_apart_what_a_plan_depends_on():

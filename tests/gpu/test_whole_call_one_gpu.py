@@ -365,3 +365,62 @@ def test_garbage_holding_a_symmetric_allocation_is_not_collected_while_a_call_re
     from fluxtp.testing import run_on_ranks
 
     run_on_ranks(_garbage_during_recording_body, 1, backend="nccl")
+
+
+def _freed_workspaces_body(world, rank, m, n, k, dtype, seed):
+    """The calls of the test below, inside its simulated world; returns weak references to every
+    plan and workspace buffer they made (the caller holds nothing else of them)."""
+    import weakref
+
+    w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
+    x = draw(seed + 1, (world * m, k), dtype, "cuda")
+    x_shard = x[rank * m : (rank + 1) * m].clone()
+    with simulated_world(world, rank) as group, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        info = GroupInfo(group, rank, world)
+        for return_gathered in (False, True):
+            fluxtp.all_gather_matmul(x_shard, w, group=group, backend="fused", return_gathered=return_gathered)
+        hook = lambda metadata: None  # noqa: E731 -- a launch hook: the copy steps are replayed apart
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            fluxtp.all_gather_matmul(x_shard, w, group=group, backend="fused")
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        fluxtp.matmul_reduce_scatter(x, w, group=group, backend="fused")
+        config = dataclasses.replace(MatmulReduceScatterConfig.heuristic(world * m, n, k, world), transport="copy_engine")
+        pushed = _matmul_reduce_scatter.plan(x, w, None, info, config)
+        incoming = pushed.flags[: pushed.layout.num_flags // 2]
+        pushed.barrier = lambda channel=0, timeout_ms=0: incoming.fill_(1)  # as the band pushes' test does
+        pushed(x, w, None)
+        torch.cuda.synchronize()
+        gathering = _all_gather_matmul.plan(x_shard, w, None, info, False)
+        recorded = (gathering.call_graph.graph, gathering.copy_steps_replay.graph, pushed.call_graph.graph)
+        assert all(isinstance(g, torch.cuda.CUDAGraph) for g in recorded), f"not every path was recorded: {recorded}"
+        plans = [*_all_gather_matmul._plans._plans.values(), *_matmul_reduce_scatter._plans._plans.values()]
+        assert len(plans) == 4, f"{len(plans)} fused plans: expected both all-gathers and both reduce-scatters"
+        key = (group.group_name, x.device.index)
+        ag_ws, rs_ws = _all_gather_matmul._workspaces[key], _matmul_reduce_scatter._workspaces[key]
+        kept = [*plans, ag_ws.shard.tensor, ag_ws.gathered, rs_ws.buffer.tensor]
+        refs = [weakref.ref(obj) for obj in kept]
+        del plans, kept, ag_ws, rs_ws, gathering, pushed, recorded
+        assert all(ref() is not None for ref in refs), "a plan or workspace went while its group was in use"
+    return refs  # the world's exit freed its workspaces (symm.free_workspaces)
+
+
+def test_freed_workspaces_go_at_once_with_every_plan_over_them():
+    """symm.free_workspaces frees a group's workspaces then and there, with the call plans over
+    them and no garbage collection: a plan (its recorded call, its replayed copy steps, its copy
+    engine's pushes) holds nothing that refers back to it. Otherwise a replaced workspace waits
+    for Python's collector, which may run inside a caller's CUDA graph capture, where freeing
+    symmetric memory aborts the process."""
+    import gc
+
+    seed = random.randrange(1 << 30)
+    gc.collect()
+    gc.disable()
+    try:
+        refs = _freed_workspaces_body(4, 1, 256, 512, 512, torch.bfloat16, seed)
+        alive = [type(ref()).__name__ for ref in refs if ref() is not None]
+        assert not alive, f"still alive after free_workspaces, with no collection: {alive}"
+    finally:
+        gc.enable()

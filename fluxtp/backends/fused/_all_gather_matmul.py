@@ -99,7 +99,7 @@ class _Workspace:
         return views
 
 
-_workspaces: dict[tuple[str, int], _Workspace] = {}
+_workspaces: dict[tuple[str, int], _Workspace] = symm.op_workspaces()
 
 
 def _workspace(info: GroupInfo, device, shard_bytes: int, num_signals: int) -> _Workspace:
@@ -436,19 +436,18 @@ class Plan:
         if not return_gathered:
             self.gathered, self.gathered_scales = ws.gathered_rows(x_shard.dtype, self.gathered_shape,
                                                                    self.gathered_shape[0] if row_scales else 0)  # fmt: skip
-            self.copy_steps_replay = StreamReplay(
-                lambda: self._published_and_pulled(self.gathered, self.gathered_scales), self.copy_stream
-            )
+            self.copy_steps_replay = StreamReplay(self.copy_stream)
             if device.type == "cuda":
                 sms = num_sms(device)  # every SM: the publish runs before the GEMM, alone
                 self.publish = Launch(copy_kernel, sms, BLOCK=PUBLISH_BLOCK, NUM_PROGRAMS=sms, num_warps=4)
                 indices = ((0,), self.gemm.per_call_indices())  # the publish's source; the GEMM's
-                self.call_graph = CallGraph(self._record_call, self.copy_stream, indices)
+                self.call_graph = CallGraph(self.copy_stream, indices)
 
-    def _published_and_pulled(self, x_gathered, gathered_scales) -> None:
-        """The recorded sequence: the first barrier (every rank has published), then _pull_peers."""
+    def _published_and_pulled(self) -> None:
+        """The recorded copy steps (copy_steps_replay): the first barrier (every rank has
+        published), then _pull_peers into the workspace's gathered rows."""
         self.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        self._pull_peers(x_gathered, gathered_scales)
+        self._pull_peers(self.gathered, self.gathered_scales)
 
     def _pull_peers(self, x_gathered, gathered_scales) -> None:
         """On the current (copy) stream: every peer's row scales (a row-wise scaled call), then
@@ -472,11 +471,11 @@ class Plan:
         if graph is not None and self.shard_bytes is not None and not torch._C._cuda_isCurrentStreamCapturing():
             y = torch.empty(self.y_shape, dtype=self.out_dtype, device=self.device)
             scales = self._kernel_scales(self.gathered_scales, scale_x, scale_w)
-            if graph.ready(lambda: self._first_kernels(x_shard, weight, bias, y, scales)):
+            if graph.ready(lambda: self._first_kernels(x_shard, weight, bias, y, scales), self._record_call):
                 return self._call_graphed(x_shard, weight, bias, y, scale_x, scales)
         replay = self.copy_steps_replay
         if replay is not None and self.shard_bytes is not None and not torch.cuda.is_current_stream_capturing():
-            replay.ready(False)
+            replay.ready(self._published_and_pulled, False)
             if replay.graph_exec is not None:
                 return self._call_replayed(x_shard, weight, bias, scale_x, scale_w)
         return self._call_streams(x_shard, weight, bias, scale_x, scale_w)
@@ -559,7 +558,7 @@ class Plan:
         scales = self._kernel_scales(gathered_scales, scale_x, scale_w)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if replay is not None:
-            replay.ready(capturing)
+            replay.ready(self._published_and_pulled, capturing)
         compute = symm.current_stream(self.device_index)
         if self.device.type == "cuda" and not capturing:  # a graph's replays are ordered by their caller
             self._wait_for_last_user(compute.cuda_stream, compute.cuda_stream)
@@ -577,7 +576,7 @@ class Plan:
         copy = self.copy_stream
         symm.stream_wait(copy, compute)
         if replay is not None:  # the first barrier (issued before the GEMM), pulls, signals, second barrier
-            _launch.on_stream(copy, lambda: replay(capturing), compute)
+            _launch.on_stream(copy, lambda: replay(self._published_and_pulled, capturing), compute)
         self.gemm(x_gathered, x_shard, weight, bias, y, self.ws.signals, self.ws.done, scales)
         if replay is None:  # issued after the GEMM, which computes this rank's rows meanwhile
             _launch.on_stream(copy, lambda: self._pull_peers(x_gathered, gathered_scales), compute)

@@ -465,8 +465,8 @@ def _recorded_on(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, record)
     """`graph` with what `record()` issues on `stream` (made current meanwhile) captured into it;
     raises where CUDA cannot capture an operation. thread_local: other threads' CUDA work (a data
     loader's copies) may go on meanwhile. Python's cyclic garbage collector is off meanwhile: a
-    collection that frees a symmetric allocation (stale call plans hold views of replaced
-    workspaces) unmaps it, which CUDA refuses during a capture, and the process aborts."""
+    collection that frees a symmetric allocation (the caller's garbage may hold one) unmaps it,
+    which CUDA refuses during a capture, and the process aborts."""
 
     def capture():
         collecting = gc.isenabled()
@@ -491,25 +491,27 @@ class StreamReplay:
     Each eager operation costs several microseconds of host time; one replay costs about what two
     or three of them do (docs/perf-log.md).
 
-    `record()` issues the operations on the current stream. A call first makes the graph ready
-    (`ready`, before it issues any work of its own: recording may wait for the device, and the
-    call's kernel may wait for the recorded operations), then issues them (`__call__`) on the
-    current stream, replayed, or eagerly while the caller captures its own graph (`capturing`:
-    that graph then holds them); or replays them on a raw stream handle with
+    `record()` issues the operations on the current stream; the owner passes it to each call
+    (held here, its bound method would make owner and replay a reference cycle, which only
+    Python's collector frees, at whatever moment, a CUDA graph capture's included). A call first
+    makes the graph ready (`ready`, before it issues any work of its own: recording may wait for
+    the device, and the call's kernel may wait for the recorded operations), then issues them
+    (`__call__`) on the current stream, replayed, or eagerly while the caller captures its own
+    graph (`capturing`: that graph then holds them); or replays them on a raw stream handle with
     _driver.graph_launch(graph_exec, stream). If CUDA cannot record one of the operations, a
     warning says so and every call issues them eagerly (graph_exec stays None)."""
 
-    __slots__ = ("record", "stream", "graph", "graph_exec")
+    __slots__ = ("stream", "graph", "graph_exec")
 
-    def __init__(self, record, stream: torch.cuda.Stream):
-        self.record, self.stream, self.graph = record, stream, None
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream, self.graph = stream, None
         self.graph_exec = None  # the instantiated graph's raw handle, for _driver.graph_launch
 
-    def ready(self, capturing: bool) -> None:
+    def ready(self, record, capturing: bool) -> None:
         if self.graph is not None or capturing:
             return
         try:
-            graph = _recorded_on(self.stream, torch.cuda.CUDAGraph(), self.record)
+            graph = _recorded_on(self.stream, torch.cuda.CUDAGraph(), record)
         except RuntimeError as error:
             warnings.warn(f"fluxtp: a copy sequence could not be recorded as a CUDA graph, issued eagerly: {error}",
                           stacklevel=3)  # fmt: skip
@@ -517,10 +519,10 @@ class StreamReplay:
         self.graph = graph
         self.graph_exec = graph.raw_cuda_graph_exec() if graph else None
 
-    def __call__(self, capturing: bool) -> None:
+    def __call__(self, record, capturing: bool) -> None:
         graph = self.graph
         if capturing or not graph:
-            self.record()
+            record()
         else:
             graph.replay()
 
@@ -531,28 +533,29 @@ class CallGraph:
     the graph on the caller's stream, so that copies, flags, barriers and kernels cost one driver
     call and no stream switch or fork and join of PyTorch's (a graph's branches join at its end).
 
-    `ready(kernels)` records the graph at the first call, outside the caller's graph capture:
-    `kernels()` returns [(Launch, arguments)] of the call's kernels (each its own function),
-    compiled before anything is recorded, and `record(launches)` issues the call's operations on
-    the current stream (forking a side stream where they overlap), those launches among them.
+    `ready(kernels, record)` records the graph at the first call, outside the caller's graph
+    capture: `kernels()` returns [(Launch, arguments)] of the call's kernels (each its own
+    function), compiled before anything is recorded, and `record(launches)` issues the call's
+    operations on the current stream (forking a side stream where they overlap), those launches
+    among them (passed, not held: StreamReplay says why).
     `ready` says whether the graph can be used: where CUDA cannot record an operation, a kernel's
     parameters cannot be laid out, or a launch hook wants to see every launch, the caller takes
     its stream-by-stream path instead."""
 
-    __slots__ = ("record", "stream", "indices", "graph", "graph_exec", "params", "binders", "launch")
+    __slots__ = ("stream", "indices", "graph", "graph_exec", "params", "binders", "launch")
 
-    def __init__(self, record, stream: torch.cuda.Stream, indices: tuple):
+    def __init__(self, stream: torch.cuda.Stream, indices: tuple):
         """indices: per kernel, the arguments a call rebinds, in the order __call__ gets their tensors."""
-        self.record, self.stream, self.indices = record, stream, indices
+        self.stream, self.indices = stream, indices
         self.graph = None  # False once recording failed
         self.graph_exec = self.params = self.binders = self.launch = None
 
-    def ready(self, kernels) -> bool:
+    def ready(self, kernels, record) -> bool:
         if self.graph is None:
-            self.graph = self._recorded(kernels) or False
+            self.graph = self._recorded(kernels, record) or False
         return bool(self.graph) and not _hooks_set()
 
-    def _recorded(self, kernels):
+    def _recorded(self, kernels, record):
         launches = kernels()
         params = []
         for launch, args in launches:
@@ -566,7 +569,7 @@ class CallGraph:
         if None in params:
             return None  # the interpreter, or a Triton whose parameter layout KernelParams does not know
         try:
-            graph = _recorded_on(self.stream, torch.cuda.CUDAGraph(keep_graph=True), lambda: self.record(launches))
+            graph = _recorded_on(self.stream, torch.cuda.CUDAGraph(keep_graph=True), lambda: record(launches))
             graph.instantiate()
             recorded = _driver.kernel_nodes(graph.raw_cuda_graph())
         except (RuntimeError, OSError, ValueError, AttributeError) as error:

@@ -70,7 +70,7 @@ class _Workspace:
     counters: torch.Tensor  # int32 [2] in this rank's memory: (epoch, programs done)
 
 
-_workspaces: dict[tuple[str, int, str], _Workspace] = {}
+_workspaces: dict[tuple[str, int, str], _Workspace] = symm.op_workspaces()
 
 
 def _workspace(info: GroupInfo, op: str, device: torch.device, nbytes: int) -> _Workspace:

@@ -294,7 +294,7 @@ class _Workspace:
         return steps
 
 
-_workspaces: dict[tuple[str, int], _Workspace] = {}
+_workspaces: dict[tuple[str, int], _Workspace] = symm.op_workspaces()
 
 
 def _workspace(info: GroupInfo, device: torch.device, nbytes: int) -> _Workspace:
@@ -605,16 +605,16 @@ class Plan:
         # The copy stream records steps 1-2 (they address only the workspace) as one graph, and
         # carries the copy engine's band pushes; the CPU interpreter's plans issue steps 1-2 as they are.
         self.copy_stream = symm.copy_stream(x.device) if x.is_cuda else None
-        self.reset_replay = StreamReplay(self._reset_and_barrier, self.copy_stream) if x.is_cuda else None
+        self.reset_replay = StreamReplay(self.copy_stream) if x.is_cuda else None
         if config.copy_engine:
             self.counters, self.steps = ws.copy_engine_steps(layout, part, rank, world)
-            self.band_pushes = StreamReplay(self._issue_band_pushes, self.copy_stream)
+            self.band_pushes = StreamReplay(self.copy_stream)
             self.copy_handle, self.event = self.copy_stream.cuda_stream, DriverEvent(self.copy_stream)
         self.device_index = x.device.index or 0
         # Outside graph capture a call is one recorded graph launch (_launch.CallGraph).
         self.call_graph = None
         if x.is_cuda and not self.kernel.empty:
-            self.call_graph = CallGraph(self._record_call, self.copy_stream, (self.kernel.per_call_indices(),))
+            self.call_graph = CallGraph(self.copy_stream, (self.kernel.per_call_indices(),))
 
     def ready(self, x, weight, bias):
         """The tensors the kernel reads: x TMA-ready, the bias contiguous (the weight as it is)."""
@@ -631,11 +631,11 @@ class Plan:
             self._reset_and_barrier()
         else:
             capturing = torch.cuda.is_current_stream_capturing()
-            replay.ready(capturing)
+            replay.ready(self._reset_and_barrier, capturing)
             if replay.graph_exec is not None and not capturing:  # a driver call: less host time
                 _driver.graph_launch(replay.graph_exec, torch._C._cuda_getCurrentRawStream(self.device_index))
             else:
-                replay(capturing)
+                replay(self._reset_and_barrier, capturing)
         return self
 
     def _reset_and_barrier(self) -> None:
@@ -650,7 +650,7 @@ class Plan:
         if copy_engine:
             capturing = torch.cuda.is_current_stream_capturing()
             pushes = self.band_pushes
-            pushes.ready(capturing)
+            pushes.ready(self._issue_band_pushes, capturing)
             # Outside capture, the fork, the pushes' replay and the join are driver calls on raw
             # stream handles (as the all-gather's: less host time, no stream switch).
             direct = pushes.graph_exec is not None and not capturing
@@ -678,7 +678,7 @@ class Plan:
         before the kernel), the band pushes (_issue_band_pushes), replayed as one recorded graph
         (every address is the workspace's); the caller's stream then joins the copy stream, so
         the next call's reset of the counters comes after the waits have read them."""
-        _launch.on_stream(copy, lambda: self.band_pushes(capturing), compute)
+        _launch.on_stream(copy, lambda: self.band_pushes(self._issue_band_pushes, capturing), compute)
         symm.stream_wait(compute, copy)
 
     def _issue_band_pushes(self) -> None:
@@ -712,7 +712,8 @@ class Plan:
         graph = self.call_graph
         if graph is not None and not torch._C._cuda_isCurrentStreamCapturing():
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-            if graph.ready(lambda: [self.kernel.launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)]):
+            launch_args = self.kernel.launch_args
+            if graph.ready(lambda: [launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)], self._record_call):
                 stream = torch._C._cuda_getCurrentRawStream(self.device_index)
                 graph((self.kernel.per_call(x, weight, bias, out, scales),), stream)
                 return out

@@ -372,12 +372,16 @@ def _freed_workspaces_body(world, rank, m, n, k, dtype, seed):
     plan and workspace buffer they made (the caller holds nothing else of them)."""
     import weakref
 
+    def weakly(*kept):
+        return [weakref.ref(obj) for obj in kept]
+
     w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
     x = draw(seed + 1, (world * m, k), dtype, "cuda")
     x_shard = x[rank * m : (rank + 1) * m].clone()
     with simulated_world(world, rank) as group, warnings.catch_warnings():
         warnings.simplefilter("error")
         info = GroupInfo(group, rank, world)
+        key = (group.group_name, x.device.index)
         for return_gathered in (False, True):
             fluxtp.all_gather_matmul(x_shard, w, group=group, backend="fused", return_gathered=return_gathered)
         hook = lambda metadata: None  # noqa: E731 -- a launch hook: the copy steps are replayed apart
@@ -386,24 +390,28 @@ def _freed_workspaces_body(world, rank, m, n, k, dtype, seed):
             fluxtp.all_gather_matmul(x_shard, w, group=group, backend="fused")
         finally:
             knobs.runtime.launch_enter_hook.remove(hook)
+        torch.cuda.synchronize()
+        gathering = _all_gather_matmul.plan(x_shard, w, None, info, False)
+        assert gathering.call_graph.graph and gathering.copy_steps_replay.graph, "the all-gather's paths were not recorded"
+        ws = _all_gather_matmul._workspaces[key]
+        refs = weakly(*_all_gather_matmul._plans._plans.values(), ws.shard.tensor, ws.gathered)
+        assert len(refs) == 4, f"{len(refs) - 2} all-gather plans: expected both paths'"
+        del gathering, ws
+        # The reduce-scatter's first call makes its workspace: every plan is rebuilt after, the
+        # all-gather's freed at once.
         fluxtp.matmul_reduce_scatter(x, w, group=group, backend="fused")
+        assert all(ref() is None for ref in refs[:2]), "a new workspace left the all-gather's stale plans alive"
         config = dataclasses.replace(MatmulReduceScatterConfig.heuristic(world * m, n, k, world), transport="copy_engine")
         pushed = _matmul_reduce_scatter.plan(x, w, None, info, config)
         incoming = pushed.flags[: pushed.layout.num_flags // 2]
         pushed.barrier = lambda channel=0, timeout_ms=0: incoming.fill_(1)  # as the band pushes' test does
         pushed(x, w, None)
         torch.cuda.synchronize()
-        gathering = _all_gather_matmul.plan(x_shard, w, None, info, False)
-        recorded = (gathering.call_graph.graph, gathering.copy_steps_replay.graph, pushed.call_graph.graph)
-        assert all(isinstance(g, torch.cuda.CUDAGraph) for g in recorded), f"not every path was recorded: {recorded}"
-        plans = [*_all_gather_matmul._plans._plans.values(), *_matmul_reduce_scatter._plans._plans.values()]
-        assert len(plans) == 4, f"{len(plans)} fused plans: expected both all-gathers and both reduce-scatters"
-        key = (group.group_name, x.device.index)
-        ag_ws, rs_ws = _all_gather_matmul._workspaces[key], _matmul_reduce_scatter._workspaces[key]
-        kept = [*plans, ag_ws.shard.tensor, ag_ws.gathered, rs_ws.buffer.tensor]
-        refs = [weakref.ref(obj) for obj in kept]
-        del plans, kept, ag_ws, rs_ws, gathering, pushed, recorded
-        assert all(ref() is not None for ref in refs), "a plan or workspace went while its group was in use"
+        assert pushed.call_graph.graph and pushed.band_pushes is not None, "the copy engine's call was not recorded"
+        refs += weakly(*_matmul_reduce_scatter._plans._plans.values(), _matmul_reduce_scatter._workspaces[key].buffer.tensor)
+        assert len(refs) == 7, f"{len(refs) - 5} reduce-scatter plans: expected the op's and the copy engine's"
+        del pushed
+        assert all(ref() is not None for ref in refs[4:]), "a reduce-scatter plan or workspace went while in use"
     return refs  # the world's exit freed its workspaces (symm.free_workspaces)
 
 

@@ -1,6 +1,6 @@
 """One counter for everything cached per call signature (fluxtp.ops' call plans, the fused
-launchers' plans): it changes whenever something such a cache resolved may have changed, and a
-cached plan built under another value is rebuilt at its next call.
+launchers' plans): it moves whenever something such a cache resolved may have changed, and every
+cache drops its plans then; each is rebuilt at its next call.
 
 Bumped by: fluxtp.configs.reload() (new tuning tables), fluxtp.symm when a symmetric buffer is
 created, grown or freed, a fused launcher when it replaces a workspace, and

@@ -712,8 +712,8 @@ class Plan:
         graph = self.call_graph
         if graph is not None and not torch._C._cuda_isCurrentStreamCapturing():
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-            launch_args = self.kernel.launch_args
-            if graph.ready(lambda: [launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)], self._record_call):
+            if graph.ready(lambda: [self.kernel.launch_args(x, weight, bias, out, self.ws.buffer_ptrs, scales)],
+                           self._record_call):  # fmt: skip
                 stream = torch._C._cuda_getCurrentRawStream(self.device_index)
                 graph((self.kernel.per_call(x, weight, bias, out, scales),), stream)
                 return out

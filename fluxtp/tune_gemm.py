@@ -51,10 +51,20 @@ from fluxtp.bench.gemm_grid import (
     relative_error,
     warp_specialized_runs,
 )
-from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
-from fluxtp.configs import GEMM_ONLY_MODE, Entry, Key, describe, fits, key_dtype, load, m_bucket
 from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
-from fluxtp.configs import MatmulReduceScatterConfig
+from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
+from fluxtp.bench.ops import Shape
+from fluxtp.configs import (
+    GEMM_ONLY_MODE,
+    Entry,
+    Key,
+    MatmulReduceScatterConfig,
+    describe,
+    fits,
+    key_dtype,
+    load,
+    m_bucket,
+)
 from fluxtp.configs._classes import (
     GROUP_MS,
     REDUCER_FP8_WIDE_PRECISE_TILING,
@@ -65,7 +75,6 @@ from fluxtp.configs._classes import (
     epilogue_split_for,
     fp8_tiling,
 )
-from fluxtp.bench.ops import Shape
 from fluxtp.tune import launched_space, write_entries
 
 # (block_m, block_n, block_k, num_warps, num_stages) tried per case; the reduce-scatter's epilogue

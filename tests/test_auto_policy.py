@@ -19,16 +19,37 @@ BF = torch.bfloat16
 
 def test_all_gather_matmul_counts_gathered_tokens():
     w = torch.empty(14336, 64, device="meta")  # LLaMA-70B gate projection per rank at TP=2
-    threshold = fused.AUTO_MIN_TOKENS["all_gather_matmul"][0]
+    threshold = fused.AUTO_ALL_GATHER[2][0]
     assert not fused.preferred("all_gather_matmul", torch.empty(threshold // 2 - 1, 64, device="meta"), w, TWO)
     assert fused.preferred("all_gather_matmul", torch.empty(threshold // 2, 64, device="meta"), w, TWO)
 
 
-def test_all_gather_matmul_needs_enough_output_per_rank():
-    """At 4096 tokens the narrow q projection (N/W = 4096) lost; 8192 tokens of it won."""
-    q = torch.empty(4096, 64, device="meta")
-    assert not fused.preferred("all_gather_matmul", torch.empty(2048, 64, device="meta"), q, TWO)
-    assert fused.preferred("all_gather_matmul", torch.empty(4096, 64, device="meta"), q, TWO)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_all_gather_matmul_needs_enough_output_per_rank(world):
+    """A rank's output elements (global tokens x its weight's rows) count, not only the tokens."""
+    info = GroupInfo(None, 0, world)
+    least_tokens, least_outputs, _ = fused.AUTO_ALL_GATHER[min(world, 8)]
+    columns = least_outputs // (2 * least_tokens)  # narrow: twice the least tokens reach the least outputs
+    assert columns <= fused.AUTO_WIDE_COLUMNS
+    w = torch.empty(columns, 64, device="meta")
+    assert not fused.preferred(AG, torch.empty(least_tokens // world, 64, device="meta"), w, info)
+    assert fused.preferred(AG, torch.empty(2 * least_tokens // world, 64, device="meta"), w, info)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_all_gathers_of_wide_weights_need_more_tokens_from_tp4(world):
+    """At TP=4 and 1024 tokens the GPT-3 / LLaMA-405B all-gathers (12288-13312 columns a rank) lost
+    on H100s where LLaMA-8B / -70B ones (3584-7168) won; TP=2 won at both; TP=8 is unmeasured."""
+    info = GroupInfo(None, 0, world)
+    least_tokens, _, least_tokens_wide = fused.AUTO_ALL_GATHER[2 if world == 2 else 4 if world <= 4 else 8]
+    wide = torch.empty(fused.AUTO_WIDE_COLUMNS + 1, 64, device="meta")
+    narrow = torch.empty(fused.AUTO_WIDE_COLUMNS, 64, device="meta")
+    x = torch.empty(-(-least_tokens // world), 64, device="meta")  # rows a rank: at least the least tokens
+    assert fused.preferred(AG, x, narrow, info)
+    assert fused.preferred(AG, x, wide, info) == (x.shape[0] * world >= least_tokens_wide)
+    assert fused.preferred(AG, torch.empty(-(-least_tokens_wide // world), 64, device="meta"), wide, info)
+    if world in (2, 4):  # the measured degrees fuse from 1024 tokens, wide weights at TP=4 from 2048
+        assert least_tokens == 1024 and least_tokens_wide == (1024 if world == 2 else 2048)
 
 
 def test_matmul_reduce_scatter_counts_rows_at_any_width():
@@ -59,13 +80,13 @@ def test_fp8_reduce_scatters_always_fused_all_gathers_from_the_measured_tokens(w
                 assert fused.preferred("all_gather_scaled_matmul", x, w, info, **details) == fuses, tokens
 
 
-def test_all_gathers_need_more_tokens_at_more_ranks():
-    four = GroupInfo(None, 0, 4)
+def test_unmeasured_tp_degrees_keep_the_older_all_gather_thresholds():
+    eight = GroupInfo(None, 0, 8)
     w = torch.empty(1 << 16, 64, device="meta")  # wide: only the token count decides
-    two_ranks, more_ranks = fused.AUTO_MIN_TOKENS["all_gather_matmul"]
-    assert more_ranks > two_ranks
-    assert not fused.preferred("all_gather_matmul", torch.empty(two_ranks // 4, 64, device="meta"), w, four)
-    assert fused.preferred("all_gather_matmul", torch.empty(more_ranks // 4, 64, device="meta"), w, four)
+    least_tokens = fused.AUTO_ALL_GATHER[8][0]
+    assert least_tokens > fused.AUTO_ALL_GATHER[4][2]
+    assert not fused.preferred(AG, torch.empty(least_tokens // 8 - 1, 64, device="meta"), w, eight)
+    assert fused.preferred(AG, torch.empty(least_tokens // 8, 64, device="meta"), w, eight)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -90,7 +111,7 @@ def test_a_caller_keeping_the_gathered_rows_fuses_by_the_training_steps_tokens(o
     w = torch.empty(1 << 16, 64, dtype=BF)
     wide = torch.empty(16384 // world, 64, dtype=BF)
     assert fused.preferred(op, wide, w, info, return_gathered=True)
-    narrow = torch.empty(1024, 64, dtype=BF)  # at TP>=4 below the thresholds of a call keeping nothing
+    narrow = torch.empty(8, 64, dtype=BF)  # below the thresholds of a call keeping nothing
     assert fused.preferred(op, torch.empty(least // world, 64, dtype=BF), narrow, info, return_gathered=True)
     below = torch.empty(least // world - 1, 64, dtype=BF)
     assert not fused.preferred(op, below, w, info, return_gathered=True)
@@ -173,7 +194,7 @@ def test_a_close_measurement_leaves_it_to_the_thresholds(user_cache):
 
 
 def test_a_measured_loss_takes_nccl_above_the_thresholds(user_cache):
-    n_local = fused.AUTO_MIN_OUTPUTS[AG] // 8192
+    n_local = fused.AUTO_ALL_GATHER[2][1] // 8192
     assert _ag(8192, n_local)  # the thresholds alone
     _tuned(AG, 2 * n_local, 64, 8192, ms=1.01, nccl_ms=1.0)
     assert not _ag(8192, n_local)

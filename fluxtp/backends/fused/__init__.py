@@ -16,9 +16,8 @@ from fluxtp.configs import measured_verdict
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 # "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS: from a number
-# of global tokens on, one for TP=2 and one for TP >= 4 (H200s; the reduce-scatter's TP >= 4 one
-# from the training step on H100s), and for the all-gather from a number of output elements per
-# rank; below, host cost and GEMM efficiency lose to NCCL.
+# of global tokens on (the reduce-scatter's at TP >= 4 from the training step on H100s); below,
+# host cost and GEMM efficiency lose to NCCL.
 # Under CUDA graphs the fused ops win from fewer tokens, but "auto" keeps these thresholds while
 # capturing too: a capture that picked fused after an nccl warm-up would run the fused op's
 # first call (allocation, rendezvous, compile) inside the capture; pass backend="fused" and warm
@@ -26,16 +25,21 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
 # auto thresholds come from".
 AUTO_MIN_TOKENS = {  # (TP=2, TP>=4)
-    "all_gather_matmul": (4096, 8192),
     "matmul_reduce_scatter": (1024, 1024),
     "all_gather_scaled_matmul": (1024, 1024),
 }
+# The bf16 / fp16 all-gather alone, by TP degree (2, up to 4, more): (least global tokens, least
+# output elements a rank, least tokens where a rank's weight has more than AUTO_WIDE_COLUMNS
+# columns). TP 2 and 4 won at every size measured from 1024 tokens x 1024 columns a rank (H200,
+# H100) but for wide weights at TP=4 and 1024 tokens (H100 0.95-0.98x, GPT-3 / LLaMA-405B dims);
+# more ranks were never measured and keep the thresholds of before the call plans.
+AUTO_ALL_GATHER = {2: (1024, 1 << 20, 1024), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
+AUTO_WIDE_COLUMNS = 8192
 # An all-gather whose caller keeps the gathered rows is a training layer's (fluxtp.nn keeps them for
 # the weight gradient): the bf16 and FP8 training steps at TP 2 and 4 gained with those fused from
 # this many global tokens on and lost below, whatever the op alone measured (docs/perf-log.md,
 # "Which all-gathers the training step fuses").
 AUTO_MIN_TOKENS_KEEPING_ROWS = 4096
-AUTO_MIN_OUTPUTS = {"all_gather_matmul": 1 << 25}
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
 
@@ -87,8 +91,18 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     verdict = measured_verdict(op, x, weight, info.world_size)
     if verdict is not None:
         return verdict
+    if op == "all_gather_matmul":
+        return _all_gather_fuses(tokens, weight.shape[0], info.world_size)
     two, more = AUTO_MIN_TOKENS[op]
-    return tokens >= (two if info.world_size <= 2 else more) and tokens * weight.shape[0] >= AUTO_MIN_OUTPUTS.get(op, 0)
+    return tokens >= (two if info.world_size <= 2 else more)
+
+
+def _all_gather_fuses(tokens: int, columns: int, world: int) -> bool:
+    """AUTO_ALL_GATHER's verdict for an all-gather alone: `columns` is a rank's weight rows."""
+    least_tokens, least_outputs, least_tokens_wide = AUTO_ALL_GATHER[2 if world <= 2 else 4 if world <= 4 else 8]
+    if columns > AUTO_WIDE_COLUMNS:
+        least_tokens = max(least_tokens, least_tokens_wide)
+    return tokens >= least_tokens and tokens * columns >= least_outputs
 
 
 def plan(op: str, x, weight, bias, info: GroupInfo, *options):

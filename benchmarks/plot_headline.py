@@ -20,10 +20,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # (op, TP degree) -> (results file, N, K): LLaMA-70B's MLP up (all-gather) and down (reduce-scatter).
 HEADLINE = {
-    ("all_gather_matmul", 2): ("ops-h200-x2-2026-11-22-all_gather_matmul-balanced.json", 28672, 8192),
-    ("all_gather_matmul", 4): ("ops-h200-x4-2026-11-22-all_gather_matmul-direct.json", 28672, 8192),
-    ("matmul_reduce_scatter", 2): ("ops-h200-x2-2026-11-22-matmul_reduce_scatter-auto2048.json", 8192, 28672),
-    ("matmul_reduce_scatter", 4): ("ops-h200-x4-2026-11-22-matmul_reduce_scatter-direct.json", 8192, 28672),
+    ("all_gather_matmul", 2): ("ops-h200-x2-2026-11-28-all_gather_matmul-70b.json", 28672, 8192),
+    ("all_gather_matmul", 4): ("ops-h200-x4-2026-11-28-all_gather_matmul-70b.json", 28672, 8192),
+    ("matmul_reduce_scatter", 2): ("ops-h200-x2-2026-11-28-matmul_reduce_scatter-70b.json", 8192, 28672),
+    ("matmul_reduce_scatter", 4): ("ops-h200-x4-2026-11-28-matmul_reduce_scatter-70b.json", 8192, 28672),
 }
 TITLES = {
     "all_gather_matmul": "AllGather + GEMM (N 28672, K 8192)",
@@ -85,7 +85,7 @@ def plot(out: Path, results: Path = RESULTS) -> list[str]:
         ax.set_title(TITLES[op], fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("speedup of fused (x)")
-    axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].legend(fontsize=8, loc="upper right")
     fig.suptitle("fluxtp fused ops on H200 (NVLink), bf16, LLaMA-70B MLP, eager: speedup of the fused backend", fontsize=10)
     footer = "data (benchmarks/results/): " + ", ".join(used[:2]) + ",\n" + ", ".join(used[2:])
     footer += "\nband: the middle half of the per-round speedups over NCCL, where the run recorded it"

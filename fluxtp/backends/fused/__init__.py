@@ -18,10 +18,10 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS: from a number
 # of global tokens on (the reduce-scatter's at TP >= 4 from the training step on H100s); below,
 # host cost and GEMM efficiency lose to NCCL.
-# Under CUDA graphs the fused ops win from fewer tokens, but "auto" keeps these thresholds while
-# capturing too: a capture that picked fused after an nccl warm-up would run the fused op's
-# first call (allocation, rendezvous, compile) inside the capture; pass backend="fused" and warm
-# up before capture instead. A tuned entry measured at the call's exact key decides over them
+# "auto" keeps these thresholds while capturing a CUDA graph (where the fused ops won from the
+# same 1024 tokens, 4x H200): a capture that picked fused after an nccl warm-up would run the
+# fused op's first call (allocation, rendezvous, compile) inside the capture; for fewer tokens
+# pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's exact key decides over them
 # where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
 # auto thresholds come from".
 AUTO_MIN_TOKENS = {  # (TP=2, TP>=4)

@@ -21,17 +21,17 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # "auto" keeps these thresholds while capturing a CUDA graph (where the fused ops won from the
 # same 1024 tokens, 4x H200): a capture that picked fused after an nccl warm-up would run the
 # fused op's first call (allocation, rendezvous, compile) inside the capture; for fewer tokens
-# pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's exact key decides over them
-# where it is clear (configs.measured_verdict). The measurements: docs/perf-log.md, "Where the
-# auto thresholds come from".
+# pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's
+# exact key decides over them where it is clear (configs.measured_verdict). The measurements:
+# docs/perf-log.md, "Where the auto thresholds come from".
 AUTO_MIN_TOKENS = {  # (TP=2, TP>=4)
     "matmul_reduce_scatter": (1024, 1024),
     "all_gather_scaled_matmul": (1024, 1024),
 }
 # The bf16 / fp16 all-gather alone, by TP degree (2, up to 4, more): (least global tokens, least
 # output elements a rank, least tokens where a rank's weight has more than AUTO_WIDE_COLUMNS
-# columns). TP 2 and 4 won at every size measured from 1024 tokens x 1024 columns a rank (H200,
-# H100) but for wide weights at TP=4 and 1024 tokens (H100 0.95-0.98x, GPT-3 / LLaMA-405B dims);
+# columns). TP 2 and 4 won at every size measured from 1024 tokens x 1024 columns a rank (H200;
+# H100 at TP=4) but for wide weights at TP=4 and 1024 tokens (H100 0.95-0.98x, GPT-3 / LLaMA-405B);
 # more ranks were never measured and keep the thresholds of before the call plans.
 AUTO_ALL_GATHER = {2: (1024, 1 << 20, 1024), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
 AUTO_WIDE_COLUMNS = 8192
@@ -98,7 +98,8 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
 
 
 def _all_gather_fuses(tokens: int, columns: int, world: int) -> bool:
-    """AUTO_ALL_GATHER's verdict for an all-gather alone: `columns` is a rank's weight rows."""
+    """AUTO_ALL_GATHER's verdict for an all-gather alone; `columns`: a rank's output columns (its
+    weight's rows)."""
     least_tokens, least_outputs, least_tokens_wide = AUTO_ALL_GATHER[2 if world <= 2 else 4 if world <= 4 else 8]
     if columns > AUTO_WIDE_COLUMNS:
         least_tokens = max(least_tokens, least_tokens_wide)

@@ -20,8 +20,7 @@ import torch
 
 import fluxtp
 from fluxtp._dist import destroy_process_group, init_torchrun_cuda
-from fluxtp.bench.harness import Protocol, Variant, measure
-from fluxtp.bench.ops import _graphed
+from fluxtp.bench.harness import Protocol, Variant, graphed, measure
 from fluxtp.bench.results import envelope, write_json
 
 SIZES = (8192, 8 * 8192, 64 * 8192, 512 * 8192, 1024 * 8192)  # values: B x hidden 8192, B = 1..1024
@@ -44,7 +43,7 @@ def main() -> None:
             out = fluxtp.all_reduce(x, backend=name)
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             assert err <= 2 * 2**-8, f"all_reduce {name} {numel}: max-norm relative error {err:.3g} against nccl"
-        variants = [Variant(n, (_graphed(functools.partial(fluxtp.all_reduce, x, backend=n)),)) for n in BACKENDS]
+        variants = [Variant(n, (graphed(functools.partial(fluxtp.all_reduce, x, backend=n)),)) for n in BACKENDS]
         ms = measure(variants, Protocol(rounds=args.rounds, warmup_rounds=3, calls_per_sample=20), info, device)
         row = {
             "op": "all_reduce",

@@ -778,14 +778,16 @@ def cmd_tune(args) -> int:
 # ---------------------------------------------------------------- fluxtp info --configs
 
 
-def _vs_nccl(choice: Choice, layout: str) -> str:
-    """The measured speedup over NCCL of an exact entry of the call's layout, and what "auto"
-    makes of it (measured_verdict); "-" where there is none."""
+def _vs_nccl(choice: Choice, layout: str, by_thresholds: bool, measured_decides: bool = True) -> str:
+    """The measured speedup over NCCL of an exact entry of the call's layout ("-" where there is
+    none), and what "auto" makes of the call alone: the measurement's verdict where it is clear
+    (measured_verdict) and decides for the op, else `by_thresholds`'s."""
     verdict, speedup = _verdict(choice.entry, choice.source, layout)
-    if speedup is None:
-        return "-"
-    auto = {True: "auto: fused", False: "auto: nccl", None: "auto: thresholds"}[verdict]
-    return f"{speedup:.2f}x ({auto})"
+    if verdict is not None and measured_decides:
+        auto = "auto: fused" if verdict else "auto: nccl"
+    else:
+        auto = f"auto: {'fused' if by_thresholds else 'nccl'} by thresholds"
+    return f"{'-' if speedup is None else f'{speedup:.2f}x'} ({auto})"
 
 
 def cmd_info_configs(args) -> int:
@@ -884,6 +886,8 @@ def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width,
     (a nearest bucket, another layout's entry, the heuristic), grouped by reason. runs: whether
     the launcher's warp-specialized kernels run on this GPU (None: another GPU's lookup); scaled:
     an FP8 call's (a bf16 output)."""
+    from fluxtp.backends.fused import _UNSCALED, preferred_by_thresholds
+
     rows, reasons = [], {}
     key = key_dtype(dtype, scaled is not None and not scaled.precise_acc)
     for s in shapes:
@@ -897,7 +901,10 @@ def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width,
             choice = dataclasses.replace(choice, source="heuristic", origin=HEURISTIC, entry=None, why=why)
         source = choice.origin if choice.source == "heuristic" else f"{choice.origin}, {choice.source}"
         source += ", on the reducer kernel" if moved else ", on the Triton kernel" if twin else ""
-        rows.append([str(s), m_bucket(s.M), source, describe(config), _vs_nccl(choice, layout)])
+        auto_op = op if scaled is None else next(name for name, of in _UNSCALED.items() if of == op)
+        by_thresholds = preferred_by_thresholds(auto_op, s.M, s.N // world, world)
+        rows.append([str(s), m_bucket(s.M), source, describe(config),
+                     _vs_nccl(choice, layout, by_thresholds, measured_decides=scaled is None)])  # fmt: skip
         said_all = choice.source == "exact" and choice.entry.key.weight_layout == layout and not (moved or twin)
         if not said_all:
             reasons.setdefault(choice.why, []).append(s)

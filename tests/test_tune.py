@@ -1159,7 +1159,23 @@ def test_info_configs_names_the_table_that_answered(cache, shipped, wide, capsys
     assert re.search(r" heuristic +\S+ w\d", lines["4096x8192x8192"]), out
     # The measured speedup over NCCL, and what "auto" makes of it (measured_entry: 1.1 / 0.9 ms).
     assert " 1.22x (auto: fused)" in lines["4096x14336x4096"], out
-    assert lines["4096x28672x8192"].rstrip().endswith(" -")  # no nccl_ms recorded
+    # No nccl_ms recorded, or none at all: auto's thresholds answer (for the call alone).
+    assert lines["4096x28672x8192"].rstrip().endswith(" - (auto: fused by thresholds)"), out
+    assert lines["4096x8192x8192"].rstrip().endswith(" - (auto: fused by thresholds)"), out
+
+
+def test_info_configs_says_what_auto_does_without_a_clear_measurement(cache, shipped, wide, capsys):
+    """Below auto's thresholds NCCL; a measurement within AUTO_WIN_RATIO leaves it to them too; the
+    FP8 ops follow their own rule (their tables' measurements do not decide)."""
+    tune.write_entries([measured_entry(n=14336, k=4096, m=4096, group_m=4)], shipped)  # 1.1 / 0.9 ms
+    close = dataclasses.replace(entry(m=2048, n=14336, k=4096), measured=measured(2048, ms=0.98, nccl_ms=1.0))
+    tune.write_entries([close], shipped)
+    shapes = "512x14336x4096,2048x14336x4096,4096x14336x4096"
+    assert cli.main(["info", "--configs", "--op", AG, "--shapes", shapes, "--gpu", H200, "--world", "2"]) == 0
+    lines = config_tables(capsys.readouterr().out)[0][AG]
+    assert lines["512x14336x4096"].rstrip().endswith(" - (auto: nccl by thresholds)"), lines
+    assert lines["2048x14336x4096"].rstrip().endswith(" 1.02x (auto: fused by thresholds)"), lines
+    assert lines["4096x14336x4096"].rstrip().endswith(" 1.22x (auto: fused)"), lines
 
 
 def test_info_configs_defaults_and_a_corrupt_cache(cache, wide, capsys):

@@ -80,6 +80,17 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     tokens = x.shape[0] * info.world_size if op in ("all_gather_matmul", "all_gather_scaled_matmul") else x.shape[0]
     if details.get("return_gathered"):
         return tokens >= AUTO_MIN_TOKENS_KEEPING_ROWS
+    if op not in _UNSCALED:  # the scaled ops' rules come from whole-op and training runs only
+        verdict = measured_verdict(op, x, weight, info.world_size)
+        if verdict is not None:
+            return verdict
+    return preferred_by_thresholds(op, tokens, weight.shape[0], info.world_size)
+
+
+def preferred_by_thresholds(op: str, tokens: int, columns: int, world: int) -> bool:
+    """What "auto" answers without a clear measurement of the call (preferred): for a call alone
+    (nothing kept) of `tokens` global tokens and `columns` output columns a rank, in a group of
+    `world` ranks; also what `fluxtp info --configs` reports for a shape."""
     if op == "scaled_matmul_reduce_scatter":
         # The FP8 training step (fluxtp.nn's recipe, LLaMA-70B, TP 2 and 4, H100s) gained with every
         # reduce-scatter fused, of either accumulation (docs/fp8.md). More ranks are taken as TP=4.
@@ -88,13 +99,10 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
         # Alone it ran fused 1.02-2.5x faster than NCCL then torch._scaled_mm at 1024-16384 tokens,
         # TP 2 and 4, either scaling and accumulation (docs/fp8.md); fewer tokens are not measured.
         return tokens >= AUTO_MIN_TOKENS[op][0]
-    verdict = measured_verdict(op, x, weight, info.world_size)
-    if verdict is not None:
-        return verdict
     if op == "all_gather_matmul":
-        return _all_gather_fuses(tokens, weight.shape[0], info.world_size)
+        return _all_gather_fuses(tokens, columns, world)
     two, more = AUTO_MIN_TOKENS[op]
-    return tokens >= (two if info.world_size <= 2 else more)
+    return tokens >= (two if world <= 2 else more)
 
 
 def _all_gather_fuses(tokens: int, columns: int, world: int) -> bool:

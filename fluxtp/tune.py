@@ -890,6 +890,7 @@ def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width,
 
     rows, reasons = [], {}
     key = key_dtype(dtype, scaled is not None and not scaled.precise_acc)
+    auto_op = op if scaled is None else next(name for name, of in _UNSCALED.items() if of == op)  # auto's op name
     for s in shapes:
         choice = choose(op, gpu, world, key, s.M, s.N, s.K, path=path, shipped_table=shipped, weight_layout=layout,
                         warp_specialized=bool(runs) and op == "all_gather_matmul")  # fmt: skip
@@ -901,7 +902,6 @@ def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width,
             choice = dataclasses.replace(choice, source="heuristic", origin=HEURISTIC, entry=None, why=why)
         source = choice.origin if choice.source == "heuristic" else f"{choice.origin}, {choice.source}"
         source += ", on the reducer kernel" if moved else ", on the Triton kernel" if twin else ""
-        auto_op = op if scaled is None else next(name for name, of in _UNSCALED.items() if of == op)
         by_thresholds = preferred_by_thresholds(auto_op, s.M, s.N // world, world)
         rows.append([str(s), m_bucket(s.M), source, describe(config),
                      _vs_nccl(choice, layout, by_thresholds, measured_decides=scaled is None)])  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fluxtp
+from fluxtp.backends.fused import all_reduce_one_shot_max_bytes
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, draw, rel_error
 from tests.gpu import WORLD, run_until_trap
@@ -72,7 +73,9 @@ def _shapes_body(rank, world, seed):
             if out.numel() >= 10_000:
                 assert err <= 1.1 * err_nccl, f"{what}: rel err {err:.2e} worse than nccl's {err_nccl:.2e}"
             case += 1
-        for shape in [(1,), (7, 8192), (3, 5, 1001), (64, 8192), (4 << 20,), (9 << 20,)]:  # the last: NCCL
+        # The last two: one-shot at its reach at this W, and NCCL's all-reduce one value past it.
+        reach = all_reduce_one_shot_max_bytes(world) // dtype.itemsize
+        for shape in [(1,), (7, 8192), (3, 5, 1001), (64, 8192), (reach,), (reach + 1,)]:
             xs = [draw(seed + 1000 * case + r, shape, dtype, "cuda") for r in range(world)]
             kept = xs[rank].clone()
             out = fluxtp.all_reduce(xs[rank], backend="fused")

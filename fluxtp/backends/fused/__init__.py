@@ -41,7 +41,13 @@ AUTO_WIDE_COLUMNS = 8192
 # "Which all-gathers the training step fuses").
 AUTO_MIN_TOKENS_KEEPING_ROWS = 4096
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
-AUTO_MAX_BYTES = {"all_reduce": 8 << 20}
+# The all-reduce alone is one-shot (every rank pushes its whole tensor to every peer) up to this
+# many bytes at up to this many ranks, NCCL's all-reduce beyond, in the fused backend and so in
+# "auto": one-shot sends W-1 copies where NCCL's ring sends 2 (W-1) / W of one, so its reach
+# shrinks with W. Measured under CUDA graphs on H200s (docs/perf-log.md): TP=2 faster up to 8 MB;
+# TP=4 up to 1 MB, 0.79x NCCL's speed at 1.5 MB, 0.48x at 8 MB. More ranks are not measured: a
+# quarter of TP=4's reach, about half the crossover that TP=4's costs a byte predict at TP=8.
+ALL_REDUCE_ONE_SHOT_MAX_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 256 << 10}
 
 
 # The scaled ops run the same kernels with FP8 operands (their FP8 constexprs on): e4m3 both.
@@ -74,7 +80,7 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     (tune.measured_verdict: at least 5% faster than NCCL, or slower); elsewhere the thresholds
     above, measured on the DESIGN.md shapes."""
     if op == "all_reduce":
-        return x.numel() * x.element_size() <= AUTO_MAX_BYTES[op]
+        return x.numel() * x.element_size() <= all_reduce_one_shot_max_bytes(info.world_size)
     if op == "matmul_all_reduce":
         return x.shape[0] <= AUTO_MAX_ROWS[op]
     tokens = x.shape[0] * info.world_size if op in ("all_gather_matmul", "all_gather_scaled_matmul") else x.shape[0]
@@ -85,6 +91,13 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
         if verdict is not None:
             return verdict
     return preferred_by_thresholds(op, tokens, weight.shape[0], info.world_size)
+
+
+def all_reduce_one_shot_max_bytes(world: int) -> int:
+    """ALL_REDUCE_ONE_SHOT_MAX_BYTES at `world` ranks: the entry of the fewest ranks at or above it
+    (the largest one's beyond)."""
+    fits = [ranks for ranks in ALL_REDUCE_ONE_SHOT_MAX_BYTES if ranks >= world]
+    return ALL_REDUCE_ONE_SHOT_MAX_BYTES[min(fits) if fits else max(ALL_REDUCE_ONE_SHOT_MAX_BYTES)]
 
 
 def preferred_by_thresholds(op: str, tokens: int, columns: int, world: int) -> bool:

@@ -31,7 +31,7 @@ from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp._plan import PlanCache, tensor_key
 from fluxtp.configs import AllReduceConfig, MatmulAllReduceConfig
-from fluxtp.backends.fused import _launch
+from fluxtp.backends.fused import _launch, all_reduce_one_shot_max_bytes
 from fluxtp.backends.fused._launch import BARRIER_TIMEOUT_MS, MAX_SPINS_PEER, DescriptorLayout, Launch, _tma_compatible, num_sms, tma_ready
 from fluxtp.kernels._matmul_all_reduce import matmul_all_reduce_kernel
 
@@ -41,9 +41,6 @@ FLAG_CAPACITY = 1 << 16
 # GEMM+AllReduce is one-shot up to this many rows (decode; its narrow tiles lost to cuBLAS + NCCL
 # at 512 and 1024 rows, 0.68x / 0.64x) and two-shot above when the rows divide over the ranks.
 ONE_SHOT_MAX_ROWS = 256
-# AllReduce is one-shot up to this many bytes (faster than NCCL up to 8 MB on 2x H200, slower at
-# 16 MB: docs/perf-log.md); the workspace holds 2 * W such slots.
-ONE_SHOT_MAX_BYTES = 8 << 20
 _OP = "matmul_all_reduce"
 _ALL_REDUCE_OP = "all_reduce"
 
@@ -260,7 +257,8 @@ def _sum_plan(x, info: GroupInfo, config):
     copy_x = not x.is_contiguous()
     x = x.contiguous()
     tiles = triton.cdiv(triton.cdiv(x.numel(), config.block_n), config.block_m)
-    if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES and tiles * info.world_size <= FLAG_CAPACITY:
+    one_shot_bytes = all_reduce_one_shot_max_bytes(info.world_size)  # the workspace holds 2 * W such slots
+    if x.numel() * x.element_size() <= one_shot_bytes and tiles * info.world_size <= FLAG_CAPACITY:
         one_shot = _OneShot(_ALL_REDUCE_OP, x, None, None, info, config, x.shape)
         return lambda t: one_shot(t.contiguous() if copy_x else t, None, None)
 
@@ -293,6 +291,7 @@ def matmul_all_reduce(x, weight, bias, info: GroupInfo, config: MatmulAllReduceC
 def all_reduce(x, info: GroupInfo, config: AllReduceConfig | None = None):
     """The sum of x over the ranks, a new tensor; bitwise the same on every rank.
 
-    One-shot up to ONE_SHOT_MAX_BYTES; a larger tensor is bandwidth-bound, where one-shot moves
-    W-1 times the data: it goes to NCCL's all-reduce instead (the same sum within rounding)."""
+    One-shot up to all_reduce_one_shot_max_bytes(W); a larger tensor is bandwidth-bound, where
+    one-shot moves W-1 times the data: it goes to NCCL's all-reduce instead (the same sum within
+    rounding)."""
     return plan(x, None, None, info, config)(x)

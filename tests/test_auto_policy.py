@@ -145,11 +145,28 @@ def test_the_op_tells_auto_whether_it_keeps_the_gathered_rows(op, return_gathere
 
 
 def test_matmul_all_reduce_only_at_decode_rows():
-    w = torch.empty(8192, 64)
+    bf16 = torch.bfloat16
+    w = torch.empty(8192, 64, dtype=bf16)
     rows = fused.AUTO_MAX_ROWS["matmul_all_reduce"]
-    assert fused.preferred("matmul_all_reduce", torch.empty(1, 64), w, TWO)
-    assert fused.preferred("matmul_all_reduce", torch.empty(rows, 64), w, TWO)
-    assert not fused.preferred("matmul_all_reduce", torch.empty(rows + 1, 64), w, TWO)
+    assert fused.preferred("matmul_all_reduce", torch.empty(1, 64, dtype=bf16), w, TWO)
+    assert fused.preferred("matmul_all_reduce", torch.empty(rows, 64, dtype=bf16), w, TWO)
+    assert not fused.preferred("matmul_all_reduce", torch.empty(rows + 1, 64, dtype=bf16), w, TWO)
+    # Narrow outputs stay under the row cap, not only the byte cap.
+    narrow = torch.empty(64, 64, dtype=bf16)
+    assert not fused.preferred("matmul_all_reduce", torch.empty(rows + 1, 64, dtype=bf16), narrow, TWO)
+
+
+@pytest.mark.parametrize("world, most", [(2, 2 << 20), (4, 2 << 20), (8, 512 << 10)])
+def test_matmul_all_reduce_up_to_measured_output_bytes(world, most):
+    # One-shot pushes the whole output to every peer: at TP 2 and 4 it won at 128 rows of 8192
+    # columns (2 MB, bf16) and lost at 128 rows of 12288 and 16384 (3 and 4 MB).
+    info = GroupInfo(None, 0, world)
+    rows = most // (2 * 8192)
+    x = torch.empty(rows, 64, dtype=torch.bfloat16)
+    assert fused.preferred("matmul_all_reduce", x, torch.empty(8192, 64, dtype=torch.bfloat16), info)
+    assert not fused.preferred("matmul_all_reduce", x, torch.empty(8193, 64, dtype=torch.bfloat16), info)
+    wide = torch.empty(128, 64, dtype=torch.bfloat16)
+    assert not fused.preferred("matmul_all_reduce", wide, torch.empty(12288, 64, dtype=torch.bfloat16), info)
 
 
 def test_all_reduce_up_to_measured_bytes():

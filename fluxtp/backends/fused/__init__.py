@@ -40,7 +40,13 @@ AUTO_WIDE_COLUMNS = 8192
 # this many global tokens on and lost below, whatever the op alone measured (docs/perf-log.md,
 # "Which all-gathers the training step fuses").
 AUTO_MIN_TOKENS_KEEPING_ROWS = 4096
+# GEMM+AllReduce: "auto" takes the one-shot kernel up to 128 rows and up to this many output bytes
+# at up to this many ranks. Under CUDA graphs on H200s at TP 2 and 4 it won at 1-2 MB of output
+# (LLaMA-70B's 8192 columns to 128 rows) and lost at 3-4 MB (0.78-0.90x NCCL's speed at 128 rows of
+# 12288 and 16384 columns; docs/perf-log.md). More ranks are not measured: a quarter, as for the
+# all-reduce alone.
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
+MATMUL_ALL_REDUCE_AUTO_MAX_BYTES = {2: 2 << 20, 4: 2 << 20, 8: 512 << 10}
 # The all-reduce alone is one-shot (every rank pushes its whole tensor to every peer) up to this
 # many bytes at up to this many ranks, NCCL's all-reduce beyond, in the fused backend and so in
 # "auto": one-shot sends W-1 copies where NCCL's ring sends 2 (W-1) / W of one, so its reach
@@ -82,7 +88,8 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     if op == "all_reduce":
         return x.numel() * x.element_size() <= all_reduce_one_shot_max_bytes(info.world_size)
     if op == "matmul_all_reduce":
-        return x.shape[0] <= AUTO_MAX_ROWS[op]
+        out_bytes = x.shape[0] * weight.shape[0] * x.element_size()
+        return x.shape[0] <= AUTO_MAX_ROWS[op] and out_bytes <= by_ranks(MATMUL_ALL_REDUCE_AUTO_MAX_BYTES, info.world_size)
     tokens = x.shape[0] * info.world_size if op in ("all_gather_matmul", "all_gather_scaled_matmul") else x.shape[0]
     if details.get("return_gathered"):
         return tokens >= AUTO_MIN_TOKENS_KEEPING_ROWS
@@ -93,11 +100,16 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
     return preferred_by_thresholds(op, tokens, weight.shape[0], info.world_size)
 
 
+def by_ranks(table: dict[int, int], world: int) -> int:
+    """A {ranks: value} table's value at `world` ranks: the entry of the fewest ranks at or above
+    it (the most ranks' beyond)."""
+    fits = [ranks for ranks in table if ranks >= world]
+    return table[min(fits) if fits else max(table)]
+
+
 def all_reduce_one_shot_max_bytes(world: int) -> int:
-    """ALL_REDUCE_ONE_SHOT_MAX_BYTES at `world` ranks: the entry of the fewest ranks at or above it
-    (the largest one's beyond)."""
-    fits = [ranks for ranks in ALL_REDUCE_ONE_SHOT_MAX_BYTES if ranks >= world]
-    return ALL_REDUCE_ONE_SHOT_MAX_BYTES[min(fits) if fits else max(ALL_REDUCE_ONE_SHOT_MAX_BYTES)]
+    """ALL_REDUCE_ONE_SHOT_MAX_BYTES at `world` ranks."""
+    return by_ranks(ALL_REDUCE_ONE_SHOT_MAX_BYTES, world)
 
 
 def preferred_by_thresholds(op: str, tokens: int, columns: int, world: int) -> bool:

@@ -156,17 +156,16 @@ def test_matmul_all_reduce_only_at_decode_rows():
     assert not fused.preferred("matmul_all_reduce", torch.empty(rows + 1, 64, dtype=bf16), narrow, TWO)
 
 
-@pytest.mark.parametrize("world, most", [(2, 2 << 20), (4, 2 << 20), (8, 512 << 10)])
+@pytest.mark.parametrize("world, most", [(2, 4 << 20), (4, 4 << 20), (8, 1 << 20)])
 def test_matmul_all_reduce_up_to_measured_output_bytes(world, most):
-    # One-shot pushes the whole output to every peer: at TP 2 and 4 it won at 128 rows of 8192
-    # columns (2 MB, bf16) and lost at 128 rows of 12288 and 16384 (3 and 4 MB).
+    # One-shot pushes the whole output to every peer: measured at TP 2 and 4 up to 128 rows of
+    # 16384 columns (4 MB, bf16); more ranks get a quarter.
     info = GroupInfo(None, 0, world)
-    rows = most // (2 * 8192)
-    x = torch.empty(rows, 64, dtype=torch.bfloat16)
-    assert fused.preferred("matmul_all_reduce", x, torch.empty(8192, 64, dtype=torch.bfloat16), info)
-    assert not fused.preferred("matmul_all_reduce", x, torch.empty(8193, 64, dtype=torch.bfloat16), info)
-    wide = torch.empty(128, 64, dtype=torch.bfloat16)
-    assert not fused.preferred("matmul_all_reduce", wide, torch.empty(12288, 64, dtype=torch.bfloat16), info)
+    bf16 = torch.bfloat16
+    rows = min(most // (2 * 16384), fused.AUTO_MAX_ROWS["matmul_all_reduce"])
+    x = torch.empty(rows, 64, dtype=bf16)
+    assert fused.preferred("matmul_all_reduce", x, torch.empty(most // (2 * rows), 64, dtype=bf16), info)
+    assert not fused.preferred("matmul_all_reduce", x, torch.empty(most // (2 * rows) + 1, 64, dtype=bf16), info)
 
 
 def test_all_reduce_up_to_measured_bytes():
@@ -240,3 +239,12 @@ def test_entries_without_an_nccl_time_leave_it_to_the_thresholds(user_cache):
     key = tune.Key("cpu", 2, "bfloat16", AG, 128, 64, 1024, "linear")
     tune.write_entries([tune.Entry(key, AllGatherMatmulConfig(), {"M": 1024, "ms": 0.1})])
     assert not _ag(1024, 64)
+
+
+@pytest.mark.parametrize("m", [1, 64, 128])
+def test_matmul_all_reduce_tiles_widen_where_a_program_would_take_two(m):
+    # 64-column tiles while they fit one a program (the SMs), 128 beyond: at N 12288 and 16384
+    # each program's second tile refilled its pipeline from empty.
+    assert configs.MatmulAllReduceConfig.heuristic(m, 64 * 132, 4096, 4, sms=132).block_n == 64
+    assert configs.MatmulAllReduceConfig.heuristic(m, 64 * 132 + 1, 4096, 4, sms=132).block_n == 128
+    assert configs.MatmulAllReduceConfig.heuristic(m, 64 * 132 + 1, 4096, 4, sms=200).block_n == 64

@@ -375,14 +375,22 @@ class MatmulAllReduceConfig(GemmTiling):
     swap_ab: bool = True  # the tile as (w @ x^T)^T, so that small M is the MMA's narrow side (wgmma)
 
     @staticmethod
-    def heuristic(m: int, n: int, k: int, world: int) -> MatmulAllReduceConfig:
+    def heuristic(m: int, n: int, k: int, world: int, sms: int = 132) -> MatmulAllReduceConfig:
         """Measured on 2x H200 under CUDA graphs at N 8192, k 14336 (docs/perf-log.md): swapped
         operands up to 64 rows (16: 61.7 us vs 63.0 unswapped; 32 rows: 63.3 vs 65.6), then
-        128x64x128 tiles, 4 stages, 8 warps (128 rows: 79.7 us vs 84.0 with 64-wide K blocks)."""
+        128x64x128 tiles, 4 stages, 8 warps (128 rows: 79.7 us vs 84.0 with 64-wide K blocks).
+        Where 64 columns a tile would give a program (of `sms`) a second tile, 128 columns in
+        6 stages of 64-deep K blocks: at N 12288 and 16384 each program's second weight stream
+        started from an empty pipeline (docs/perf-log.md, "GEMM+AllReduce at wider outputs")."""
+        wide = cdiv(n, 64) > sms
         if m <= 64:
             block_m = max(16, 1 << (m - 1).bit_length())
+            if wide:
+                return MatmulAllReduceConfig(block_m=block_m, block_n=128, block_k=64, num_stages=6, swap_ab=True)
             return MatmulAllReduceConfig(block_m=block_m, swap_ab=True, num_stages=6 if block_m <= 32 else 5)
         # 8 warps: 4 would hold the whole tile's pointers and values (ptxas for sm_90).
+        if wide:
+            return MatmulAllReduceConfig(block_m=128, block_n=128, block_k=64, num_stages=6, num_warps=8, swap_ab=False)
         return MatmulAllReduceConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8, swap_ab=False)
 
 

@@ -51,10 +51,11 @@ def _check(out, x, w, b, what):
 
 
 # (M, N, k per rank): decode rows, N not a tile multiple, K not a multiple of the block, the
-# row-parallel decode layer of LLaMA-70B (N 8192, k 14336) at M 1 and 128, and sizes past the
-# one-shot limit (two-shot: fused reduce-scatter + all-gather).
+# row-parallel decode layer of LLaMA-70B (N 8192, k 14336) at M 1 and 128, outputs wide enough for
+# 128-column tiles (N > 64 x the SMs; one ragged), and sizes past the one-shot limit (two-shot:
+# fused reduce-scatter + all-gather).
 SHAPES = [(1, 8192, 14336), (128, 8192, 14336), (3, 1000, 520), (17, 96, 64), (64, 4104, 1024),
-          (300, 2048, 256), (4096, 4096, 512)]
+          (64, 12288, 512), (100, 8712, 256), (300, 2048, 256), (4096, 4096, 512)]
 
 
 def _shapes_body(rank, world, seed):

@@ -41,12 +41,12 @@ AUTO_WIDE_COLUMNS = 8192
 # "Which all-gathers the training step fuses").
 AUTO_MIN_TOKENS_KEEPING_ROWS = 4096
 # GEMM+AllReduce: "auto" takes the one-shot kernel up to 128 rows and up to this many output bytes
-# at up to this many ranks. Under CUDA graphs on H200s at TP 2 and 4 it won at 1-2 MB of output
-# (LLaMA-70B's 8192 columns to 128 rows) and lost at 3-4 MB (0.78-0.90x NCCL's speed at 128 rows of
-# 12288 and 16384 columns; docs/perf-log.md). More ranks are not measured: a quarter, as for the
+# at up to this many ranks (the kernel pushes its whole output to every peer). Under CUDA graphs on
+# H200s at TP 2 and 4 it won up to 128 rows of 16384 columns (4 MB; docs/perf-log.md, "GEMM+AllReduce
+# at wider outputs"); more was not measured. More ranks are not measured: a quarter, as for the
 # all-reduce alone.
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
-MATMUL_ALL_REDUCE_AUTO_MAX_BYTES = {2: 2 << 20, 4: 2 << 20, 8: 512 << 10}
+MATMUL_ALL_REDUCE_AUTO_MAX_BYTES = {2: 4 << 20, 4: 4 << 20, 8: 1 << 20}
 # The all-reduce alone is one-shot (every rank pushes its whole tensor to every peer) up to this
 # many bytes at up to this many ranks, NCCL's all-reduce beyond, in the fused backend and so in
 # "auto": one-shot sends W-1 copies where NCCL's ring sends 2 (W-1) / W of one, so its reach

@@ -244,7 +244,7 @@ def _gemm_plan(x, weight, bias, info: GroupInfo, config):
     ready_x, ready_w = tma_ready(x), tma_ready(weight)
     ready_bias = None if bias is None else bias.contiguous()
     m, n = ready_x.shape[0], ready_w.shape[0]
-    config = config or MatmulAllReduceConfig.heuristic(m, n, ready_x.shape[1], info.world_size)
+    config = config or MatmulAllReduceConfig.heuristic(m, n, ready_x.shape[1], info.world_size, num_sms(x.device))
     if one_shot_fits(m, n, info.world_size, config) or m % info.world_size:
         run = _OneShot(_OP, ready_x, ready_w, ready_bias, info, config, (m, n))
     else:

@@ -177,7 +177,8 @@ def test_all_reduce_up_to_measured_bytes():
 @pytest.mark.parametrize("world, most", [(1, 8 << 20), (2, 8 << 20), (3, 1 << 20), (4, 1 << 20), (8, 256 << 10), (16, 256 << 10)])
 def test_all_reduce_one_shot_reach_shrinks_with_ranks(world, most):
     # One-shot sends W-1 copies of the tensor: at TP=4 it lost from 1.5 MB (0.79x NCCL), at 8 MB
-    # 0.48x, where TP=2 still won; more ranks than a measured entry take the next larger entry's.
+    # 0.48x, where TP=2 still won; a rank count between entries takes the next entry's, one past
+    # the last the last's.
     info = GroupInfo(None, 0, world)
     assert fused.all_reduce_one_shot_max_bytes(world) == most
     assert fused.preferred("all_reduce", torch.empty(most // 2, dtype=torch.bfloat16), None, info)

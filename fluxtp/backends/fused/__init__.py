@@ -43,8 +43,8 @@ AUTO_MIN_TOKENS_KEEPING_ROWS = 4096
 # GEMM+AllReduce: "auto" takes the one-shot kernel up to 128 rows and up to this many output bytes
 # at up to this many ranks (the kernel pushes its whole output to every peer). Under CUDA graphs on
 # H200s at TP 2 and 4 it won up to 128 rows of 16384 columns (4 MB; docs/perf-log.md, "GEMM+AllReduce
-# at wider outputs"); more was not measured. More ranks are not measured: a quarter, as for the
-# all-reduce alone.
+# at wider outputs"). Larger outputs and more ranks are not measured; more ranks get a quarter, as
+# for the all-reduce alone.
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 MATMUL_ALL_REDUCE_AUTO_MAX_BYTES = {2: 4 << 20, 4: 4 << 20, 8: 1 << 20}
 # The all-reduce alone is one-shot (every rank pushes its whole tensor to every peer) up to this

@@ -169,7 +169,7 @@ def test_matmul_all_reduce_up_to_measured_output_bytes(world, most):
 
 
 def test_all_reduce_up_to_measured_bytes():
-    most = fused.ALL_REDUCE_ONE_SHOT_MAX_BYTES[2]
+    most = configs.ALL_REDUCE_ONE_SHOT_MAX_BYTES[2]
     assert fused.preferred("all_reduce", torch.empty(most // 2, dtype=torch.bfloat16), None, TWO)
     assert not fused.preferred("all_reduce", torch.empty(most // 2 + 1, dtype=torch.bfloat16), None, TWO)
 
@@ -180,7 +180,7 @@ def test_all_reduce_one_shot_reach_shrinks_with_ranks(world, most):
     # 0.48x, where TP=2 still won; a rank count between entries takes the next entry's, one past
     # the last the last's.
     info = GroupInfo(None, 0, world)
-    assert fused.all_reduce_one_shot_max_bytes(world) == most
+    assert configs.all_reduce_one_shot_max_bytes(world) == most
     assert fused.preferred("all_reduce", torch.empty(most // 2, dtype=torch.bfloat16), None, info)
     assert not fused.preferred("all_reduce", torch.empty(most // 2 + 1, dtype=torch.bfloat16), None, info)
 

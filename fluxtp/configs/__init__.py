@@ -7,6 +7,7 @@ other way around.
 """
 
 from fluxtp.configs._classes import (
+    ALL_REDUCE_ONE_SHOT_MAX_BYTES,
     FUSED_OPS,
     HOPPER_SMS,
     MIN_COPY_ENGINE_TILES,
@@ -19,6 +20,8 @@ from fluxtp.configs._classes import (
     GemmTiling,
     MatmulAllReduceConfig,
     MatmulReduceScatterConfig,
+    all_reduce_one_shot_max_bytes,
+    by_ranks,
     candidates,
     cdiv,
     config_class,
@@ -46,10 +49,10 @@ from fluxtp.configs._table import (
 )
 
 __all__ = [
-    "FUSED_OPS", "GEMM_ONLY_MODE", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES", "REDUCER_MIN_WORK", "SMEM_LIMIT_BYTES",
-    "SMEM_RESERVE_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS", "AllGatherMatmulConfig", "AllReduceConfig", "Choice",
-    "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig", "MatmulReduceScatterConfig", "candidates", "cdiv",
-    "choose", "config_class", "describe", "fits", "heuristic", "key_dtype", "load", "m_bucket", "measured_verdict",
-    "narrow_tiles_win", "reload",
-    "search_space", "smem_bytes", "tuned_config", "weight_layout_of",
+    "ALL_REDUCE_ONE_SHOT_MAX_BYTES", "FUSED_OPS", "GEMM_ONLY_MODE", "HOPPER_SMS", "MIN_COPY_ENGINE_TILES",
+    "REDUCER_MIN_WORK", "SMEM_LIMIT_BYTES", "SMEM_RESERVE_BYTES", "TRANSPORTS", "WEIGHT_LAYOUTS",
+    "AllGatherMatmulConfig", "AllReduceConfig", "Choice", "Entry", "GemmTiling", "Key", "MatmulAllReduceConfig",
+    "MatmulReduceScatterConfig", "all_reduce_one_shot_max_bytes", "by_ranks", "candidates", "cdiv", "choose",
+    "config_class", "describe", "fits", "heuristic", "key_dtype", "load", "m_bucket", "measured_verdict",
+    "narrow_tiles_win", "reload", "search_space", "smem_bytes", "tuned_config", "weight_layout_of",
 ]  # fmt: skip

@@ -394,6 +394,27 @@ class MatmulAllReduceConfig(GemmTiling):
         return MatmulAllReduceConfig(block_m=128, block_n=64, block_k=128, num_stages=4, num_warps=8, swap_ab=False)
 
 
+# The all-reduce alone is one-shot (every rank pushes its whole tensor to every peer) up to this
+# many bytes at up to this many ranks, NCCL's all-reduce beyond, in the fused backend and so in
+# "auto": one-shot sends W-1 copies where NCCL's ring sends 2 (W-1) / W of one, so its reach
+# shrinks with W. Measured under CUDA graphs on H200s (docs/perf-log.md): TP=2 faster up to 8 MB;
+# TP=4 up to 1 MB, 0.79x NCCL's speed at 1.5 MB, 0.48x at 8 MB. More ranks are not measured: a
+# quarter of TP=4's reach, about half the crossover that TP=4's costs a byte predict at TP=8.
+ALL_REDUCE_ONE_SHOT_MAX_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 256 << 10}
+
+
+def by_ranks(table: dict[int, int], world: int) -> int:
+    """A {ranks: value} table's value at `world` ranks: the entry of the fewest ranks at or above
+    it (the most ranks' beyond)."""
+    fits = [ranks for ranks in table if ranks >= world]
+    return table[min(fits) if fits else max(table)]
+
+
+def all_reduce_one_shot_max_bytes(world: int) -> int:
+    """ALL_REDUCE_ONE_SHOT_MAX_BYTES at `world` ranks."""
+    return by_ranks(ALL_REDUCE_ONE_SHOT_MAX_BYTES, world)
+
+
 @dataclass(frozen=True)
 class AllReduceConfig:
     """Tiles of fluxtp.all_reduce's one-shot kernel over the tensor viewed as rows of block_n."""

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fluxtp
-from fluxtp.backends.fused import all_reduce_one_shot_max_bytes
+from fluxtp.configs import all_reduce_one_shot_max_bytes
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, draw, rel_error
 from tests.gpu import WORLD, run_until_trap

@@ -11,7 +11,7 @@ import torch
 
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
-from fluxtp.configs import measured_verdict
+from fluxtp.configs import all_reduce_one_shot_max_bytes, by_ranks, measured_verdict
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -44,16 +44,10 @@ AUTO_MIN_TOKENS_KEEPING_ROWS = 4096
 # at up to this many ranks (the kernel pushes its whole output to every peer). Under CUDA graphs on
 # H200s at TP 2 and 4 it won up to 128 rows of 16384 columns (4 MB; docs/perf-log.md, "GEMM+AllReduce
 # at wider outputs"). Larger outputs and more ranks are not measured; more ranks get a quarter, as
-# for the all-reduce alone.
+# for the all-reduce alone (fluxtp.configs.ALL_REDUCE_ONE_SHOT_MAX_BYTES, which the fused path
+# and "auto" share).
 AUTO_MAX_ROWS = {"matmul_all_reduce": 128}
 MATMUL_ALL_REDUCE_AUTO_MAX_BYTES = {2: 4 << 20, 4: 4 << 20, 8: 1 << 20}
-# The all-reduce alone is one-shot (every rank pushes its whole tensor to every peer) up to this
-# many bytes at up to this many ranks, NCCL's all-reduce beyond, in the fused backend and so in
-# "auto": one-shot sends W-1 copies where NCCL's ring sends 2 (W-1) / W of one, so its reach
-# shrinks with W. Measured under CUDA graphs on H200s (docs/perf-log.md): TP=2 faster up to 8 MB;
-# TP=4 up to 1 MB, 0.79x NCCL's speed at 1.5 MB, 0.48x at 8 MB. More ranks are not measured: a
-# quarter of TP=4's reach, about half the crossover that TP=4's costs a byte predict at TP=8.
-ALL_REDUCE_ONE_SHOT_MAX_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 256 << 10}
 
 
 # The scaled ops run the same kernels with FP8 operands (their FP8 constexprs on): e4m3 both.
@@ -98,18 +92,6 @@ def preferred(op: str, x, weight, info: GroupInfo, **details) -> bool:
         if verdict is not None:
             return verdict
     return preferred_by_thresholds(op, tokens, weight.shape[0], info.world_size)
-
-
-def by_ranks(table: dict[int, int], world: int) -> int:
-    """A {ranks: value} table's value at `world` ranks: the entry of the fewest ranks at or above
-    it (the most ranks' beyond)."""
-    fits = [ranks for ranks in table if ranks >= world]
-    return table[min(fits) if fits else max(table)]
-
-
-def all_reduce_one_shot_max_bytes(world: int) -> int:
-    """ALL_REDUCE_ONE_SHOT_MAX_BYTES at `world` ranks."""
-    return by_ranks(ALL_REDUCE_ONE_SHOT_MAX_BYTES, world)
 
 
 def preferred_by_thresholds(op: str, tokens: int, columns: int, world: int) -> bool:

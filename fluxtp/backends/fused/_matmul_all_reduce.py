@@ -30,8 +30,8 @@ import triton
 from fluxtp import symm
 from fluxtp._dist import GroupInfo
 from fluxtp._plan import PlanCache, tensor_key
-from fluxtp.configs import AllReduceConfig, MatmulAllReduceConfig
-from fluxtp.backends.fused import _launch, all_reduce_one_shot_max_bytes
+from fluxtp.configs import AllReduceConfig, MatmulAllReduceConfig, all_reduce_one_shot_max_bytes
+from fluxtp.backends.fused import _launch
 from fluxtp.backends.fused._launch import BARRIER_TIMEOUT_MS, MAX_SPINS_PEER, DescriptorLayout, Launch, _tma_compatible, num_sms, tma_ready
 from fluxtp.kernels._matmul_all_reduce import matmul_all_reduce_kernel
 

@@ -11,6 +11,9 @@ import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -403,7 +406,7 @@ class MatmulAllReduceConfig(GemmTiling):
 ALL_REDUCE_ONE_SHOT_MAX_BYTES = {2: 8 << 20, 4: 1 << 20, 8: 256 << 10}
 
 
-def by_ranks(table: dict[int, int], world: int) -> int:
+def by_ranks(table: dict[int, T], world: int) -> T:
     """A {ranks: value} table's value at `world` ranks: the entry of the fewest ranks at or above
     it (the most ranks' beyond)."""
     fits = [ranks for ranks in table if ranks >= world]

@@ -115,7 +115,7 @@ def preferred_by_thresholds(op: str, tokens: int, columns: int, world: int) -> b
 def _all_gather_fuses(tokens: int, columns: int, world: int) -> bool:
     """AUTO_ALL_GATHER's verdict for an all-gather alone; `columns`: a rank's output columns (its
     weight's rows)."""
-    least_tokens, least_outputs, least_tokens_wide = AUTO_ALL_GATHER[2 if world <= 2 else 4 if world <= 4 else 8]
+    least_tokens, least_outputs, least_tokens_wide = by_ranks(AUTO_ALL_GATHER, world)
     if columns > AUTO_WIDE_COLUMNS:
         least_tokens = max(least_tokens, least_tokens_wide)
     return tokens >= least_tokens and tokens * columns >= least_outputs

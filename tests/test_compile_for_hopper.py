@@ -171,6 +171,43 @@ def test_the_warp_specialized_all_gather_stores_ragged_rows_by_tma(captured_laun
     assert _local_memory_ops(compiled) == 0
 
 
+@pytest.mark.parametrize(
+    "world, rows, fp8, sk_tiles",
+    [
+        (8, 128, False, 112),  # 8 x 14 tiles: less than a wave, every tile split
+        (4, 512, False, 224 - 131),  # 16 x 14 tiles: those past the first wave split
+        (8, 256, "fast", 224 - 131),  # FP8 fast accumulation: 128x256x128 tiles
+        (4, 1024, False, 448 - 3 * 131),  # 32 x 14 tiles: those past three waves
+    ],
+)
+def test_the_all_gather_splits_its_last_wave_by_k_when_asked(captured_launch, world, rows, fp8, sk_tiles):
+    """stream_k: the tiles past the last whole wave of 131 programs split by K over all of them, in
+    a kernel that compiles for sm_90 without spills (a partial tile beside the accumulator)."""
+    x, w, scaled = _inputs(rows, 3584, 4096, fp8)
+    config = dataclasses.replace(WS_WIDE, stream_k=True)
+    if fp8:
+        fast = _scaled.Scaled.of(*scaled["scales"], torch.bfloat16, True)
+        config = dataclasses.replace(ag._config_for(x, w, world, None, fast), stream_k=True)
+        assert config.warp_specialized and config.block_n == 256
+    ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, use_fast_accum=fp8 == "fast", **scaled)()
+    launch, args = captured_launch[-1]
+    assert launch.constexprs["STREAM_K"] and launch.grid == SMS - 1
+    assert args[-3] == sk_tiles  # (sk_tiles, the partials' descriptor, the flags) end the arguments
+    compiled = _compile(launch, args)
+    assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
+    assert _local_memory_ops(compiled) == 0
+
+
+def test_stream_k_is_refused_where_its_kernel_does_not_run(captured_launch):
+    x, w, scaled = _inputs(128, 512, 256, "precise")
+    with pytest.raises(ValueError, match="only the warp-specialized kernel"):
+        ag.gemm_only(x.to(torch.bfloat16), w.to(torch.bfloat16), None, GroupInfo(None, 0, 2),
+                     AllGatherMatmulConfig(stream_k=True))  # fmt: skip
+    precise = dataclasses.replace(WS_WIDE, block_n=128, block_k=128, num_stages=4, stream_k=True)
+    with pytest.raises(ValueError, match="precise accumulation"):
+        ag.gemm_only(x, w, None, GroupInfo(None, 0, 2), precise, **scaled)
+
+
 @pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 4)])
 def test_the_precise_all_gather_compiles_with_wide_tiles(captured_launch, block_k, stages):
     """Precise FP8 in 128x256 tiles: the accumulator in two column halves, stored one after the other."""

@@ -61,6 +61,8 @@ def test_kernels_that_are_not_compiled_take_their_own_launch():
     "op, record, expected",
     [
         ("all_gather_matmul", [1, 3, 0], "rank 0 timed out waiting for chunk 3 of rank 1's rows"),
+        # A split tile's head waiting for a later piece of it (stream-K): (program, -1 - tile, rank).
+        ("all_gather_matmul", [7, -3, 0], "rank 0 timed out waiting for program 7's part of stream-K tile 2"),
         ("matmul_reduce_scatter", [2, 17, 1], "rank 1 timed out waiting for rank 2's partial of tile 17"),
         ("all_reduce", [0, 5, 3], "rank 3 timed out waiting for rank 0's partial of tile 5"),
     ],

@@ -149,6 +149,10 @@ class AllGatherMatmulConfig(GemmTiling):
     # tiles then wait for more peers' rows. A communication knob; the launcher takes it by itself
     # where the own segment's GEMM outlasts the peers' rows' arrival (peer_bands). Optional in tables.
     peer_bands: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
+    # The warp-specialized kernel's last partial wave of tiles split by K over every program
+    # (stream-K), so that no SM idles while others finish whole tiles; calls without FP8's
+    # precise accumulation. Optional in tuning tables.
+    stream_k: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod
     @functools.cache

@@ -15,19 +15,34 @@ accumulate in the MMAs alone:
 - a loader warp: waits for a peer tile's chunk signal (bounded; a wait that gives up records
   (rank, chunk, this rank) and traps), then TMA-loads the tile's K blocks into a ring of stages;
 - two consumer warpgroups, each computing and storing half of a tile's rows.
+
+STREAM_K (calls without PRECISE_ACC; the launcher's rule: stream_k_tiles): the last sk_tiles tiles
+in that order, where whole tiles would leave the last wave part empty, are split by K over every
+program: program p takes K iterations p * T // P .. (p + 1) * T // P - 1 of their T, so each
+program's range ends in the head (first K blocks) of a tile whose rest the next programs begin
+theirs with. A piece that does not begin its tile is stored as a float32 partial into its
+program's slot of the partials (`partial_desc`) and flagged (release); the head's program waits for its tile's
+later pieces (acquire, bounded), adds them in program order (deterministic) and stores the tile,
+resetting the flags for the next launch. The later pieces come first in their programs, the
+heads last, so a head's wait is for work long done.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fluxtp.kernels._pingpong import (
+    NAMED_REINTERPRET,
     accumulate,
+    accumulate_blocks,
     accumulate_plain,
     allocate_pingpong,
     grouped_tile,
+    load_blocks,
     load_tile,
+    partition_barrier,
     record_and_trap,
+    tma_load,
     tma_store,
 )
 
@@ -54,36 +69,78 @@ def _tile_of(tile, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr, GR
 
 
 @gluon.jit
+def _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS: gl.constexpr):
+    """This program's K iterations [start, end) of the split tiles' sk_tiles * k_tiles (module docstring)."""
+    total = sk_tiles * k_tiles
+    pid = gl.program_id(0)
+    return pid * total // NUM_PROGRAMS, (pid + 1) * total // NUM_PROGRAMS
+
+
+@gluon.jit
+def _stream_k_piece(it, end, k_tiles):
+    """(the split tile's index among them, its first and past-last K block) of the piece at iteration it."""
+    k0 = it % k_tiles
+    return it // k_tiles, k0, gl.minimum(k_tiles, k0 + end - it)
+
+
+@gluon.jit
+def _wait_for_chunk(ready_chunk, segment, pid_m, signal_ptr, report_ptr, chunk_rows, chunks_per_rank, max_spins,
+                    RANK: gl.constexpr, BLOCK_M: gl.constexpr):  # fmt: skip
+    """A peer tile's wait for its chunk's signal (bounded: record and trap), unless it is the chunk
+    waited for last (signals only go from 0 to 1 during a launch); returns that chunk."""
+    chunk_in_segment = pid_m * BLOCK_M // chunk_rows
+    chunk = segment * chunks_per_rank + chunk_in_segment
+    if chunk != ready_chunk:
+        value = gl.atomic_add(signal_ptr + chunk, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (value != 1) & (spins < max_spins):
+            value = gl.atomic_add(signal_ptr + chunk, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if value != 1:
+            record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
+    return chunk
+
+
+@gluon.jit
 def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N, K,
-            chunk_rows, chunks_per_rank, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr,
-            NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr,
-            SPLIT_ACC: gl.constexpr):  # fmt: skip
+            chunk_rows, chunks_per_rank, max_spins, sk_tiles, RANK: gl.constexpr, WORLD: gl.constexpr,
+            GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
+            PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr, STREAM_K: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
-    ready_chunk = -1  # the chunk waited for last: signals only go from 0 to 1 during a launch
+    whole_tiles = WORLD * tiles_per_segment - sk_tiles
+    ready_chunk = -1
     loaded = 0
-    for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), whole_tiles, NUM_PROGRAMS):
         segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)
         if segment == RANK:  # this rank's rows, from its shard
             loaded = load_tile(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty, loaded, K,
                                B_KN, SPLIT_ACC)  # fmt: skip
         else:
-            chunk_in_segment = pid_m * BLOCK_M // chunk_rows
-            chunk = segment * chunks_per_rank + chunk_in_segment
-            if chunk != ready_chunk:
-                value = gl.atomic_add(signal_ptr + chunk, 0, sem="acquire", scope="gpu")
-                spins = 0
-                while (value != 1) & (spins < max_spins):
-                    value = gl.atomic_add(signal_ptr + chunk, 0, sem="acquire", scope="gpu")
-                    spins += 1
-                if value != 1:
-                    record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
-                ready_chunk = chunk
+            ready_chunk = _wait_for_chunk(ready_chunk, segment, pid_m, signal_ptr, report_ptr, chunk_rows,
+                                          chunks_per_rank, max_spins, RANK, BLOCK_M)  # fmt: skip
             loaded = load_tile(a_desc, segment * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs,
                                ready, empty, loaded, K, B_KN, SPLIT_ACC)  # fmt: skip
+    if STREAM_K:
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        it, end = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
+        while it < end:
+            local, k0, k1 = _stream_k_piece(it, end, k_tiles)
+            segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
+                                             PEER_BANDS)  # fmt: skip
+            if segment == RANK:
+                loaded = load_blocks(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty,
+                                     loaded, k0, k1, B_KN)  # fmt: skip
+            else:
+                ready_chunk = _wait_for_chunk(ready_chunk, segment, pid_m, signal_ptr, report_ptr, chunk_rows,
+                                              chunks_per_rank, max_spins, RANK, BLOCK_M)  # fmt: skip
+                loaded = load_blocks(a_desc, segment * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs,
+                                     b_bufs, ready, empty, loaded, k0, k1, B_KN)  # fmt: skip
+            it += k1 - k0
 
 
 @gluon.jit
@@ -122,11 +179,102 @@ def _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, 
 
 
 @gluon.jit
+def _column_halves(acc):
+    """acc's left and right column halves (a split of each thread's registers, no data moved)."""
+    HALF: gl.constexpr = acc.shape[0]
+    WIDTH: gl.constexpr = acc.shape[1]
+    return gl.split(acc.reshape([HALF, 2, WIDTH // 2]).permute(0, 2, 1))
+
+
+@gluon.jit
+def _partial_staging(c_smem, partial_desc):
+    """The consumer's output staging buffer seen as one float32 block of partial_desc (a half tile's
+    column half: as many bytes as a 2-byte output's half tile, fewer than a 4-byte one's)."""
+    if NAMED_REINTERPRET:
+        return c_smem.reinterpret(gl.float32, partial_desc.block_type.shape, partial_desc.layout)
+    return c_smem._reinterpret(gl.float32, partial_desc.block_type.shape, partial_desc.layout)
+
+
+@gluon.jit
+def _publish_partial(acc, c_smem, partial_desc, flags_ptr, C: gl.constexpr):
+    """A later piece of a split tile: consumer C's half, column half by column half through its
+    staging buffer, TMA-stored into this program's slot of the partials, then flagged (release,
+    once the stores completed in every thread of the partition)."""
+    WIDTH: gl.constexpr = acc.shape[1]
+    staging = _partial_staging(c_smem, partial_desc)
+    slot = 2 * gl.program_id(0) + C
+    left, right = _column_halves(acc)
+    _store_staged(left, staging, partial_desc, [slot, 0, 0])
+    _store_staged(right, staging, partial_desc, [slot, 0, WIDTH // 2])
+    tma.store_wait(pendings=0)
+    partition_barrier()
+    gl.atomic_xchg(flags_ptr + slot, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _store_staged(piece, staging, partial_desc, coord):
+    """piece TMA-stored at coord of the partials through the staging buffer, once its last store read it."""
+    tma.store_wait(pendings=0)
+    staging.reshape(piece.shape).store(piece)
+    fence_async_shared()
+    tma_store(partial_desc, coord, staging)
+
+
+@gluon.jit
+def _add_partials(acc, c_smem, partial_desc, bar, local, k_tiles, sk_tiles, flags_ptr, max_spins, C: gl.constexpr,
+                  layout: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+    """A split tile's head (this program's last piece): consumer C's half plus the tile's later
+    pieces' partials in program order, each once flagged (acquire, bounded), TMA-loaded column
+    half by column half into the staging buffer (barrier `bar`); each flag reset for the next
+    launch. Returns (the sum, the first program waited for in vain or -1): the caller traps once
+    the accumulator is dead (a trap beside it made ptxas spill it)."""
+    HALF: gl.constexpr = acc.shape[0]
+    WIDTH: gl.constexpr = acc.shape[1]
+    staging = _partial_staging(c_smem, partial_desc)
+    total = sk_tiles * k_tiles
+    last_iteration = local * k_tiles + k_tiles - 1
+    last_program = ((last_iteration + 1) * NUM_PROGRAMS + total - 1) // total - 1  # whose range holds it
+    left, right = _column_halves(acc)
+    loads = 0
+    missing = -1
+    tma.store_wait(pendings=0)  # the staging buffer's last store has read it
+    for q in range(gl.program_id(0) + 1, last_program + 1):
+        flag = flags_ptr + 2 * q + C
+        value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (value != 1) & (spins < max_spins) & (missing < 0):
+            value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if (value != 1) & (missing < 0):
+            missing = q
+        left = _add_staged(left, staging, partial_desc, bar, loads, [2 * q + C, 0, 0])
+        right = _add_staged(right, staging, partial_desc, bar, loads + 1, [2 * q + C, 0, WIDTH // 2])
+        loads += 2
+        gl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
+    partition_barrier()  # every thread's reads of the staging buffer before the epilogue writes it
+    return gl.convert_layout(gl.join(left, right).permute(0, 2, 1).reshape([HALF, WIDTH]), layout), missing
+
+
+@gluon.jit
+def _add_staged(piece, staging, partial_desc, bar, loads, coord):
+    """piece plus the float32 block of the partials at coord, TMA-loaded into the staging buffer
+    once every thread of the partition read its last contents (the loads-th completion of bar)."""
+    partition_barrier()
+    fence_async_shared()
+    mbarrier.expect(bar, partial_desc.block_type.nbytes)
+    tma_load(partial_desc, coord, bar, staging)
+    mbarrier.wait(bar, loads & 1)
+    return piece + staging.reshape(piece.shape).load(piece.type.layout)
+
+
+@gluon.jit
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
-              rows_per_rank, N, K, stride_cm, C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
-              PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr):  # fmt: skip
+              rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, flags_ptr, report_ptr, max_spins,
+              C: gl.constexpr,
+              RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr,
+              B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr,
+              STREAM_K: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     INSTR_K: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 32 bytes of operand
@@ -136,8 +284,9 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
+    whole_tiles = WORLD * tiles_per_segment - sk_tiles
     used = 0
-    for tile in range(gl.program_id(0), WORLD * tiles_per_segment, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), whole_tiles, NUM_PROGRAMS):
         segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)
         if PRECISE_ACC:
             acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
@@ -150,6 +299,29 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
             _epilogue(acc_hi, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
                       pid_n * BLOCK_N + ACC_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
                       SCALING)  # fmt: skip
+    if STREAM_K:
+        gl.static_assert(not PRECISE_ACC)
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        it, end = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
+        while it < end:
+            local, k0, k1 = _stream_k_piece(it, end, k_tiles)
+            segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
+                                             PEER_BANDS)  # fmt: skip
+            acc, used = accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k1 - k0, C, layout, B_KN)
+            if k0 > 0:
+                _publish_partial(acc, c_bufs.index(C), partial_desc, flags_ptr, C)
+            else:
+                missing = -1
+                if k1 < k_tiles:
+                    acc, missing = _add_partials(acc, c_bufs.index(C), partial_desc, sk_bars.index(C), local, k_tiles,
+                                                 sk_tiles, flags_ptr, max_spins, C, layout, NUM_PROGRAMS)  # fmt: skip
+                _epilogue(acc, c_desc, c_bufs.index(C), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
+                          pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
+                          SCALING)  # fmt: skip
+                if missing >= 0:  # a later piece never came (its program never ran): name it
+                    record_and_trap(report_ptr, missing, -1 - local, RANK)
+            it += k1 - k0
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
@@ -176,6 +348,10 @@ def all_gather_matmul_pingpong_kernel(
     scale_a_ptr,  # float32 scales of A_gathered's rows (row-wise) or of A (per tensor); None unscaled
     scale_own_ptr,  # float32 scales of this rank's shard's rows (row-wise) or of A
     scale_b_ptr,  # float32 scales of B's rows [n] (row-wise) or of B
+    sk_tiles,  # STREAM_K: how many of the last tiles are split by K (module docstring); else 0
+    partial_desc,  # STREAM_K: over float32 [2 * NUM_PROGRAMS, BLOCK_M // 2, BLOCK_N] (a slot a program and
+    #   consumer: the later pieces' partials), block [1, BLOCK_M // 2, BLOCK_N // 2]; else over any such block
+    sk_flags_ptr,  # STREAM_K: int32 [2 * NUM_PROGRAMS], 0 at launch (and left 0): a flag per program and consumer
     RANK: gl.constexpr,
     WORLD: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -189,21 +365,28 @@ def all_gather_matmul_pingpong_kernel(
     SEGMENT_BANDS: gl.constexpr,  # GROUP_M bands counted across the segments (module docstring)
     PEER_BANDS: gl.constexpr,  # ... across the peers' segments, after this rank's (module docstring)
     SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); c_desc's block half as wide
+    STREAM_K: gl.constexpr,  # the last sk_tiles tiles split by K over every program (module docstring)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
+    # STREAM_K: a barrier a consumer for its TMA loads of the partials.
+    sk_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(sk_bars.index(i), count=1)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
-                         empty, rows_per_rank, N, K, stride_cm, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC)),
+                         empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, report_ptr,
+                         max_spins, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC,
+                         B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
-                         empty, rows_per_rank, N, K, stride_cm, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS,
-                         TMA_STORE, SCALING, PRECISE_ACC, B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC)),
+                         empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, report_ptr,
+                         max_spins, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC,
+                         B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
-                       K, chunk_rows, chunks_per_rank, max_spins, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN,
-                       SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC)),
+                       K, chunk_rows, chunks_per_rank, max_spins, sk_tiles, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN,
+                       SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
         ],
         [4, 1],
         [232, 40],

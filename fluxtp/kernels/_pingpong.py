@@ -81,16 +81,25 @@ def allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
 def load_tile(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, K, B_KN: gl.constexpr = False,
               SPANS: gl.constexpr = False):  # fmt: skip
     """The loader's part of one tile: every K block of A's rows a_row.. and B's rows b_row.. (with
-    B_KN, the K x N weight's columns b_row..) into the next stages, each once both consumers
-    released it; returns the running block count. SPANS: whole spans of 256 products, the last
-    one filled up with blocks past K (TMA fills them with zeros), as accumulate's SPLIT reads them."""
+    B_KN, the K x N weight's columns b_row..) into the next stages (load_blocks); returns the
+    running block count. SPANS: whole spans of 256 products, the last one filled up with blocks
+    past K (TMA fills them with zeros), as accumulate's SPLIT reads them."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     k_tiles = gl.cdiv(K, BLOCK_K)
     if SPANS:
         k_tiles = gl.cdiv(k_tiles, 256 // BLOCK_K) * (256 // BLOCK_K)
-    for ki in range(k_tiles):
+    return load_blocks(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, 0, k_tiles, B_KN)
+
+
+@gluon.jit
+def load_blocks(a_desc, a_row, b_desc, b_row, a_bufs, b_bufs, ready, empty, loaded, k_first, k_end,
+                B_KN: gl.constexpr = False):  # fmt: skip
+    """K blocks k_first..k_end - 1 of a tile (load_tile) into the next stages, each once both
+    consumers released it; returns the running block count."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for ki in range(k_first, k_end):
         s = loaded % STAGES
         mbarrier.wait(empty.index(s), ((loaded // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
@@ -184,16 +193,23 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
 def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr,
                      B_KN: gl.constexpr = False):  # fmt: skip
     """accumulate without promotion (bf16, fp16: the tensor cores accumulate in float32; FP8 with
-    fast accumulation): one wgmma in flight, each stage released once the wgmma after it was
-    issued and it retired. B_KN: B's stages are [BLOCK_K, BLOCK_N] (a K x N weight, 16-bit only)."""
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    fast accumulation) over every K block of a tile (accumulate_blocks)."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    return accumulate_blocks(a_bufs, b_bufs, ready, empty, used, gl.cdiv(K, BLOCK_K), C, layout, B_KN)
+
+
+@gluon.jit
+def accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.constexpr, layout: gl.constexpr,
+                      B_KN: gl.constexpr = False):  # fmt: skip
+    """Consumer C's half of k_blocks K blocks' products from the next stages, from zero, without
+    promotion: one wgmma in flight, each stage released once the wgmma after it was issued and it
+    retired; returns (acc, used). B_KN: B's stages are [BLOCK_K, BLOCK_N] (a K x N weight, 16-bit only)."""
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    k_tiles = gl.cdiv(K, BLOCK_K)
     acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
     previous = 0
-    for ki in range(k_tiles):
+    for ki in range(k_blocks):
         s = used % STAGES
         mbarrier.wait(ready.index(s), (used // STAGES) & 1)
         b = b_bufs.index(s) if B_KN else b_bufs.index(s).permute((1, 0))
@@ -203,5 +219,5 @@ def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, lay
         previous = s
         used += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index(previous), count=1, pred=k_tiles > 0)
+    mbarrier.arrive(empty.index(previous), count=1, pred=k_blocks > 0)
     return acc, used

@@ -15,7 +15,8 @@ import torch
 import triton
 
 from fluxtp._dist import GroupInfo
-from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _set_signal, launch_gemm
+from fluxtp.backends.fused._all_gather_matmul import MAX_SPINS as DEFAULT_SPINS
+from fluxtp.backends.fused._all_gather_matmul import AllGatherMatmulConfig, _Gemm, _set_signal, launch_gemm
 from tests._cases import TOLERANCE, draw, rel_error
 from tests._gates import HostGates
 from tests.gpu import run_until_trap, skip_unless_hopper
@@ -29,7 +30,8 @@ MAX_SPINS = 1 << 26  # a chunk 4 ms late is far inside it; a lost one still trap
 # The kernels a config can launch: the Triton one flattened (one loop over tile and K) or not,
 # and the warp-specialized Gluon one (Hopper), its bands within segments or (asked) across them; in
 # a grid of one wave it counts them across by itself. Either kernel may count the peers' bands
-# across the peers' segments (peer_bands).
+# across the peers' segments (peer_bands); the warp-specialized one may split its last partial wave
+# of tiles by K over every program (stream_k).
 KERNELS = {
     "flatten": {"flatten": True},
     "loop": {"flatten": False},
@@ -38,6 +40,7 @@ KERNELS = {
     "warp_specialized": {"warp_specialized": True},
     "warp_specialized_bands": {"warp_specialized": True, "bands_across_segments": True},
     "warp_specialized_peer_bands": {"warp_specialized": True, "peer_bands": True},
+    "warp_specialized_stream_k": {"warp_specialized": True, "stream_k": True},
 }
 
 
@@ -135,3 +138,40 @@ def test_a_chunk_that_never_arrives_traps_and_is_named(kernel):
     proc = run_until_trap(_TIMEOUT_SCRIPT, "_all_gather_matmul", json.dumps(KERNELS[kernel]))
     out = proc.stdout
     assert "rank 1 timed out waiting for chunk 1 of rank 3's rows" in out, out[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "world, m, n, k, dtype, with_bias",
+    [
+        (8, 128, 3584, 4096, torch.bfloat16, False),  # llama3-70b TP=8, 1024 tokens: 112 tiles, all split
+        (4, 500, 1000, 2048, torch.float16, True),  # ragged rows and columns: 64 tiles over 131 programs
+        (2, 1000, 7000, 1024, torch.bfloat16, True),  # 448 tiles: the 55 past three waves split, 16 K blocks each
+    ],
+)
+def test_stream_k_over_reused_buffers(world, m, n, k, dtype, with_bias):
+    """One launch plan called again and again on fresh data (GEMM-only mode: every chunk there): the
+    split tiles' sums match float64 each time, and every program's flags read zero after each call."""
+    skip_unless_hopper()
+    cfg = dataclasses.replace(WIDE, warp_specialized=True, stream_k=True)
+    rank = world - 1
+    seed = random.randrange(1 << 30)
+    w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
+    b = draw(seed + 1, (n,), dtype, "cuda") if with_bias else None
+    chunk_rows = cfg.chunk_rows_for(m)
+    signals = torch.ones(world * triton.cdiv(m, chunk_rows), dtype=torch.int32, device="cuda")
+    done = torch.zeros(1, dtype=torch.int32, device="cuda")
+    y = torch.empty(world * m, n, dtype=dtype, device="cuda")
+    gemm = _Gemm(w, b, y.stride(0), y.device, m, chunk_rows, GroupInfo(None, rank, world), cfg, DEFAULT_SPINS, 1, None)
+    sk_tiles, _, flags = gemm.pingpong.stream_k
+    assert sk_tiles > 0
+    for call in range(4):
+        what = f"world={world} m={m} n={n} k={k} call={call} seed={seed}"
+        x = draw(seed + 2 + call, (world * m, k), dtype, "cuda")
+        y.fill_(float("nan"))
+        gemm(x, x[rank * m : (rank + 1) * m].clone(), w, b, y, signals, done)
+        torch.cuda.synchronize()
+        ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
+        err = rel_error(y, ref)
+        assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"
+        assert flags.eq(0).all(), f"{what}: the kernel left stream-K flags {flags.nonzero().flatten().tolist()} set"
+        assert signals.eq(1).all() and done.item() == 0, f"{what}: signals or count not left as found"

@@ -145,9 +145,12 @@ class _Gemm:
             if why:
                 op = _OP if scaled is None else "all_gather_scaled_matmul"
                 raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
-        elif config.bands_across_segments:
-            raise ValueError(f"{_OP}: config {config} asks for bands across segments, which only the warp-specialized "
-                             "kernel orders its tiles by (warp_specialized=True)")
+        elif config.bands_across_segments or config.stream_k:
+            raise ValueError(f"{_OP}: config {config} asks for bands across segments or stream-K, which only the "
+                             "warp-specialized kernel has (warp_specialized=True)")
+        if config.stream_k and scaled is not None and scaled.precise_acc:
+            raise ValueError(f"all_gather_scaled_matmul: config {config} asks for stream-K, which the precise "
+                             "accumulation's kernel does not have (use_fast_accum=False)")
         # FP8 tensor cores read the weight K-major only.
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         # TMA stores need 16-byte output rows; their descriptor views C as [W, m, n], so a tile
@@ -163,9 +166,10 @@ class _Gemm:
             # One SM left to the copy stream's barrier kernel: a warp-specialized program takes a
             # whole SM's registers, so a barrier queued behind the publish copy found none and the
             # GEMM timed out on rows never pulled (world 4 on one H100, tests/gpu/test_whole_call_one_gpu.py).
-            grid = min(sms - 1, tiles)
+            sk_tiles = stream_k_tiles(config, tiles, sms - 1)
+            grid = sms - 1 if sk_tiles else min(sms - 1, tiles)
             self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaled, y_dtype, device,
-                                      self.weight, segment_bands(config, tiles, grid), peers)  # fmt: skip
+                                      self.weight, segment_bands(config, tiles, grid), peers, sk_tiles)  # fmt: skip
             return
         self.launch = Launch(
             all_gather_matmul_kernel,
@@ -237,10 +241,18 @@ class _PingPong:
     Scaled, None for a plain one."""
 
     def __init__(self, config, grid: int, info: GroupInfo, has_bias: bool, tma_store: bool, scaled, y_dtype, device,
-                 weight_operand: WeightOperand, bands: bool, peer_bands: bool):  # fmt: skip
+                 weight_operand: WeightOperand, bands: bool, peer_bands: bool, sk_tiles: int = 0):  # fmt: skip
         from fluxtp.kernels._all_gather_matmul_pingpong import all_gather_matmul_pingpong_kernel
 
         self.config, self.layouts, self.world = config, None, info.world_size
+        # Stream-K's workspace: a float32 partial tile and two flags (one a consumer's half) a
+        # program, the flags zero between launches (the kernel resets what it set); without it,
+        # one block to type the descriptor.
+        half = [config.block_m // 2, config.block_n]
+        partials = torch.empty([2 * grid if sk_tiles else 1, *half], dtype=torch.float32, device=device)
+        partial_desc = DescriptorLayout(partials, [1, half[0], half[1] // 2], gluon=True).over(partials)
+        self.stream_k = (sk_tiles, partial_desc, torch.zeros(max(2 * grid, 1) if sk_tiles else 1, dtype=torch.int32,
+                                                             device=device))  # fmt: skip
         self.b_block = weight_operand.block(config)
         split = _scaled.split_accumulator(scaled, config.block_n)
         self.c_block = [1, config.block_m // 2, _scaled.staging_columns(config.block_n, split)]
@@ -250,7 +262,7 @@ class _PingPong:
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
             B_KN=weight_operand.kn, SEGMENT_BANDS=bands, PEER_BANDS=peer_bands, SPLIT_ACC=split,
-            **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
+            STREAM_K=sk_tiles > 0, **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def launch_args(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):
@@ -266,7 +278,7 @@ class _PingPong:
             )
         a, own, b, c = layouts
         args = (a.over(x_gathered), own.over(x_own), b.over(weight), c.over(c_base), y, bias, signals, done, *scalars,
-                report, *scales)  # fmt: skip
+                report, *scales, *self.stream_k)  # fmt: skip
         return self.launch, args
 
 
@@ -284,6 +296,12 @@ def segment_bands(config: AllGatherMatmulConfig, tiles: int, grid: int) -> bool:
     TP=8, 1024 tokens). In more waves the first one waits for more peers' rows: whole calls on
     4x H100 took 1.03-1.08x the time (docs/perf-log.md)."""
     return config.bands_across_segments or tiles <= grid
+
+
+def stream_k_tiles(config: AllGatherMatmulConfig, tiles: int, programs: int) -> int:
+    """How many of its last tiles the warp-specialized kernel splits by K over its `programs`:
+    where the config asks, those past its last whole wave (every tile where it has less than a wave)."""
+    return tiles % programs if config.stream_k else 0
 
 
 def peer_bands(config: AllGatherMatmulConfig, world: int, n: int, scaled=None) -> bool:

@@ -18,13 +18,16 @@ accumulate in the MMAs alone:
 
 STREAM_K (calls without PRECISE_ACC; the launcher's rule: stream_k_tiles): the last sk_tiles tiles
 in that order, where whole tiles would leave the last wave part empty, are split by K over every
-program: program p takes K iterations p * T // P .. (p + 1) * T // P - 1 of their T, so each
-program's range ends in the head (first K blocks) of a tile whose rest the next programs begin
-theirs with. A piece that does not begin its tile is stored as a float32 partial into its
-program's slot of the partials (`partial_desc`) and flagged (release); the head's program waits for its tile's
-later pieces (acquire, bounded), adds them in program order (deterministic) and stores the tile,
-resetting the flags for the next launch. The later pieces come first in their programs, the
-heads last, so a head's wait is for work long done.
+program: program p takes K iterations p * T // P .. (p + 1) * T // P - 1 of their T (T >= P: none
+takes none), so its range begins with the end of one tile and ends with the start of another.
+It runs its pieces last first, each by rising K: every program is at about the same K offset at
+once, as in whole tiles, so the weight's blocks are shared in L2 (in range order, programs at
+K offsets spread over the whole K took 5-7x the time where the operands outgrow L2). A piece
+that does not end its tile is stored as a float32 partial into its program's slot of the
+partials (`partial_desc`) and flagged (release); the piece that ends the tile, its program's
+last, waits for the tile's other pieces (acquire, bounded), adds them in program order
+(deterministic) and stores the tile, resetting their flags for the next launch. The pieces
+waited for are their programs' first, so the wait is for work long done.
 """
 
 from triton.experimental import gluon
@@ -77,10 +80,12 @@ def _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS: gl.constexpr):
 
 
 @gluon.jit
-def _stream_k_piece(it, end, k_tiles):
-    """(the split tile's index among them, its first and past-last K block) of the piece at iteration it."""
-    k0 = it % k_tiles
-    return it // k_tiles, k0, gl.minimum(k_tiles, k0 + end - it)
+def _stream_k_piece(it, start, k_tiles):
+    """(the split tile's index among them, its first and past-last K block) of the piece of this
+    program's range (from `start`) that ends at iteration it."""
+    local = (it - 1) // k_tiles
+    first = local * k_tiles
+    return local, gl.maximum(first, start) - first, it - first
 
 
 @gluon.jit
@@ -127,9 +132,9 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
                                ready, empty, loaded, K, B_KN, SPLIT_ACC)  # fmt: skip
     if STREAM_K:
         k_tiles = gl.cdiv(K, BLOCK_K)
-        it, end = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
-        while it < end:
-            local, k0, k1 = _stream_k_piece(it, end, k_tiles)
+        start, it = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
+        while it > start:  # the range's pieces last first (module docstring)
+            local, k0, k1 = _stream_k_piece(it, start, k_tiles)
             segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
                                              PEER_BANDS)  # fmt: skip
             if segment == RANK:
@@ -140,7 +145,7 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
                                               chunks_per_rank, max_spins, RANK, BLOCK_M)  # fmt: skip
                 loaded = load_blocks(a_desc, segment * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs,
                                      b_bufs, ready, empty, loaded, k0, k1, B_KN)  # fmt: skip
-            it += k1 - k0
+            it -= k1 - k0
 
 
 @gluon.jit
@@ -197,7 +202,7 @@ def _partial_staging(c_smem, partial_desc):
 
 @gluon.jit
 def _publish_partial(acc, c_smem, partial_desc, flags_ptr, C: gl.constexpr):
-    """A later piece of a split tile: consumer C's half, column half by column half through its
+    """A piece of a split tile that does not end it: consumer C's half, column half by column half through its
     staging buffer, TMA-stored into this program's slot of the partials, then flagged (release,
     once the stores completed in every thread of the partition)."""
     WIDTH: gl.constexpr = acc.shape[1]
@@ -223,22 +228,21 @@ def _store_staged(piece, staging, partial_desc, coord):
 @gluon.jit
 def _add_partials(acc, c_smem, partial_desc, bar, local, k_tiles, sk_tiles, flags_ptr, max_spins, C: gl.constexpr,
                   layout: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
-    """A split tile's head (this program's last piece): consumer C's half plus the tile's later
-    pieces' partials in program order, each once flagged (acquire, bounded), TMA-loaded column
-    half by column half into the staging buffer (barrier `bar`); each flag reset for the next
-    launch. Returns (the sum, the first program waited for in vain or -1): the caller traps once
-    the accumulator is dead (a trap beside it made ptxas spill it)."""
+    """The piece that ends a split tile (this program's last): consumer C's half plus the tile's
+    other pieces' partials in program order, each once flagged (acquire, bounded), TMA-loaded
+    column half by column half into the staging buffer (barrier `bar`); each flag reset for the
+    next launch. Returns (the sum, the first program waited for in vain or -1): the caller traps
+    once the accumulator is dead (a trap beside it made ptxas spill it)."""
     HALF: gl.constexpr = acc.shape[0]
     WIDTH: gl.constexpr = acc.shape[1]
     staging = _partial_staging(c_smem, partial_desc)
     total = sk_tiles * k_tiles
-    last_iteration = local * k_tiles + k_tiles - 1
-    last_program = ((last_iteration + 1) * NUM_PROGRAMS + total - 1) // total - 1  # whose range holds it
+    first_program = ((local * k_tiles + 1) * NUM_PROGRAMS + total - 1) // total - 1  # whose range holds its start
     left, right = _column_halves(acc)
     loads = 0
     missing = -1
     tma.store_wait(pendings=0)  # the staging buffer's last store has read it
-    for q in range(gl.program_id(0) + 1, last_program + 1):
+    for q in range(first_program, gl.program_id(0)):
         flag = flags_ptr + 2 * q + C
         value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
         spins = 0
@@ -303,25 +307,25 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
         gl.static_assert(not PRECISE_ACC)
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         k_tiles = gl.cdiv(K, BLOCK_K)
-        it, end = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
-        while it < end:
-            local, k0, k1 = _stream_k_piece(it, end, k_tiles)
+        start, it = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
+        while it > start:  # the range's pieces last first (module docstring)
+            local, k0, k1 = _stream_k_piece(it, start, k_tiles)
             segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
                                              PEER_BANDS)  # fmt: skip
             acc, used = accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k1 - k0, C, layout, B_KN)
-            if k0 > 0:
+            if k1 < k_tiles:
                 _publish_partial(acc, c_bufs.index(C), partial_desc, flags_ptr, C)
             else:
                 missing = -1
-                if k1 < k_tiles:
+                if k0 > 0:
                     acc, missing = _add_partials(acc, c_bufs.index(C), partial_desc, sk_bars.index(C), local, k_tiles,
                                                  sk_tiles, flags_ptr, max_spins, C, layout, NUM_PROGRAMS)  # fmt: skip
                 _epilogue(acc, c_desc, c_bufs.index(C), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
                           pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
                           SCALING)  # fmt: skip
-                if missing >= 0:  # a later piece never came (its program never ran): name it
+                if missing >= 0:  # an earlier piece never came (its program never ran): name it
                     record_and_trap(report_ptr, missing, -1 - local, RANK)
-            it += k1 - k0
+            it -= k1 - k0
     if TMA_STORE:
         tma.store_wait(pendings=0)
 

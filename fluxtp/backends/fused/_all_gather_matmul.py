@@ -166,7 +166,7 @@ class _Gemm:
             # One SM left to the copy stream's barrier kernel: a warp-specialized program takes a
             # whole SM's registers, so a barrier queued behind the publish copy found none and the
             # GEMM timed out on rows never pulled (world 4 on one H100, tests/gpu/test_whole_call_one_gpu.py).
-            sk_tiles = stream_k_tiles(config, tiles, sms - 1)
+            sk_tiles = stream_k_tiles(config, tiles, sms - 1, triton.cdiv(k, config.block_k))
             grid = sms - 1 if sk_tiles else min(sms - 1, tiles)
             self.pingpong = _PingPong(config, grid, info, bias is not None, self.tma_store, scaled, y_dtype, device,
                                       self.weight, segment_bands(config, tiles, grid), peers, sk_tiles)  # fmt: skip
@@ -298,10 +298,13 @@ def segment_bands(config: AllGatherMatmulConfig, tiles: int, grid: int) -> bool:
     return config.bands_across_segments or tiles <= grid
 
 
-def stream_k_tiles(config: AllGatherMatmulConfig, tiles: int, programs: int) -> int:
+def stream_k_tiles(config: AllGatherMatmulConfig, tiles: int, programs: int, k_blocks: int) -> int:
     """How many of its last tiles the warp-specialized kernel splits by K over its `programs`:
-    where the config asks, those past its last whole wave (every tile where it has less than a wave)."""
-    return tiles % programs if config.stream_k else 0
+    where the config asks, those past its last whole wave (every tile where it has less than a
+    wave), if their K blocks give every program one or more (the kernel waits for each program
+    but the last that holds part of a tile)."""
+    split = tiles % programs if config.stream_k else 0
+    return split if split * k_blocks >= programs else 0
 
 
 def peer_bands(config: AllGatherMatmulConfig, world: int, n: int, scaled=None) -> bool:

@@ -192,7 +192,7 @@ def test_the_all_gather_splits_its_last_wave_by_k_when_asked(captured_launch, wo
     ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, use_fast_accum=fp8 == "fast", **scaled)()
     launch, args = captured_launch[-1]
     assert launch.constexprs["STREAM_K"] and launch.grid == SMS - 1
-    assert args[-3] == sk_tiles  # (sk_tiles, the partials' descriptor, the flags) end the arguments
+    assert args[-4] == sk_tiles  # then the partials' descriptor, the flags and the half-width C descriptor
     compiled = _compile(launch, args)
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
     assert _local_memory_ops(compiled) == 0

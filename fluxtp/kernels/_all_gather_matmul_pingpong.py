@@ -23,11 +23,12 @@ takes none), so its range begins with the end of one tile and ends with the star
 It runs its pieces last first, each by rising K: every program is at about the same K offset at
 once, as in whole tiles, so the weight's blocks are shared in L2 (in range order, programs at
 K offsets spread over the whole K took 5-7x the time where the operands outgrow L2). A piece
-that does not end its tile is stored as a float32 partial into its program's slot of the
-partials (`partial_desc`) and flagged (release); the piece that ends the tile, its program's
-last, waits for the tile's other pieces (acquire, bounded), adds them in program order
-(deterministic) and stores the tile, resetting their flags for the next launch. The pieces
-waited for are their programs' first, so the wait is for work long done.
+is accumulated in two column halves (a 256-wide tile's by two wgmmas a block). One that does not
+end its tile is stored as float32 partials into its program's slot (`partial_desc`, through the
+output staging) and flagged (release); the piece that ends the tile, its program's last, waits
+for the tile's other pieces (acquire, bounded), adds them in program order (deterministic) and
+stores the tile half by half (`c_half_desc`), resetting their flags for the next launch. The
+pieces waited for are their programs' first, so the wait is for work long done.
 """
 
 from triton.experimental import gluon
@@ -38,6 +39,7 @@ from fluxtp.kernels._pingpong import (
     NAMED_REINTERPRET,
     accumulate,
     accumulate_blocks,
+    accumulate_halves,
     accumulate_plain,
     allocate_pingpong,
     grouped_tile,
@@ -192,28 +194,32 @@ def _column_halves(acc):
 
 
 @gluon.jit
-def _partial_staging(c_smem, partial_desc):
-    """The consumer's output staging buffer seen as one float32 block of partial_desc (a half tile's
-    column half: as many bytes as a 2-byte output's half tile, fewer than a 4-byte one's)."""
-    if NAMED_REINTERPRET:
-        return c_smem.reinterpret(gl.float32, partial_desc.block_type.shape, partial_desc.layout)
-    return c_smem._reinterpret(gl.float32, partial_desc.block_type.shape, partial_desc.layout)
+def _accumulate_piece(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.constexpr, layout: gl.constexpr,
+                      half_layout: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
+    """A split tile's piece as consumer C's (left, right) column halves, and the running stage count:
+    a 256-wide tile's in two accumulators (accumulate_halves), a narrower one's split from one
+    (two 64-wide wgmmas would read A's stage twice as often for the same products)."""
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    if BLOCK_N > 128:
+        left, right, used = accumulate_halves(a_bufs, b_bufs, ready, empty, used, k_blocks, C, half_layout, B_KN)
+    else:
+        acc, used = accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k_blocks, C, layout, B_KN)
+        left, right = _column_halves(acc)
+    return left, right, used
 
 
 @gluon.jit
-def _publish_partial(acc, c_smem, partial_desc, flags_ptr, C: gl.constexpr):
-    """A piece of a split tile that does not end it: consumer C's half, column half by column half through its
-    staging buffer, TMA-stored into this program's slot of the partials, then flagged (release,
-    once the stores completed in every thread of the partition)."""
-    WIDTH: gl.constexpr = acc.shape[1]
-    staging = _partial_staging(c_smem, partial_desc)
-    slot = 2 * gl.program_id(0) + C
-    left, right = _column_halves(acc)
-    _store_staged(left, staging, partial_desc, [slot, 0, 0])
-    _store_staged(right, staging, partial_desc, [slot, 0, WIDTH // 2])
-    tma.store_wait(pendings=0)
-    partition_barrier()
-    gl.atomic_xchg(flags_ptr + slot, 1, sem="release", scope="gpu")
+def _staging_as(c_smem, desc):
+    """The consumer's output staging buffer ([1, rows, columns]) seen as one block of `desc` (a
+    half tile's column half, float32 or the output's dtype): the first of the blocks it holds."""
+    SOURCE_BITS: gl.constexpr = c_smem.type.shape[1] * c_smem.type.shape[2] * c_smem.dtype.primitive_bitwidth
+    BLOCK: gl.constexpr = desc.block_type.shape
+    BLOCK_BITS: gl.constexpr = BLOCK[1] * BLOCK[2] * desc.dtype.primitive_bitwidth
+    gl.static_assert(SOURCE_BITS % BLOCK_BITS == 0)
+    SHAPE: gl.constexpr = [SOURCE_BITS // BLOCK_BITS, BLOCK[0], BLOCK[1], BLOCK[2]]
+    if NAMED_REINTERPRET:
+        return c_smem.reinterpret(desc.dtype, SHAPE, desc.layout).index(0)
+    return c_smem._reinterpret(desc.dtype, SHAPE, desc.layout).index(0)
 
 
 @gluon.jit
@@ -226,19 +232,30 @@ def _store_staged(piece, staging, partial_desc, coord):
 
 
 @gluon.jit
-def _add_partials(acc, c_smem, partial_desc, bar, local, k_tiles, sk_tiles, flags_ptr, max_spins, C: gl.constexpr,
-                  layout: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
-    """The piece that ends a split tile (this program's last): consumer C's half plus the tile's
-    other pieces' partials in program order, each once flagged (acquire, bounded), TMA-loaded
-    column half by column half into the staging buffer (barrier `bar`); each flag reset for the
-    next launch. Returns (the sum, the first program waited for in vain or -1): the caller traps
+def _publish_partial(left, right, c_smem, partial_desc, flags_ptr, C: gl.constexpr):
+    """A piece of a split tile that does not end it: consumer C's column halves through its
+    staging buffer, TMA-stored into this program's slot of the partials, then flagged (release,
+    once the stores completed in every thread of the partition)."""
+    staging = _staging_as(c_smem, partial_desc)
+    slot = 2 * gl.program_id(0) + C
+    _store_staged(left, staging, partial_desc, [slot, 0, 0])
+    _store_staged(right, staging, partial_desc, [slot, 0, left.shape[1]])
+    tma.store_wait(pendings=0)
+    partition_barrier()
+    gl.atomic_xchg(flags_ptr + slot, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _add_partials(left, right, c_smem, partial_desc, bar, local, k_tiles, sk_tiles, flags_ptr, max_spins,
+                  C: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+    """The piece that ends a split tile (this program's last): consumer C's column halves plus the
+    tile's other pieces' partials in program order, each once flagged (acquire, bounded),
+    TMA-loaded half by half into the staging buffer (barrier `bar`); each flag reset for the next
+    launch. Returns (left, right, the first program waited for in vain or -1): the caller traps
     once the accumulator is dead (a trap beside it made ptxas spill it)."""
-    HALF: gl.constexpr = acc.shape[0]
-    WIDTH: gl.constexpr = acc.shape[1]
-    staging = _partial_staging(c_smem, partial_desc)
+    staging = _staging_as(c_smem, partial_desc)
     total = sk_tiles * k_tiles
     first_program = ((local * k_tiles + 1) * NUM_PROGRAMS + total - 1) // total - 1  # whose range holds its start
-    left, right = _column_halves(acc)
     loads = 0
     missing = -1
     tma.store_wait(pendings=0)  # the staging buffer's last store has read it
@@ -252,11 +269,11 @@ def _add_partials(acc, c_smem, partial_desc, bar, local, k_tiles, sk_tiles, flag
         if (value != 1) & (missing < 0):
             missing = q
         left = _add_staged(left, staging, partial_desc, bar, loads, [2 * q + C, 0, 0])
-        right = _add_staged(right, staging, partial_desc, bar, loads + 1, [2 * q + C, 0, WIDTH // 2])
+        right = _add_staged(right, staging, partial_desc, bar, loads + 1, [2 * q + C, 0, left.shape[1]])
         loads += 2
         gl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
     partition_barrier()  # every thread's reads of the staging buffer before the epilogue writes it
-    return gl.convert_layout(gl.join(left, right).permute(0, 2, 1).reshape([HALF, WIDTH]), layout), missing
+    return left, right, missing
 
 
 @gluon.jit
@@ -273,8 +290,8 @@ def _add_staged(piece, staging, partial_desc, bar, loads, coord):
 
 @gluon.jit
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
-              rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, flags_ptr, report_ptr, max_spins,
-              C: gl.constexpr,
+              rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, flags_ptr, c_half_desc, report_ptr,
+              max_spins, C: gl.constexpr,
               RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr,
               B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr,
@@ -306,23 +323,32 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     if STREAM_K:
         gl.static_assert(not PRECISE_ACC)
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_N // 2, INSTR_K])  # fmt: skip
+        c_half = _staging_as(c_bufs.index(C), c_half_desc)
         k_tiles = gl.cdiv(K, BLOCK_K)
         start, it = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
         while it > start:  # the range's pieces last first (module docstring)
             local, k0, k1 = _stream_k_piece(it, start, k_tiles)
             segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
                                              PEER_BANDS)  # fmt: skip
-            acc, used = accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k1 - k0, C, layout, B_KN)
+            left, right, used = _accumulate_piece(a_bufs, b_bufs, ready, empty, used, k1 - k0, C, layout, half_layout,
+                                                  B_KN)  # fmt: skip
             if k1 < k_tiles:
-                _publish_partial(acc, c_bufs.index(C), partial_desc, flags_ptr, C)
+                _publish_partial(left, right, c_bufs.index(C), partial_desc, flags_ptr, C)
             else:
                 missing = -1
                 if k0 > 0:
-                    acc, missing = _add_partials(acc, c_bufs.index(C), partial_desc, sk_bars.index(C), local, k_tiles,
-                                                 sk_tiles, flags_ptr, max_spins, C, layout, NUM_PROGRAMS)  # fmt: skip
-                _epilogue(acc, c_desc, c_bufs.index(C), c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
-                          pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
-                          SCALING)  # fmt: skip
+                    left, right, missing = _add_partials(left, right, c_bufs.index(C), partial_desc, sk_bars.index(C),
+                                                         local, k_tiles, sk_tiles, flags_ptr, max_spins, C,
+                                                         NUM_PROGRAMS)  # fmt: skip
+                # Each column half through the staging buffer's half view.
+                _epilogue(left, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
+                          pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, left.type.layout, C, RANK, HAS_BIAS,
+                          TMA_STORE, SCALING)  # fmt: skip
+                _epilogue(right, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
+                          pid_m, pid_n * BLOCK_N + BLOCK_N // 2, rows_per_rank, N, stride_cm, right.type.layout, C,
+                          RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
                 if missing >= 0:  # an earlier piece never came (its program never ran): name it
                     record_and_trap(report_ptr, missing, -1 - local, RANK)
             it -= k1 - k0
@@ -356,6 +382,7 @@ def all_gather_matmul_pingpong_kernel(
     partial_desc,  # STREAM_K: over float32 [2 * NUM_PROGRAMS, BLOCK_M // 2, BLOCK_N] (a slot a program and
     #   consumer: the later pieces' partials), block [1, BLOCK_M // 2, BLOCK_N // 2]; else over any such block
     sk_flags_ptr,  # STREAM_K: int32 [2 * NUM_PROGRAMS], 0 at launch (and left 0): a flag per program and consumer
+    c_half_desc,  # STREAM_K: as c_desc, its block half as wide (a split tile's column halves); else any descriptor
     RANK: gl.constexpr,
     WORLD: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -381,11 +408,13 @@ def all_gather_matmul_pingpong_kernel(
     gl.warp_specialize(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
-                         empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, report_ptr,
+                         empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, c_half_desc,
+                         report_ptr,
                          max_spins, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC,
                          B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
-                         empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, report_ptr,
+                         empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, c_half_desc,
+                         report_ptr,
                          max_spins, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC,
                          B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,

@@ -221,3 +221,37 @@ def accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.conste
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(previous), count=1, pred=k_blocks > 0)
     return acc, used
+
+
+@gluon.jit
+def accumulate_halves(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.constexpr, layout: gl.constexpr,
+                      B_KN: gl.constexpr = False):  # fmt: skip
+    """accumulate_blocks into two accumulators, B's left and right column halves, each
+    [HALF, BLOCK_N // 2] in `layout` (an MMA layout that wide), two wgmmas a K block: a tile's
+    halves kept apart from the start, where a split of one accumulator's registers and their
+    join made Triton 3.6's ptxas spill and serialize the MMAs (docs/perf-log.md)."""
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    WIDTH: gl.constexpr = (b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]) // 2
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    left = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
+    right = gl.zeros((HALF, WIDTH), dtype=gl.float32, layout=layout)
+    previous = 0
+    for ki in range(k_blocks):
+        s = used % STAGES
+        mbarrier.wait(ready.index(s), (used // STAGES) & 1)
+        a = a_bufs.index(s).slice(C * HALF, HALF)
+        if B_KN:
+            b_left = b_bufs.index(s).slice(0, WIDTH, dim=1)
+            b_right = b_bufs.index(s).slice(WIDTH, WIDTH, dim=1)
+        else:
+            b_left = b_bufs.index(s).slice(0, WIDTH).permute((1, 0))
+            b_right = b_bufs.index(s).slice(WIDTH, WIDTH).permute((1, 0))
+        left = warpgroup_mma(a, b_left, left, is_async=True)
+        right = warpgroup_mma(a, b_right, right, is_async=True)
+        left, right = warpgroup_mma_wait(num_outstanding=2, deps=(left, right))
+        mbarrier.arrive(empty.index(previous), count=1, pred=ki > 0)  # the block before this one retired
+        previous = s
+        used += 1
+    left, right = warpgroup_mma_wait(num_outstanding=0, deps=(left, right))
+    mbarrier.arrive(empty.index(previous), count=1, pred=k_blocks > 0)
+    return left, right, used

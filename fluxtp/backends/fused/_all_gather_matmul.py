@@ -226,11 +226,15 @@ class _Gemm:
         shard, the weight's operand, the output, its descriptor (bound only where stored by TMA,
         else a constexpr or a fixed staging buffer), the bias, the three scales."""
         first_scale = 8 + len(self.scalars) + 1
-        return (1, 2, 4, 3 if self.tma_store else None, 5, first_scale, first_scale + 1, first_scale + 2)
+        indices = (1, 2, 4, 3 if self.tma_store else None, 5, first_scale, first_scale + 1, first_scale + 2)
+        if self.pingpong is not None:  # its C descriptor for half tiles, after the stream-K workspace
+            indices += (first_scale + 6 if self.tma_store else None,)
+        return indices
 
     def per_call(self, x_own, weight, bias, y, scales) -> tuple:
         """The tensors of per_call_indices' arguments for one call."""
-        return (x_own, self.weight.of(weight), y, y, y if bias is None else bias, *scales)
+        tensors = (x_own, self.weight.of(weight), y, y, y if bias is None else bias, *scales)
+        return tensors if self.pingpong is None else (*tensors, y)
 
 
 class _PingPong:
@@ -251,11 +255,13 @@ class _PingPong:
         half = [config.block_m // 2, config.block_n]
         partials = torch.empty([2 * grid if sk_tiles else 1, *half], dtype=torch.float32, device=device)
         partial_desc = DescriptorLayout(partials, [1, half[0], half[1] // 2], gluon=True).over(partials)
-        self.stream_k = (sk_tiles, partial_desc, torch.zeros(max(2 * grid, 1) if sk_tiles else 1, dtype=torch.int32,
+        self.stream_k = (sk_tiles, partial_desc, torch.zeros(2 * grid if sk_tiles else 1, dtype=torch.int32,
                                                              device=device))  # fmt: skip
         self.b_block = weight_operand.block(config)
         split = _scaled.split_accumulator(scaled, config.block_n)
         self.c_block = [1, config.block_m // 2, _scaled.staging_columns(config.block_n, split)]
+        # A split tile's output halves: C's descriptor with a block half as wide (without stream-K, C's own).
+        self.c_half_block = [1, config.block_m // 2, config.block_n // 2] if sk_tiles else self.c_block
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
         self.c_dummy = None if tma_store else torch.empty(self.c_block, dtype=y_dtype, device=device)
         self.launch = Launch(
@@ -274,11 +280,12 @@ class _PingPong:
             c_example = y.unflatten(0, (self.world, -1)) if self.c_dummy is None else self.c_dummy  # [W, m, n]
             layouts = self.layouts = tuple(
                 DescriptorLayout(t, block, gluon=True)
-                for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, self.b_block), (c_example, self.c_block))
+                for t, block in ((x_gathered, a_block), (x_own, a_block), (weight, self.b_block), (c_example, self.c_block),
+                                 (c_example, self.c_half_block))
             )
-        a, own, b, c = layouts
+        a, own, b, c, c_half = layouts
         args = (a.over(x_gathered), own.over(x_own), b.over(weight), c.over(c_base), y, bias, signals, done, *scalars,
-                report, *scales, *self.stream_k)  # fmt: skip
+                report, *scales, *self.stream_k, c_half.over(c_base))  # fmt: skip
         return self.launch, args
 
 

@@ -196,7 +196,7 @@ def _column_halves(acc):
 @gluon.jit
 def _accumulate_piece(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.constexpr, layout: gl.constexpr,
                       half_layout: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
-    """A split tile's piece as consumer C's (left, right) column halves, and the running stage count:
+    """A split tile's piece as consumer C's (left, right) column halves in half_layout, and the running stage count:
     a 256-wide tile's in two accumulators (accumulate_halves), a narrower one's split from one
     (two 64-wide wgmmas would read A's stage twice as often for the same products)."""
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
@@ -205,6 +205,9 @@ def _accumulate_piece(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.conste
     else:
         acc, used = accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k_blocks, C, layout, B_KN)
         left, right = _column_halves(acc)
+        # The halves' registers as half_layout has them: a change of name, not of place.
+        left = gl.convert_layout(left, half_layout)
+        right = gl.convert_layout(right, half_layout)
     return left, right, used
 
 
@@ -344,11 +347,11 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
                                                          NUM_PROGRAMS)  # fmt: skip
                 # Each column half through the staging buffer's half view.
                 _epilogue(left, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
-                          pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, left.type.layout, C, RANK, HAS_BIAS,
-                          TMA_STORE, SCALING)  # fmt: skip
+                          pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, half_layout, C, RANK, HAS_BIAS, TMA_STORE,
+                          SCALING)  # fmt: skip
                 _epilogue(right, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
-                          pid_m, pid_n * BLOCK_N + BLOCK_N // 2, rows_per_rank, N, stride_cm, right.type.layout, C,
-                          RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
+                          pid_m, pid_n * BLOCK_N + BLOCK_N // 2, rows_per_rank, N, stride_cm, half_layout, C, RANK,
+                          HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
                 if missing >= 0:  # an earlier piece never came (its program never ran): name it
                     record_and_trap(report_ptr, missing, -1 - local, RANK)
             it -= k1 - k0

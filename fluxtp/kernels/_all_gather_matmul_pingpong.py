@@ -264,10 +264,10 @@ def _add_partials(left, right, c_smem, partial_desc, bar, local, k_tiles, sk_til
     tma.store_wait(pendings=0)  # the staging buffer's last store has read it
     for q in range(first_program, gl.program_id(0)):
         flag = flags_ptr + 2 * q + C
-        value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        value = _acquire_read(flag)
         spins = 0
         while (value != 1) & (spins < max_spins) & (missing < 0):
-            value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            value = _acquire_read(flag)
             spins += 1
         if (value != 1) & (missing < 0):
             missing = q
@@ -277,6 +277,15 @@ def _add_partials(left, right, c_smem, partial_desc, bar, local, k_tiles, sk_til
         gl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
     partition_barrier()  # every thread's reads of the staging buffer before the epilogue writes it
     return left, right, missing
+
+
+@gluon.jit
+def _acquire_read(flag):
+    """The int32 at flag, read with acquire at scope gpu by every thread itself: a scalar atomic's
+    result goes to the others through shared memory and a barrier, which beside the accumulators
+    made Triton 3.6's ptxas spill them and serialize the kernel's MMAs (docs/perf-log.md)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit

@@ -349,11 +349,10 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
             if k1 < k_tiles:
                 _publish_partial(left, right, c_bufs.index(C), partial_desc, flags_ptr, C)
             else:
-                missing = -1
-                if k0 > 0:
-                    left, right, missing = _add_partials(left, right, c_bufs.index(C), partial_desc, sk_bars.index(C),
-                                                         local, k_tiles, sk_tiles, flags_ptr, max_spins, C,
-                                                         NUM_PROGRAMS)  # fmt: skip
+                # Unconditional (no pieces before a tile begun here): accumulators merged from the
+                # branches of an `if` made Triton 3.6's ptxas spill them and serialize the MMAs.
+                left, right, missing = _add_partials(left, right, c_bufs.index(C), partial_desc, sk_bars.index(C), local,
+                                                     k_tiles, sk_tiles, flags_ptr, max_spins, C, NUM_PROGRAMS)  # fmt: skip
                 # Each column half through the staging buffer's half view.
                 _epilogue(left, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
                           pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, half_layout, C, RANK, HAS_BIAS, TMA_STORE,

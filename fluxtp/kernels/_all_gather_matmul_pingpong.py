@@ -25,10 +25,11 @@ once, as in whole tiles, so the weight's blocks are shared in L2 (in range order
 K offsets spread over the whole K took 5-7x the time where the operands outgrow L2). A piece
 is accumulated in two column halves (a 256-wide tile's by two wgmmas a block). One that does not
 end its tile is stored as float32 partials into its program's slot (`partial_desc`, through the
-output staging) and flagged (release); the piece that ends the tile, its program's last, waits
-for the tile's other pieces (acquire, bounded), adds them in program order (deterministic) and
-stores the tile half by half (`c_half_desc`), resetting their flags for the next launch. The
-pieces waited for are their programs' first, so the wait is for work long done.
+output staging) and flagged (release); the piece that ends the tile, its program's last, adds the
+tile's other pieces in program order (deterministic) once its loader saw them all flagged
+(acquire, bounded) and stores the tile half by half (`c_half_desc`), resetting their flags for
+the next launch. The pieces waited for are their programs' first, so the wait is for work long
+done.
 """
 
 from triton.experimental import gluon
@@ -109,8 +110,38 @@ def _wait_for_chunk(ready_chunk, segment, pid_m, signal_ptr, report_ptr, chunk_r
 
 
 @gluon.jit
+def _first_program(local, k_tiles, sk_tiles, NUM_PROGRAMS: gl.constexpr):
+    """The program whose range holds the first K block of split tile `local` (_stream_k_range)."""
+    total = sk_tiles * k_tiles
+    return ((local * k_tiles + 1) * NUM_PROGRAMS + total - 1) // total - 1
+
+
+@gluon.jit
+def _wait_for_earlier_pieces(start, k_tiles, sk_tiles, flags_ptr, pieces_ready, report_ptr, max_spins,
+                             RANK: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+    """The loader's wait, once its loads are issued, for the earlier pieces of the split tile this
+    program ends (its range begins inside it): every consumer's flag of each program before it that
+    holds one (acquire, bounded: record (program, -1 - tile, this rank) and trap); then
+    `pieces_ready` completes for the consumers. Not in the consumers: a spin-wait beside their
+    accumulators made Triton 3.6's ptxas spill them and serialize the MMAs (docs/perf-log.md)."""
+    if start % k_tiles > 0:
+        local = start // k_tiles
+        for q in range(_first_program(local, k_tiles, sk_tiles, NUM_PROGRAMS), gl.program_id(0)):
+            for c in gl.static_range(2):
+                flag = flags_ptr + 2 * q + c
+                value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+                spins = 0
+                while (value != 1) & (spins < max_spins):
+                    value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+                    spins += 1
+                if value != 1:
+                    record_and_trap(report_ptr, q, -1 - local, RANK)
+        mbarrier.arrive(pieces_ready, count=1)
+
+
+@gluon.jit
 def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N, K,
-            chunk_rows, chunks_per_rank, max_spins, sk_tiles, RANK: gl.constexpr, WORLD: gl.constexpr,
+            chunk_rows, chunks_per_rank, max_spins, sk_tiles, sk_flags_ptr, sk_bars, RANK: gl.constexpr, WORLD: gl.constexpr,
             GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr,
             PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr, STREAM_K: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -148,6 +179,8 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
                 loaded = load_blocks(a_desc, segment * rows_per_rank + pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs,
                                      b_bufs, ready, empty, loaded, k0, k1, B_KN)  # fmt: skip
             it -= k1 - k0
+        _wait_for_earlier_pieces(start, k_tiles, sk_tiles, sk_flags_ptr, sk_bars.index(2), report_ptr, max_spins, RANK,
+                                 NUM_PROGRAMS)  # fmt: skip
 
 
 @gluon.jit
@@ -249,43 +282,25 @@ def _publish_partial(left, right, c_smem, partial_desc, flags_ptr, C: gl.constex
 
 
 @gluon.jit
-def _add_partials(left, right, c_smem, partial_desc, bar, local, k_tiles, sk_tiles, flags_ptr, max_spins,
-                  C: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+def _add_partials(left, right, c_smem, partial_desc, bars, local, k_tiles, sk_tiles, flags_ptr, C: gl.constexpr,
+                  NUM_PROGRAMS: gl.constexpr):  # fmt: skip
     """The piece that ends a split tile (this program's last): consumer C's column halves plus the
-    tile's other pieces' partials in program order, each once flagged (acquire, bounded),
-    TMA-loaded half by half into the staging buffer (barrier `bar`); each flag reset for the next
-    launch. Returns (left, right, the first program waited for in vain or -1): the caller traps
-    once the accumulator is dead (a trap beside it made ptxas spill it)."""
+    tile's earlier pieces' partials in program order (none where the tile began here), once the
+    loader saw them all flagged (bars[2]), TMA-loaded half by half into the staging buffer
+    (bars[C]); each flag of C's reset for the next launch."""
     staging = _staging_as(c_smem, partial_desc)
-    total = sk_tiles * k_tiles
-    first_program = ((local * k_tiles + 1) * NUM_PROGRAMS + total - 1) // total - 1  # whose range holds its start
+    first_program = _first_program(local, k_tiles, sk_tiles, NUM_PROGRAMS)
+    if first_program < gl.program_id(0):
+        mbarrier.wait(bars.index(2), 0)
     loads = 0
-    missing = -1
     tma.store_wait(pendings=0)  # the staging buffer's last store has read it
     for q in range(first_program, gl.program_id(0)):
-        flag = flags_ptr + 2 * q + C
-        value = _acquire_read(flag)
-        spins = 0
-        while (value != 1) & (spins < max_spins) & (missing < 0):
-            value = _acquire_read(flag)
-            spins += 1
-        if (value != 1) & (missing < 0):
-            missing = q
-        left = _add_staged(left, staging, partial_desc, bar, loads, [2 * q + C, 0, 0])
-        right = _add_staged(right, staging, partial_desc, bar, loads + 1, [2 * q + C, 0, left.shape[1]])
+        left = _add_staged(left, staging, partial_desc, bars.index(C), loads, [2 * q + C, 0, 0])
+        right = _add_staged(right, staging, partial_desc, bars.index(C), loads + 1, [2 * q + C, 0, left.shape[1]])
         loads += 2
-        gl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(flags_ptr + 2 * q + C, 0, sem="relaxed", scope="gpu")
     partition_barrier()  # every thread's reads of the staging buffer before the epilogue writes it
-    return left, right, missing
-
-
-@gluon.jit
-def _acquire_read(flag):
-    """The int32 at flag, read with acquire at scope gpu by every thread itself: a scalar atomic's
-    result goes to the others through shared memory and a barrier, which beside the accumulators
-    made Triton 3.6's ptxas spill them and serialize the kernel's MMAs (docs/perf-log.md)."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag], dtype=gl.int32,
-                                     is_pure=False, pack=1)  # fmt: skip
+    return left, right
 
 
 @gluon.jit
@@ -302,8 +317,7 @@ def _add_staged(piece, staging, partial_desc, bar, loads, coord):
 
 @gluon.jit
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
-              rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, flags_ptr, c_half_desc, report_ptr,
-              max_spins, C: gl.constexpr,
+              rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, flags_ptr, c_half_desc, C: gl.constexpr,
               RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr,
               B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr,
@@ -350,9 +364,9 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
                 _publish_partial(left, right, c_bufs.index(C), partial_desc, flags_ptr, C)
             else:
                 # Unconditional (no pieces before a tile begun here): accumulators merged from the
-                # branches of an `if` made Triton 3.6's ptxas spill them and serialize the MMAs.
-                left, right, missing = _add_partials(left, right, c_bufs.index(C), partial_desc, sk_bars.index(C), local,
-                                                     k_tiles, sk_tiles, flags_ptr, max_spins, C, NUM_PROGRAMS)  # fmt: skip
+                # branches of an `if` cost Triton 3.6's ptxas registers.
+                left, right = _add_partials(left, right, c_bufs.index(C), partial_desc, sk_bars, local, k_tiles, sk_tiles,
+                                            flags_ptr, C, NUM_PROGRAMS)  # fmt: skip
                 # Each column half through the staging buffer's half view.
                 _epilogue(left, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
                           pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, half_layout, C, RANK, HAS_BIAS, TMA_STORE,
@@ -360,8 +374,6 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
                 _epilogue(right, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
                           pid_m, pid_n * BLOCK_N + BLOCK_N // 2, rows_per_rank, N, stride_cm, half_layout, C, RANK,
                           HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
-                if missing >= 0:  # an earlier piece never came (its program never ran): name it
-                    record_and_trap(report_ptr, missing, -1 - local, RANK)
             it -= k1 - k0
     if TMA_STORE:
         tma.store_wait(pendings=0)
@@ -411,26 +423,25 @@ def all_gather_matmul_pingpong_kernel(
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
-    # STREAM_K: a barrier a consumer for its TMA loads of the partials.
-    sk_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    # STREAM_K: a barrier a consumer for its TMA loads of the partials, and one for the earlier
+    # pieces of the tile this program ends (the loader saw them flagged).
+    sk_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
         mbarrier.init(sk_bars.index(i), count=1)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, c_half_desc,
-                         report_ptr,
-                         max_spins, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC,
-                         B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
+                         0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC, B_KN,
+                         SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, c_half_desc,
-                         report_ptr,
-                         max_spins, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC,
-                         B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
+                         1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC, B_KN,
+                         SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
-                       K, chunk_rows, chunks_per_rank, max_spins, sk_tiles, RANK, WORLD, GROUP_M, NUM_PROGRAMS, B_KN,
-                       SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
+                       K, chunk_rows, chunks_per_rank, max_spins, sk_tiles, sk_flags_ptr, sk_bars, RANK, WORLD, GROUP_M,
+                       NUM_PROGRAMS, B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
         ],
         [4, 1],
         [232, 40],

@@ -249,3 +249,27 @@ def test_matmul_all_reduce_tiles_widen_where_a_program_would_take_two(m):
     assert configs.MatmulAllReduceConfig.heuristic(m, 64 * 132, 4096, 4, sms=132).block_n == 64
     assert configs.MatmulAllReduceConfig.heuristic(m, 64 * 132 + 1, 4096, 4, sms=132).block_n == 128
     assert configs.MatmulAllReduceConfig.heuristic(m, 64 * 132 + 1, 4096, 4, sms=200).block_n == 64
+
+
+def test_the_all_gather_splits_its_last_wave_by_k_where_that_paid(monkeypatch):
+    """stream_k_pays over 131 programs, by the one-H200 screen of bf16 all-gathers at TP 4 and 8:
+    the split paid where the last wave was at most 0.7 full after whole waves, in long tiles."""
+    from fluxtp.backends.fused import _all_gather_matmul
+    from fluxtp.configs._classes import stream_k_pays
+
+    assert stream_k_pays(832, 256, 131)  # llama3-405b TP=8, 2048 tokens, 128x128 tiles: 6.35 waves, 0.91x the time
+    assert stream_k_pays(208, 256, 131)  # llama3-405b TP=8, 1024 tokens, 128x256: 1.59 waves, 0.92x
+    assert not stream_k_pays(112, 128, 131)  # llama3-70b TP=8, 1024 tokens: less than a wave, 1.07x
+    assert not stream_k_pays(224, 128, 131)  # 1.71 waves, the last one 0.71 full: 1.01-1.03x
+    assert not stream_k_pays(384, 192, 131)  # gpt3-175b: 2.93 waves, 1.01-1.03x
+    assert not stream_k_pays(832, 64, 131)  # short tiles (64 K blocks): unmeasured gain, never split
+    assert not stream_k_pays(262, 256, 131)  # whole waves: nothing to split
+    monkeypatch.setattr(_all_gather_matmul, "warp_specialized_runs", lambda device, dtype: True)
+    monkeypatch.setattr(_all_gather_matmul, "num_sms", lambda device: 132)
+    x, w = torch.empty(256, 16384, dtype=torch.bfloat16), torch.empty(6656, 16384, dtype=torch.bfloat16)
+    split = _all_gather_matmul._config_for(x, w, 8, None)  # llama3-405b TP=8, 2048 tokens
+    assert split.stream_k and split.warp_specialized and split.block_m == 128
+    assert configs.smem_bytes("all_gather_matmul", split) + configs.SMEM_RESERVE_BYTES <= configs.SMEM_LIMIT_BYTES
+    assert not _all_gather_matmul._config_for(x, w, 2, None).stream_k  # TP=2: unmeasured
+    monkeypatch.setattr(_all_gather_matmul, "warp_specialized_runs", lambda device, dtype: False)
+    assert not _all_gather_matmul._config_for(x, w, 8, None).stream_k  # no warp-specialized kernel here

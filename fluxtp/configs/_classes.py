@@ -122,6 +122,23 @@ def narrow_tiles_win(tile_rows: int, n: int, sms: int = HOPPER_SMS) -> bool:
     return cdiv(narrow, sms) * NARROW_TILE_COST < cdiv(wide, sms)
 
 
+# Stream-K on the all-gather's warp-specialized kernel (its stream_k knob) where whole tiles would
+# leave its last wave at most this full, after a whole wave or more, in tiles of at least this many
+# K blocks. One H200, bf16 all-gathers at TP 4 and 8 (18 cases): 0.906-0.960x the time where this
+# holds (4 cases), 1.00-1.22x elsewhere, the one-wave grids the worst: each program's float32
+# partial in and out costs more than the idle SMs (docs/perf-log.md).
+STREAM_K_MAX_LAST_WAVE = 0.7
+STREAM_K_MIN_K_BLOCKS = 128
+STREAM_K_MIN_WORLD = 4  # measured at TP 4 and 8 only
+
+
+def stream_k_pays(tiles: int, k_blocks: int, programs: int) -> bool:
+    """Whether splitting the last partial wave of `tiles` by K over `programs` paid where measured
+    (STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K_BLOCKS)."""
+    last = tiles % programs
+    return tiles >= programs and 0 < last <= STREAM_K_MAX_LAST_WAVE * programs and k_blocks >= STREAM_K_MIN_K_BLOCKS
+
+
 @dataclass(frozen=True)
 class AllGatherMatmulConfig(GemmTiling):
     """How one fused AllGather+GEMM call is launched; every rank must use the same one."""
@@ -227,6 +244,22 @@ class AllGatherMatmulConfig(GemmTiling):
         if self.warp_specialized or (self.block_m, self.block_n, self.block_k) != (128, 256, 64):
             return self
         return dataclasses.replace(self, warp_specialized=True, num_stages=3)
+
+    def with_stream_k_rule(self, rows_per_rank: int, n: int, k: int, world: int,
+                           sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
+        """This bf16 / fp16 tiling on the warp-specialized kernel with stream-K where that paid
+        (stream_k_pays over sms - 1 programs, STREAM_K_MIN_WORLD; 128-row tiles), with as many
+        of its stages as fit beside that kernel's staging; else this config as it is. For calls
+        that may take the warp-specialized kernel (the launcher decides)."""
+        if world < STREAM_K_MIN_WORLD or self.block_m != 128 or self.stream_k:
+            return self
+        tiles = world * cdiv(rows_per_rank, self.block_m) * cdiv(n, self.block_n)
+        if not stream_k_pays(tiles, cdiv(k, self.block_k), sms - 1):
+            return self
+        config = dataclasses.replace(self, warp_specialized=True, stream_k=True)
+        while smem_bytes("all_gather_matmul", config) + SMEM_RESERVE_BYTES > SMEM_LIMIT_BYTES and config.num_stages > 2:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        return config
 
     def with_communication_heuristic(self, rows_per_rank: int) -> AllGatherMatmulConfig:
         """This tiling with the heuristic's copy chunks: the peers' rows in four chunks from 4096

@@ -359,7 +359,7 @@ def warp_specialized_runs(device, dtype: torch.dtype) -> bool:
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
     """The caller's config, else the tuned table's for this shape (as measured, the kernel
     included), else the heuristic's, on the warp-specialized kernel where that runs and measured
-    faster. FP8: a call that may take the warp-specialized kernel takes its table's entry for its
+    faster, with stream-K where that paid (with_stream_k_rule). FP8: a call that may take the warp-specialized kernel takes its table's entry for its
     accumulation (float8 keys, tuned with a bf16 output: AllGatherMatmulConfig.with_fp8_output,
     None where the call's output does not fit it), else its own heuristic."""
     if config is not None:
@@ -372,9 +372,13 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
         return scaled_config(tuned, rows_per_rank, weight.shape[0], k, world, scaled, warp_specialized, num_sms(device))
     warp_specialized = warp_specialized_runs(device, weight.dtype)
     tuned = tuned_config(_OP, x_shard, weight, world)
+    n, sms = weight.shape[0], num_sms(device)
     if tuned is None:
-        return AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world, num_sms(device), warp_specialized)
-    return runnable(tuned, warp_specialized)
+        config = AllGatherMatmulConfig.heuristic(rows_per_rank, n, k, world, sms, warp_specialized)
+    else:
+        config = runnable(tuned, warp_specialized)
+    # Where whole tiles leave the last wave mostly empty: its tiles split by K (stream_k_pays).
+    return config.with_stream_k_rule(rows_per_rank, n, k, world, sms) if warp_specialized else config
 
 
 def runnable(tuned: AllGatherMatmulConfig, warp_specialized: bool) -> AllGatherMatmulConfig:

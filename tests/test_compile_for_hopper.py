@@ -4,7 +4,7 @@ memory, fails here on CPU, before device time. Each case captures the Launch its
 mode makes (CPU tensors, 132 SMs), then compiles it offline (Triton's GluonASTSource or ASTSource
 with an explicit target) and checks its shared memory.
 
-Skipped where this Triton cannot compile Gluon offline (GluonASTSource arrived after 3.6).
+Skipped where this Triton cannot compile Gluon offline (no GluonASTSource; 3.6 and 3.8 have it).
 """
 
 from __future__ import annotations

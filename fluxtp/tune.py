@@ -421,10 +421,14 @@ def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int,
 
 def launched_space(op: str, space: list, shape, world: int, kernels_run: bool, itemsize: int) -> list:
     """The candidates as a call launches a table entry of each, duplicates dropped: a reduce-scatter's
-    on the reducer kernel where on_reducer_kernel says and kernels_run (_launcher_kernels_run), so
-    the tune measures what its entry launches; an all-gather's as they are."""
+    on the reducer kernel where on_reducer_kernel says and kernels_run (_launcher_kernels_run), an
+    unscaled all-gather's with stream-K where with_stream_k_rule says and kernels_run, so the tune
+    measures what its entry launches."""
     if op != "matmul_reduce_scatter":
-        return space
+        if not kernels_run:
+            return space
+        rows, n = shape.M // world, shape.N // world
+        return list(dict.fromkeys(c.with_stream_k_rule(rows, n, shape.K, world) for c in space))
     from fluxtp.backends.fused._matmul_reduce_scatter import routed
 
     k = shape.K // world
@@ -871,7 +875,8 @@ def _as_launched_here(op: str, choice: Choice, shape, world: int, dtype: str, sc
     runs = bool(runs)
     if op == "all_gather_matmul":
         if scaled is None:
-            return choice.config if tuned is None else _all_gather_matmul.runnable(tuned, runs)
+            config = choice.config if tuned is None else _all_gather_matmul.runnable(tuned, runs)
+            return config.with_stream_k_rule(shape.M // world, shape.N // world, shape.K, world) if runs else config
         return _all_gather_matmul.scaled_config(tuned, shape.M // world, shape.N // world, shape.K, world, scaled, runs)
     k = shape.K // world
     if scaled is None:

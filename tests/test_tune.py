@@ -435,8 +435,15 @@ def test_multi_gpu_tune_measures_reduce_scatter_candidates_as_launched():
     tp2 = tune.search_space(RS, shape.M, shape.N, shape.K // 2, 2, warp_specialized=True)
     assert tune.launched_space(RS, tp2, shape, 2, True, 2) == tp2
     assert {(c.group_m, c.transport) for c in tp2 if c.warp_specialized} == bands_and_transports
+    ag_shape = Shape(4096, 28672, 8192)
     ag_space = tune.search_space(AG, 4096, 28672, 8192, 8)
-    assert tune.launched_space(AG, ag_space, Shape(4096, 28672, 8192), 8, True, 2) == ag_space
+    assert tune.launched_space(AG, ag_space, ag_shape, 8, False, 2) == ag_space  # no warp-specialized kernel here
+    # Where it runs, an all-gather tiling whose last wave stream-K splits (128x256x64: 3.4 waves,
+    # 128 K blocks) is measured with it, the others as they are.
+    launched_ag = tune.launched_space(AG, ag_space, ag_shape, 8, True, 2)
+    split = [c for c in launched_ag if c.stream_k]
+    assert split and all(c.warp_specialized and (c.block_n, c.block_k) == (256, 64) for c in split)
+    assert all(c in ag_space for c in launched_ag if not c.stream_k)
 
 
 def test_reduce_scatter_takes_a_reducer_kernel_entry_as_measured_and_its_twin_where_it_cannot_run(cache, monkeypatch):

@@ -197,7 +197,8 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
             return AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, precise, warp_specialized=warp_specialized)
         return scaled_heuristic(case.M, n, k, case.world, bf16_output(case), warp_specialized)
     if case.op == "all_gather_matmul":
-        return AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
+        config = AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
+        return config.with_stream_k_rule(rows, n, k, case.world) if warp_specialized else config
     config = MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
     return routed(config, case.M, n, k, case.world, DTYPE_NAMES[case.dtype].itemsize, warp_specialized)
 

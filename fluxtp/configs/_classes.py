@@ -256,7 +256,8 @@ class AllGatherMatmulConfig(GemmTiling):
         tiles = world * cdiv(rows_per_rank, self.block_m) * cdiv(n, self.block_n)
         if not stream_k_pays(tiles, cdiv(k, self.block_k), sms - 1):
             return self
-        config = dataclasses.replace(self, warp_specialized=True, stream_k=True)
+        # num_warps as the kernel launches (4 a consumer warpgroup: Triton's 4 and 8 run alike there).
+        config = dataclasses.replace(self, warp_specialized=True, stream_k=True, num_warps=4)
         while smem_bytes("all_gather_matmul", config) + SMEM_RESERVE_BYTES > SMEM_LIMIT_BYTES and config.num_stages > 2:
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         return config

@@ -384,8 +384,10 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
 def runnable(tuned: AllGatherMatmulConfig, warp_specialized: bool) -> AllGatherMatmulConfig:
     """An unscaled call's table entry as launched: one on the warp-specialized kernel read where
     that cannot run (warp_specialized False: the interpreter, a Triton without its Gluon) runs its
-    tiling on Triton."""
-    return tuned if warp_specialized or not tuned.warp_specialized else dataclasses.replace(tuned, warp_specialized=False)
+    tiling on Triton (without that kernel's stream-K)."""
+    if warp_specialized or not tuned.warp_specialized:
+        return tuned
+    return dataclasses.replace(tuned, warp_specialized=False, stream_k=False)
 
 
 def scaled_config(tuned: AllGatherMatmulConfig | None, rows_per_rank: int, n: int, k: int, world: int, scaled,

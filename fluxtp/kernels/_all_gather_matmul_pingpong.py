@@ -83,12 +83,15 @@ def _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS: gl.constexpr):
 
 
 @gluon.jit
-def _stream_k_piece(it, start, k_tiles):
-    """(the split tile's index among them, its first and past-last K block) of the piece of this
-    program's range (from `start`) that ends at iteration it."""
+def _stream_k_piece(it, start, k_tiles, whole_tiles, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr,
+                    GROUP_M: gl.constexpr, SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr):  # fmt: skip
+    """The piece of this program's range (from `start`) that ends at iteration it: (the split
+    tile's index among them, its first and past-last K block, its segment, pid_m, pid_n)."""
     local = (it - 1) // k_tiles
     first = local * k_tiles
-    return local, gl.maximum(first, start) - first, it - first
+    segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
+                                     PEER_BANDS)  # fmt: skip
+    return local, gl.maximum(first, start) - first, it - first, segment, pid_m, pid_n
 
 
 @gluon.jit
@@ -167,9 +170,8 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
         k_tiles = gl.cdiv(K, BLOCK_K)
         start, it = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
         while it > start:  # the range's pieces last first (module docstring)
-            local, k0, k1 = _stream_k_piece(it, start, k_tiles)
-            segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
-                                             PEER_BANDS)  # fmt: skip
+            local, k0, k1, segment, pid_m, pid_n = _stream_k_piece(it, start, k_tiles, whole_tiles, tiles_m, tiles_n, RANK,
+                                                                   WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)  # fmt: skip
             if segment == RANK:
                 loaded = load_blocks(own_desc, pid_m * BLOCK_M, b_desc, pid_n * BLOCK_N, a_bufs, b_bufs, ready, empty,
                                      loaded, k0, k1, B_KN)  # fmt: skip
@@ -355,9 +357,8 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
         k_tiles = gl.cdiv(K, BLOCK_K)
         start, it = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
         while it > start:  # the range's pieces last first (module docstring)
-            local, k0, k1 = _stream_k_piece(it, start, k_tiles)
-            segment, pid_m, pid_n = _tile_of(whole_tiles + local, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS,
-                                             PEER_BANDS)  # fmt: skip
+            local, k0, k1, segment, pid_m, pid_n = _stream_k_piece(it, start, k_tiles, whole_tiles, tiles_m, tiles_n, RANK,
+                                                                   WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)  # fmt: skip
             left, right, used = _accumulate_piece(a_bufs, b_bufs, ready, empty, used, k1 - k0, C, layout, half_layout,
                                                   B_KN)  # fmt: skip
             if k1 < k_tiles:

@@ -308,8 +308,8 @@ def segment_bands(config: AllGatherMatmulConfig, tiles: int, grid: int) -> bool:
 def stream_k_tiles(config: AllGatherMatmulConfig, tiles: int, programs: int, k_blocks: int) -> int:
     """How many of its last tiles the warp-specialized kernel splits by K over its `programs`:
     where the config asks, those past its last whole wave (every tile where it has less than a
-    wave), if their K blocks give every program one or more (the kernel waits for each program
-    but the last that holds part of a tile)."""
+    wave), if their K blocks give every program one or more (a tile's last piece waits for every
+    program before it that holds part of the tile, so none may hold nothing)."""
     split = tiles % programs if config.stream_k else 0
     return split if split * k_blocks >= programs else 0
 
@@ -359,9 +359,10 @@ def warp_specialized_runs(device, dtype: torch.dtype) -> bool:
 def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | None, scaled=None) -> AllGatherMatmulConfig:
     """The caller's config, else the tuned table's for this shape (as measured, the kernel
     included), else the heuristic's, on the warp-specialized kernel where that runs and measured
-    faster, with stream-K where that paid (with_stream_k_rule). FP8: a call that may take the warp-specialized kernel takes its table's entry for its
-    accumulation (float8 keys, tuned with a bf16 output: AllGatherMatmulConfig.with_fp8_output,
-    None where the call's output does not fit it), else its own heuristic."""
+    faster, with stream-K where that paid (with_stream_k_rule). FP8: a call that may take the
+    warp-specialized kernel takes its table's entry for its accumulation (float8 keys, tuned with
+    a bf16 output: AllGatherMatmulConfig.with_fp8_output, None where the call's output does not
+    fit it), else its own heuristic."""
     if config is not None:
         return config
     rows_per_rank, k = x_shard.shape

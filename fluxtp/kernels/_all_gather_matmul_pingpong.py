@@ -21,8 +21,8 @@ in that order, where whole tiles would leave the last wave part empty, are split
 program: program p takes K iterations p * T // P .. (p + 1) * T // P - 1 of their T (T >= P: none
 takes none), so its range begins with the end of one tile and ends with the start of another.
 It runs its pieces last first, each by rising K: every program is at about the same K offset at
-once, as in whole tiles, so the weight's blocks are shared in L2 (in range order, programs at
-K offsets spread over the whole K took 5-7x the time where the operands outgrow L2). A piece
+once, as in whole tiles, so the weight's blocks can be shared in L2 (range order would spread
+the programs over the whole K; not measured apart, docs/perf-log.md). A piece
 is accumulated in two column halves (a 256-wide tile's by two wgmmas a block). One that does not
 end its tile is stored as float32 partials into its program's slot (`partial_desc`, through the
 output staging) and flagged (release); the piece that ends the tile, its program's last, adds the

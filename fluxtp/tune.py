@@ -425,10 +425,10 @@ def launched_space(op: str, space: list, shape, world: int, kernels_run: bool, i
     unscaled all-gather's with stream-K where with_stream_k_rule says and kernels_run, so the tune
     measures what its entry launches."""
     if op != "matmul_reduce_scatter":
-        if not kernels_run:
-            return space
+        from fluxtp.backends.fused._all_gather_matmul import routed
+
         rows, n = shape.M // world, shape.N // world
-        return list(dict.fromkeys(c.with_stream_k_rule(rows, n, shape.K, world) for c in space))
+        return list(dict.fromkeys(routed(c, rows, n, shape.K, world, kernels_run) for c in space))
     from fluxtp.backends.fused._matmul_reduce_scatter import routed
 
     k = shape.K // world
@@ -876,7 +876,7 @@ def _as_launched_here(op: str, choice: Choice, shape, world: int, dtype: str, sc
     if op == "all_gather_matmul":
         if scaled is None:
             config = choice.config if tuned is None else _all_gather_matmul.runnable(tuned, runs)
-            return config.with_stream_k_rule(shape.M // world, shape.N // world, shape.K, world) if runs else config
+            return _all_gather_matmul.routed(config, shape.M // world, shape.N // world, shape.K, world, runs)
         return _all_gather_matmul.scaled_config(tuned, shape.M // world, shape.N // world, shape.K, world, scaled, runs)
     k = shape.K // world
     if scaled is None:

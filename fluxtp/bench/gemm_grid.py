@@ -187,6 +187,7 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
     """The config the launcher takes when no table has an entry for the case (an FP8 one: with
     its accumulation and a bf16 output); warp_specialized: on a GPU where the case may take a
     warp-specialized kernel (warp_specialized_runs: the reduce-scatter's reducer kernel too)."""
+    from fluxtp.backends.fused import _all_gather_matmul
     from fluxtp.backends.fused._matmul_reduce_scatter import routed, scaled_heuristic
     from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig
 
@@ -198,7 +199,7 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
         return scaled_heuristic(case.M, n, k, case.world, bf16_output(case), warp_specialized)
     if case.op == "all_gather_matmul":
         config = AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)
-        return config.with_stream_k_rule(rows, n, k, case.world) if warp_specialized else config
+        return _all_gather_matmul.routed(config, rows, n, k, case.world, warp_specialized)
     config = MatmulReduceScatterConfig.heuristic(case.M, n, k, case.world)
     return routed(config, case.M, n, k, case.world, DTYPE_NAMES[case.dtype].itemsize, warp_specialized)
 

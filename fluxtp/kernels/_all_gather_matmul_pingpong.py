@@ -231,9 +231,10 @@ def _column_halves(acc):
 @gluon.jit
 def _accumulate_piece(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.constexpr, layout: gl.constexpr,
                       half_layout: gl.constexpr, B_KN: gl.constexpr):  # fmt: skip
-    """A split tile's piece as consumer C's (left, right) column halves in half_layout, and the running stage count:
-    a 256-wide tile's in two accumulators (accumulate_halves), a narrower one's split from one
-    (two 64-wide wgmmas would read A's stage twice as often for the same products)."""
+    """A split tile's piece as consumer C's (left, right) column halves in half_layout, and the
+    running stage count: a 256-wide tile's in two accumulators (accumulate_halves), a narrower
+    one's split from one (two 64-wide wgmmas would read A's stage twice as often for the same
+    products)."""
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     if BLOCK_N > 128:
         left, right, used = accumulate_halves(a_bufs, b_bufs, ready, empty, used, k_blocks, C, half_layout, B_KN)
@@ -364,8 +365,7 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
             if k1 < k_tiles:
                 _publish_partial(left, right, c_bufs.index(C), partial_desc, flags_ptr, C)
             else:
-                # Unconditional (no pieces before a tile begun here): accumulators merged from the
-                # branches of an `if` cost Triton 3.6's ptxas registers.
+                # A tile begun here has no earlier pieces: the sum then adds none.
                 left, right = _add_partials(left, right, c_bufs.index(C), partial_desc, sk_bars, local, k_tiles, sk_tiles,
                                             flags_ptr, C, NUM_PROGRAMS)  # fmt: skip
                 # Each column half through the staging buffer's half view.

@@ -378,8 +378,15 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
         config = AllGatherMatmulConfig.heuristic(rows_per_rank, n, k, world, sms, warp_specialized)
     else:
         config = runnable(tuned, warp_specialized)
-    # Where whole tiles leave the last wave mostly empty: its tiles split by K (stream_k_pays).
-    return config.with_stream_k_rule(rows_per_rank, n, k, world, sms) if warp_specialized else config
+    return routed(config, rows_per_rank, n, k, world, warp_specialized, sms)
+
+
+def routed(config: AllGatherMatmulConfig, rows_per_rank: int, n: int, k: int, world: int, kernels_run: bool,
+           sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
+    """An unscaled call's tiling as launched (as _matmul_reduce_scatter.routed for its kernels):
+    where the warp-specialized kernel runs (kernels_run), with stream-K where with_stream_k_rule
+    says (whole tiles would leave the last wave mostly empty)."""
+    return config.with_stream_k_rule(rows_per_rank, n, k, world, sms) if kernels_run else config
 
 
 def runnable(tuned: AllGatherMatmulConfig, warp_specialized: bool) -> AllGatherMatmulConfig:

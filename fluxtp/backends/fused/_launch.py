@@ -684,7 +684,7 @@ def timeout_report(op: str) -> str | None:
         src, index, rank = report.tolist()
         if name == op and src >= 0:
             what = _WAITED_FOR.get(op, "rank {src}'s data {index}").format(src=src, index=index)
-            if index < 0:  # a split tile's later piece, from another program of the same kernel
+            if index < 0:  # a stream-K tile's piece from another program of the same kernel
                 what = f"program {src}'s part of stream-K tile {-1 - index}"
             return (
                 f"fluxtp {op}: rank {rank} timed out waiting for {what} "

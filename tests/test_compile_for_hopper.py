@@ -32,7 +32,7 @@ from fluxtp.backends.fused import _all_gather_matmul as ag  # noqa: E402
 from fluxtp.backends.fused import _launch, _scaled  # noqa: E402
 from fluxtp.backends.fused import _matmul_reduce_scatter as rs  # noqa: E402
 from fluxtp.configs import SMEM_LIMIT_BYTES, AllGatherMatmulConfig, MatmulReduceScatterConfig  # noqa: E402
-from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING, SMEM_RESERVE_BYTES, smem_bytes  # noqa: E402
+from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING  # noqa: E402
 from fluxtp.kernels import COMPILE_OPTIONS  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -206,40 +206,6 @@ def test_stream_k_is_refused_where_its_kernel_does_not_run(captured_launch):
     precise = dataclasses.replace(WS_WIDE, block_n=128, block_k=128, num_stages=4, stream_k=True)
     with pytest.raises(ValueError, match="precise accumulation"):
         ag.gemm_only(x, w, None, GroupInfo(None, 0, 2), precise, **scaled)
-
-
-@pytest.mark.parametrize("fp8", [False, "fast"])
-def test_the_all_gather_staggers_its_consumers_and_stages_halves_when_asked(captured_launch, fp8):
-    """consumer_lag and staging_halves: a fourth 48 KiB stage of 128x256 tiles fits beside the
-    half-wide staging (smem_bytes' model), compiled without spills (the halves are a register split)."""
-    x, w, scaled = _inputs(2048, 3584, 4096, fp8)
-    config = dataclasses.replace(WS_WIDE, block_k=128 if fp8 else 64, num_stages=4, staging_halves=True, consumer_lag=1)
-    ag.gemm_only(x, w, None, GroupInfo(None, 0, 2), config, use_fast_accum=fp8 == "fast", **scaled)()
-    launch, args = captured_launch[-1]
-    assert launch.constexprs["STAGING_HALVES"] and launch.constexprs["CONSUMER_LAG"] == 1
-    assert args[3].block_shape == [1, 64, 128]  # C's descriptor: half a consumer's columns
-    compiled = _compile(launch, args)
-    assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
-    if not fp8:  # the model counts 2-byte operands
-        modelled = smem_bytes("all_gather_matmul", config)
-        assert modelled <= compiled.metadata.shared <= modelled + SMEM_RESERVE_BYTES
-    assert _local_memory_ops(compiled) == 0
-
-
-@pytest.mark.parametrize(
-    "fp8, changes, match",
-    [
-        (False, {"warp_specialized": False, "consumer_lag": 1}, "only the warp-specialized kernel"),
-        (False, {"warp_specialized": False, "staging_halves": True}, "only the warp-specialized kernel"),
-        ("precise", {"block_n": 128, "block_k": 128, "num_stages": 4, "consumer_lag": 1}, "precise accumulation"),
-        (False, {"stream_k": True, "staging_halves": True}, "stream-K and staging halves"),
-        (False, {"consumer_lag": 3}, "consumer_lag 3; expected 0 to num_stages - 1 = 2"),
-    ],
-)  # fmt: skip
-def test_the_consumer_knobs_are_refused_where_they_cannot_run(captured_launch, fp8, changes, match):
-    x, w, scaled = _inputs(128, 512, 256, fp8)
-    with pytest.raises(ValueError, match=match):
-        ag.gemm_only(x, w, None, GroupInfo(None, 0, 2), dataclasses.replace(WS_WIDE, **changes), **scaled)
 
 
 @pytest.mark.parametrize("block_k, stages", [(64, 8), (128, 4)])

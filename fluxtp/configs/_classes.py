@@ -170,16 +170,6 @@ class AllGatherMatmulConfig(GemmTiling):
     # (stream-K), so that no SM idles while others finish whole tiles; calls without FP8's
     # precise accumulation. Optional in tuning tables.
     stream_k: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
-    # The warp-specialized kernel stages each consumer's rows of a tile in two column halves, one
-    # after the other through a buffer half as wide: room for one more stage of 128x256 tiles.
-    # Calls without FP8's precise accumulation (whose wide tiles always do) nor stream-K. Optional
-    # in tuning tables.
-    staging_halves: bool = dataclasses.field(default=False, metadata={TABLE_OPTIONAL: True})
-    # The warp-specialized kernel's consumer 1 starts this many K blocks after consumer 0 (at most
-    # num_stages - 1), so that one consumer's epilogue runs beside the other's MMAs rather than
-    # both at once with the tensor cores idle. Calls without FP8's precise accumulation (whose
-    # consumers already run a block apart). Optional in tuning tables.
-    consumer_lag: int = dataclasses.field(default=0, metadata={TABLE_OPTIONAL: True})
 
     @staticmethod
     @functools.cache
@@ -522,13 +512,13 @@ def smem_bytes(op: str, config) -> int:
 
     Pipeline: num_stages x (BM x BK + BN x BK) operand elements. Epilogue: all_gather_matmul
     stages the output tile for its TMA store (half of it when subtiled; the warp-specialized
-    kernel both consumers' halves, or half of that with staging_halves); matmul_reduce_scatter converts one float32 column slice
+    kernel both consumers' halves); matmul_reduce_scatter converts one float32 column slice
     (BN / epilogue_split) of the accumulator's layout.
     """
     c = config
     pipeline = c.num_stages * (c.block_m * c.block_k + c.block_n * c.block_k) * ELEMENT_BYTES
     if op == "all_gather_matmul":
-        halves = 2 if (c.staging_halves if c.warp_specialized else c.epilogue_subtile) else 1
+        halves = 1 if c.warp_specialized or not c.epilogue_subtile else 2
         epilogue = c.block_m * c.block_n * ELEMENT_BYTES // halves if c.tma_store or c.warp_specialized else 0
     else:
         epilogue = c.block_m * (c.block_n // c.epilogue_split) * 4

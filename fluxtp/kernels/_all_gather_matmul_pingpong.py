@@ -320,56 +320,40 @@ def _add_staged(piece, staging, partial_desc, bar, loads, coord):
 
 @gluon.jit
 def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready, empty,
-              rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, flags_ptr, c_half_desc, lag_bar,
-              C: gl.constexpr, RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, flags_ptr, c_half_desc, C: gl.constexpr,
+              RANK: gl.constexpr, WORLD: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr, PRECISE_ACC: gl.constexpr,
               B_KN: gl.constexpr, SEGMENT_BANDS: gl.constexpr, PEER_BANDS: gl.constexpr, SPLIT_ACC: gl.constexpr,
-              STREAM_K: gl.constexpr, STAGING_HALVES: gl.constexpr, CONSUMER_LAG: gl.constexpr):  # fmt: skip
+              STREAM_K: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     INSTR_K: gl.constexpr = 256 // a_bufs.dtype.primitive_bitwidth  # a wgmma's K: 32 bytes of operand
     ACC_N: gl.constexpr = BLOCK_N // 2 if SPLIT_ACC else BLOCK_N
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, ACC_N, INSTR_K])  # fmt: skip
-    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, BLOCK_N // 2, INSTR_K])  # fmt: skip
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     tiles_per_segment = tiles_m * tiles_n
     whole_tiles = WORLD * tiles_per_segment - sk_tiles
-    # CONSUMER_LAG: consumer 0 arrives once it reaches that block (accumulate_blocks), consumer 1 waits for it.
-    LAG: gl.constexpr = CONSUMER_LAG if C == 0 else 0
-    if CONSUMER_LAG > 0:
-        if C == 1:
-            mbarrier.wait(lag_bar, 0)
     used = 0
     for tile in range(gl.program_id(0), whole_tiles, NUM_PROGRAMS):
         segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)
         if PRECISE_ACC:
             acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
         else:
-            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN, lag_bar, LAG)
+            acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
         c_smem = c_bufs.index(C)
-        if STAGING_HALVES:  # the accumulator's column halves one after the other through the half-wide buffer
-            left, right = _column_halves(acc)
-            _epilogue(gl.convert_layout(left, half_layout), c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr,
-                      scale_b_ptr, segment, pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, half_layout, C, RANK,
-                      HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
-            _epilogue(gl.convert_layout(right, half_layout), c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr,
-                      scale_b_ptr, segment, pid_m, pid_n * BLOCK_N + BLOCK_N // 2, rows_per_rank, N, stride_cm,
-                      half_layout, C, RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
-        else:
-            _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
-                      pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
+        _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
+                  pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
         if SPLIT_ACC:  # the columns' second half, through the same staging buffer
             _epilogue(acc_hi, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
                       pid_n * BLOCK_N + ACC_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
                       SCALING)  # fmt: skip
-    if LAG > 0:  # consumer 0 never reached block LAG: consumer 1 may start now
-        mbarrier.arrive(lag_bar, count=1, pred=used <= LAG)
     if STREAM_K:
         gl.static_assert(not PRECISE_ACC)
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_N // 2, INSTR_K])  # fmt: skip
         c_half = _staging_as(c_bufs.index(C), c_half_desc)
         k_tiles = gl.cdiv(K, BLOCK_K)
         start, it = _stream_k_range(sk_tiles, k_tiles, NUM_PROGRAMS)
@@ -437,8 +421,6 @@ def all_gather_matmul_pingpong_kernel(
     PEER_BANDS: gl.constexpr,  # ... across the peers' segments, after this rank's (module docstring)
     SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); c_desc's block half as wide
     STREAM_K: gl.constexpr,  # the last sk_tiles tiles split by K over every program (module docstring)
-    STAGING_HALVES: gl.constexpr,  # each consumer's tile stored in column halves; c_desc's block half as wide
-    CONSUMER_LAG: gl.constexpr,  # consumer 1 starts this many K blocks after consumer 0 (< NUM_STAGES)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     a_bufs, b_bufs, c_bufs, ready, empty = allocate_pingpong(a_desc, b_desc, c_desc, NUM_STAGES)
@@ -447,19 +429,17 @@ def all_gather_matmul_pingpong_kernel(
     sk_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(sk_bars.index(i), count=1)
-    lag_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # CONSUMER_LAG's start
-    mbarrier.init(lag_bar, count=1)
     # Partition arguments are spelled out in each tuple: constexprs keep their kind only so.
     gl.warp_specialize(
         [
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, c_half_desc,
-                         lag_bar, 0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC, B_KN,
-                         SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K, STAGING_HALVES, CONSUMER_LAG)),
+                         0, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC, B_KN,
+                         SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_consumer, (c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, a_bufs, b_bufs, c_bufs, ready,
                          empty, rows_per_rank, N, K, stride_cm, sk_tiles, partial_desc, sk_bars, sk_flags_ptr, c_half_desc,
-                         lag_bar, 1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC, B_KN,
-                         SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K, STAGING_HALVES, CONSUMER_LAG)),
+                         1, RANK, WORLD, GROUP_M, NUM_PROGRAMS, HAS_BIAS, TMA_STORE, SCALING, PRECISE_ACC, B_KN,
+                         SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),
             (_loader, (a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, report_ptr, rows_per_rank, N,
                        K, chunk_rows, chunks_per_rank, max_spins, sk_tiles, sk_flags_ptr, sk_bars, RANK, WORLD, GROUP_M,
                        NUM_PROGRAMS, B_KN, SEGMENT_BANDS, PEER_BANDS, SPLIT_ACC, STREAM_K)),

@@ -191,20 +191,19 @@ def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: g
 
 @gluon.jit
 def accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr,
-                     B_KN: gl.constexpr = False, lag_bar=None, LAG: gl.constexpr = 0):  # fmt: skip
+                     B_KN: gl.constexpr = False):  # fmt: skip
     """accumulate without promotion (bf16, fp16: the tensor cores accumulate in float32; FP8 with
     fast accumulation) over every K block of a tile (accumulate_blocks)."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    return accumulate_blocks(a_bufs, b_bufs, ready, empty, used, gl.cdiv(K, BLOCK_K), C, layout, B_KN, lag_bar, LAG)
+    return accumulate_blocks(a_bufs, b_bufs, ready, empty, used, gl.cdiv(K, BLOCK_K), C, layout, B_KN)
 
 
 @gluon.jit
 def accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.constexpr, layout: gl.constexpr,
-                      B_KN: gl.constexpr = False, lag_bar=None, LAG: gl.constexpr = 0):  # fmt: skip
+                      B_KN: gl.constexpr = False):  # fmt: skip
     """Consumer C's half of k_blocks K blocks' products from the next stages, from zero, without
     promotion: one wgmma in flight, each stage released once the wgmma after it was issued and it
-    retired; returns (acc, used). B_KN: B's stages are [BLOCK_K, BLOCK_N] (a K x N weight, 16-bit only).
-    LAG > 0: arrive on lag_bar as the running count reaches LAG (the other consumer starts then)."""
+    retired; returns (acc, used). B_KN: B's stages are [BLOCK_K, BLOCK_N] (a K x N weight, 16-bit only)."""
     HALF: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -212,8 +211,6 @@ def accumulate_blocks(a_bufs, b_bufs, ready, empty, used, k_blocks, C: gl.conste
     previous = 0
     for ki in range(k_blocks):
         s = used % STAGES
-        if LAG > 0:
-            mbarrier.arrive(lag_bar, count=1, pred=used == LAG)
         mbarrier.wait(ready.index(s), (used // STAGES) & 1)
         b = b_bufs.index(s) if B_KN else b_bufs.index(s).permute((1, 0))
         acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b, acc, is_async=True)

@@ -31,8 +31,7 @@ MAX_SPINS = 1 << 26  # a chunk 4 ms late is far inside it; a lost one still trap
 # and the warp-specialized Gluon one (Hopper), its bands within segments or (asked) across them; in
 # a grid of one wave it counts them across by itself. Either kernel may count the peers' bands
 # across the peers' segments (peer_bands); the warp-specialized one may split its last partial wave
-# of tiles by K over every program (stream_k), and start consumer 1 up to num_stages - 1 K blocks
-# after consumer 0 (consumer_lag), each consumer storing its rows in column halves (staging_halves).
+# of tiles by K over every program (stream_k).
 KERNELS = {
     "flatten": {"flatten": True},
     "loop": {"flatten": False},
@@ -42,7 +41,6 @@ KERNELS = {
     "warp_specialized_bands": {"warp_specialized": True, "bands_across_segments": True},
     "warp_specialized_peer_bands": {"warp_specialized": True, "peer_bands": True},
     "warp_specialized_stream_k": {"warp_specialized": True, "stream_k": True},
-    "warp_specialized_lag_halves": {"warp_specialized": True, "consumer_lag": 2, "staging_halves": True},
 }
 
 
@@ -142,27 +140,19 @@ def test_a_chunk_that_never_arrives_traps_and_is_named(kernel):
     assert "rank 1 timed out waiting for chunk 1 of rank 3's rows" in out, out[-2000:] + proc.stderr[-2000:]
 
 
-SPLIT = {"stream_k": True}
-
-
 @pytest.mark.parametrize(
-    "world, m, n, k, dtype, with_bias, knobs",
+    "world, m, n, k, dtype, with_bias",
     [
-        (8, 128, 3584, 4096, torch.bfloat16, False, SPLIT),  # llama3-70b TP=8, 1024 tokens: 112 tiles, all split
-        (4, 500, 1000, 2048, torch.float16, True, SPLIT),  # ragged rows and columns: 64 tiles over 131 programs
-        (2, 1000, 7000, 1024, torch.bfloat16, True, SPLIT),  # 448 tiles: the 55 past three waves split, 16 K blocks each
-        # Tiles of one K block: programs of two tiles reach the lag's block, those of one never do.
-        (4, 256, 7000, 64, torch.bfloat16, True, {"consumer_lag": 1}),
-        (2, 128, 2048, 64, torch.float16, False, {"consumer_lag": 2}),  # 16 programs of one tile: none reaches it
-        (8, 128, 3584, 4096, torch.bfloat16, False, {"consumer_lag": 1, "staging_halves": True, "num_stages": 4}),
+        (8, 128, 3584, 4096, torch.bfloat16, False),  # llama3-70b TP=8, 1024 tokens: 112 tiles, all split
+        (4, 500, 1000, 2048, torch.float16, True),  # ragged rows and columns: 64 tiles over 131 programs
+        (2, 1000, 7000, 1024, torch.bfloat16, True),  # 448 tiles: the 55 past three waves split, 16 K blocks each
     ],
 )
-def test_warp_specialized_knobs_over_reused_buffers(world, m, n, k, dtype, with_bias, knobs):
+def test_stream_k_over_reused_buffers(world, m, n, k, dtype, with_bias):
     """One launch plan called again and again on fresh data (GEMM-only mode: every chunk there): the
-    sums (stream-K: the split tiles') match float64 each time, and every program's stream-K flags
-    read zero after each call; a consumer lag never waits for a block its program does not have."""
+    split tiles' sums match float64 each time, and every program's flags read zero after each call."""
     skip_unless_hopper()
-    cfg = dataclasses.replace(WIDE, warp_specialized=True, **knobs)
+    cfg = dataclasses.replace(WIDE, warp_specialized=True, stream_k=True)
     rank = world - 1
     seed = random.randrange(1 << 30)
     w = draw(seed, (n, k), dtype, "cuda", scale=k**-0.5)
@@ -173,7 +163,7 @@ def test_warp_specialized_knobs_over_reused_buffers(world, m, n, k, dtype, with_
     y = torch.empty(world * m, n, dtype=dtype, device="cuda")
     gemm = _Gemm(w, b, y.stride(0), y.device, m, chunk_rows, GroupInfo(None, rank, world), cfg, DEFAULT_SPINS, 1, None)
     sk_tiles, _, flags = gemm.pingpong.stream_k
-    assert (sk_tiles > 0) == cfg.stream_k
+    assert sk_tiles > 0
     for call in range(4):
         what = f"world={world} m={m} n={n} k={k} call={call} seed={seed}"
         x = draw(seed + 2 + call, (world * m, k), dtype, "cuda")

@@ -97,15 +97,15 @@ def _wide_precise_config(block_k, chunk_rows, out_dtype):
                                  chunk_rows=chunk_rows)  # fmt: skip
 
 
-@pytest.mark.parametrize("tiling", ["heuristic", "wide_precise_k64", "wide_precise_k128", "stream_k", "lag_halves"])
+@pytest.mark.parametrize("tiling", ["heuristic", "wide_precise_k64", "wide_precise_k128", "stream_k"])
 @pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("world, rank, m, n, k, row_wise, out_dtype, precise, chunk_rows", ALL_GATHER_CASES)
 def test_all_gather_fp8_waits_for_rows_and_scales(tiling, warp_specialized, world, rank, m, n, k, row_wise, out_dtype,
                                                   precise, chunk_rows):  # fmt: skip
     if tiling.startswith("wide_precise") and not (warp_specialized and precise):
         pytest.skip("128x256 tiles with the accumulator in halves: precise calls on the warp-specialized kernel")
-    if tiling in ("stream_k", "lag_halves") and not (warp_specialized and not precise):
-        pytest.skip(f"{tiling}: fast accumulation on the warp-specialized kernel")
+    if tiling == "stream_k" and not (warp_specialized and not precise):
+        pytest.skip("stream-K: fast accumulation on the warp-specialized kernel")
     seed = random.randrange(1 << 30)
     what = (f"world={world} rank={rank} m={m} k={k} row_wise={row_wise} {out_dtype} precise={precise} "
             f"warp_specialized={warp_specialized} tiling={tiling} seed={seed}")  # fmt: skip
@@ -116,9 +116,6 @@ def test_all_gather_fp8_waits_for_rows_and_scales(tiling, warp_specialized, worl
         cfg = _all_gather_config(m, n, k, world, precise, chunk_rows, warp_specialized, out_dtype)
     elif tiling == "stream_k":  # the tiles past the last whole wave split by K (every tile here: under one wave)
         cfg = dataclasses.replace(_all_gather_config(m, n, k, world, precise, chunk_rows, True, out_dtype), stream_k=True)
-    elif tiling == "lag_halves":  # consumer 1 a block behind consumer 0, each storing its rows in column halves
-        cfg = dataclasses.replace(_all_gather_config(m, n, k, world, precise, chunk_rows, True, out_dtype), consumer_lag=1,
-                                  staging_halves=True)  # fmt: skip
     else:  # odd counts of K blocks at 128 (1152, 384): the loader's zero block
         cfg = _wide_precise_config(int(tiling[-3:].lstrip("k")), chunk_rows, out_dtype)
     own = slice(rank * m, (rank + 1) * m)

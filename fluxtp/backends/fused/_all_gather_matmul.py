@@ -145,19 +145,12 @@ class _Gemm:
             if why:
                 op = _OP if scaled is None else "all_gather_scaled_matmul"
                 raise ValueError(f"{op}: config {config} asks for the warp-specialized kernel, but {why}")
-        elif config.bands_across_segments or config.stream_k or config.staging_halves or config.consumer_lag:
-            raise ValueError(f"{_OP}: config {config} asks for bands across segments, stream-K, staging halves or a "
-                             "consumer lag, which only the warp-specialized kernel has (warp_specialized=True)")
-        if (config.stream_k or config.staging_halves or config.consumer_lag) and scaled is not None and scaled.precise_acc:
-            raise ValueError(f"all_gather_scaled_matmul: config {config} asks for stream-K, staging halves or a "
-                             "consumer lag, which the precise accumulation's kernel does not have (use_fast_accum=False)")
-        if config.stream_k and config.staging_halves:
-            raise ValueError(f"{_OP}: config {config} asks for stream-K and staging halves: stream-K's float32 "
-                             "partials go through the whole staging buffer")
-        if not 0 <= config.consumer_lag < config.num_stages:
-            raise ValueError(f"{_OP}: config {config} has consumer_lag {config.consumer_lag}; expected 0 to "
-                             f"num_stages - 1 = {config.num_stages - 1} (the leading consumer needs that many stages "
-                             "loaded before the other releases any)")
+        elif config.bands_across_segments or config.stream_k:
+            raise ValueError(f"{_OP}: config {config} asks for bands across segments or stream-K, which only the "
+                             "warp-specialized kernel has (warp_specialized=True)")
+        if config.stream_k and scaled is not None and scaled.precise_acc:
+            raise ValueError(f"all_gather_scaled_matmul: config {config} asks for stream-K, which the precise "
+                             "accumulation's kernel does not have (use_fast_accum=False)")
         # FP8 tensor cores read the weight K-major only.
         self.weight = WeightOperand(weight, row_major_only=scaled is not None)
         # TMA stores need 16-byte output rows; their descriptor views C as [W, m, n], so a tile
@@ -266,7 +259,7 @@ class _PingPong:
                                                              device=device))  # fmt: skip
         self.b_block = weight_operand.block(config)
         split = _scaled.split_accumulator(scaled, config.block_n)
-        self.c_block = [1, config.block_m // 2, _scaled.staging_columns(config.block_n, split or config.staging_halves)]
+        self.c_block = [1, config.block_m // 2, _scaled.staging_columns(config.block_n, split)]
         # A split tile's output halves: C's descriptor with a block half as wide (without stream-K, C's own).
         self.c_half_block = [1, config.block_m // 2, config.block_n // 2] if sk_tiles else self.c_block
         # Without TMA stores the C descriptor only types the kernel's staging buffers.
@@ -275,8 +268,7 @@ class _PingPong:
             all_gather_matmul_pingpong_kernel, grid, RANK=info.rank, WORLD=info.world_size, GROUP_M=config.group_m,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, HAS_BIAS=has_bias, TMA_STORE=tma_store,
             B_KN=weight_operand.kn, SEGMENT_BANDS=bands, PEER_BANDS=peer_bands, SPLIT_ACC=split,
-            STREAM_K=sk_tiles > 0, STAGING_HALVES=config.staging_halves, CONSUMER_LAG=config.consumer_lag,
-            **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
+            STREAM_K=sk_tiles > 0, **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def launch_args(self, x_gathered, x_own, weight, y, bias, signals, done, scalars, report, scales):

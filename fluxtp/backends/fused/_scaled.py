@@ -58,9 +58,8 @@ def split_accumulator(scaled: Scaled | None, block_n: int) -> bool:
 
 
 def staging_columns(block_n: int, split: bool) -> int:
-    """The columns the all-gather kernel's consumer stages and TMA-stores at once: with `split`,
-    the accumulator's halves go one after the other through a buffer half as wide (a precise
-    call's split_accumulator, or the config's staging_halves;
+    """The columns the all-gather kernel's consumer stages and TMA-stores at once: a split
+    accumulator's halves go one after the other through a buffer half as wide (split_accumulator;
     the reducer kernel's staging: _matmul_reduce_scatter.reducer_staging_columns)."""
     return block_n // 2 if split else block_n
 

@@ -51,6 +51,7 @@ from fluxtp.bench.gemm_grid import (
     relative_error,
     warp_specialized_runs,
 )
+from fluxtp.backends.fused._all_gather_matmul import routed
 from fluxtp.backends.fused._matmul_reduce_scatter import reducer_fits
 from fluxtp.bench.harness import Protocol, Variant, cache_bytes, graphed, input_copies, measure_rounds
 from fluxtp.bench.ops import Shape
@@ -125,8 +126,11 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
     if case.fp8:
         if not warp_specialized:
             return [base]
-        more = _fp8_candidates if case.op == "all_gather_matmul" else _fp8_reduce_scatter_candidates
-        return [base, *more(case, base)]
+        if case.op == "matmul_reduce_scatter":
+            return [base, *_fp8_reduce_scatter_candidates(case, base)]
+        (rows, k), (n, _) = case.shard_shapes
+        launched = [routed(c, rows, n, k, case.world, True, scaled=bf16_output(case)) for c in _fp8_candidates(case, base)]
+        return list(dict.fromkeys([base, *launched]))
     on_ag_kernel = warp_specialized and case.op == "all_gather_matmul"
     tilings = [(t, False) for t in ONE_GPU_TILINGS] + [(t, True) for t in WARP_SPECIALIZED_TILINGS if on_ag_kernel]
     out = []
@@ -135,6 +139,8 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
                       warp_specialized=on_warp_specialized)  # fmt: skip
         if case.op == "matmul_reduce_scatter":
             tiling["epilogue_split"] = epilogue_split_for(bn)
+        else:  # not the base's stream-K: launched_space gives each tiling its own
+            tiling["stream_k"] = False
         config = with_communication_heuristic(case, dataclasses.replace(base, **tiling))
         if fits(case.op, config):
             out.append(config)
@@ -149,11 +155,11 @@ def candidates(case: GemmCase, warp_specialized: bool = False) -> list:
 
 def _fp8_candidates(case: GemmCase, base) -> list:
     """An FP8 all-gather's warp-specialized tilings (FP8_STAGES, FP8_GROUP_MS; the 128x256 one of
-    its accumulation), base's left out."""
-    narrow = dataclasses.replace(base, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True)
+    its accumulation), base's left out; without base's stream-K (the caller routes each)."""
+    narrow = dataclasses.replace(base, **WARP_SPECIALIZED_FP8_TILING, warp_specialized=True, stream_k=False)
     out = [dataclasses.replace(narrow, num_stages=s, group_m=g) for s, g in itertools.product(FP8_STAGES, FP8_GROUP_MS)]
     wide_tiling = WARP_SPECIALIZED_FP8_FAST_TILING if case.fast_accum else WARP_SPECIALIZED_FP8_WIDE_PRECISE_TILING
-    wide = dataclasses.replace(base, **wide_tiling, warp_specialized=True)
+    wide = dataclasses.replace(base, **wide_tiling, warp_specialized=True, stream_k=False)
     out += [dataclasses.replace(wide, group_m=g) for g in FP8_GROUP_MS]
     return [with_communication_heuristic(case, c) for c in dict.fromkeys(out) if c != base]
 

@@ -1,6 +1,7 @@
 """The "auto" policy: the fused kernels only where they measured faster: the thresholds measured on
 the DESIGN.md shapes, and the tuning table's own measurements where they are clear."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -252,24 +253,39 @@ def test_matmul_all_reduce_tiles_widen_where_a_program_would_take_two(m):
 
 
 def test_the_all_gather_splits_its_last_wave_by_k_where_that_paid(monkeypatch):
-    """stream_k_pays over 131 programs, by the one-H200 screen of bf16 all-gathers at TP 4 and 8:
-    the split paid where the last wave was at most 0.7 full after whole waves, in long tiles."""
-    from fluxtp.backends.fused import _all_gather_matmul
+    """stream_k_pays over 131 programs, by the one-H200 screens of all-gathers at TP 2, 4 and 8: the
+    split paid where the last wave was at most 0.7 full after whole waves (bf16), at most 0.6 full
+    in tiles of K 12288 or deeper (fast FP8)."""
+    from fluxtp.backends.fused import _all_gather_matmul, _scaled
     from fluxtp.configs._classes import stream_k_pays
 
-    assert stream_k_pays(832, 256, 131)  # llama3-405b TP=8, 2048 tokens, 128x128 tiles: 6.35 waves, 0.91x the time
-    assert stream_k_pays(208, 256, 131)  # llama3-405b TP=8, 1024 tokens, 128x256: 1.59 waves, 0.92x
-    assert not stream_k_pays(112, 128, 131)  # llama3-70b TP=8, 1024 tokens: less than a wave, 1.07x
-    assert not stream_k_pays(224, 128, 131)  # 1.71 waves, the last one 0.71 full: 1.01-1.03x
-    assert not stream_k_pays(384, 192, 131)  # gpt3-175b: 2.93 waves, 1.01-1.03x
-    assert not stream_k_pays(832, 64, 131)  # short tiles (64 K blocks): unmeasured gain, never split
-    assert not stream_k_pays(262, 256, 131)  # whole waves: nothing to split
+    assert stream_k_pays(832, 16384, 131)  # llama3-405b TP=8, 2048 tokens, 128x128 tiles: 6.35 waves, 0.91x the time
+    assert stream_k_pays(208, 16384, 131)  # llama3-405b TP=8, 1024 tokens, 128x256: 1.59 waves, 0.92x
+    assert stream_k_pays(3584, 4096, 131)  # llama3-8b TP=2, 16384 tokens: 27.36 waves, 0.98x
+    assert not stream_k_pays(112, 8192, 131)  # llama3-70b TP=8, 1024 tokens: less than a wave, 1.07x
+    assert not stream_k_pays(224, 8192, 131)  # 1.71 waves, the last one 0.71 full: 1.01-1.03x
+    assert not stream_k_pays(384, 12288, 131)  # gpt3-175b: 2.93 waves, 1.01-1.03x
+    assert not stream_k_pays(832, 2048, 131)  # K shallower than measured: never split
+    assert not stream_k_pays(262, 16384, 131)  # whole waves: nothing to split
+    assert stream_k_pays(832, 16384, 131, fp8=True)  # fast FP8, llama3-405b TP=4, 1024 tokens: 0.95x
+    assert stream_k_pays(3072, 12288, 131, fp8=True)  # gpt3-175b TP=8, 16384 tokens, 0.45 full: 0.98x
+    assert not stream_k_pays(1792, 8192, 131, fp8=True)  # llama3-70b TP=8, 16384 tokens, 0.68 full: 1.00x
+    assert not stream_k_pays(1664, 16384, 131, fp8=True)  # 0.70 full: 1.00-1.04x
     monkeypatch.setattr(_all_gather_matmul, "warp_specialized_runs", lambda device, dtype: True)
+    monkeypatch.setattr(_scaled, "pingpong_unsupported", lambda *args, **kwargs: None)
     monkeypatch.setattr(_all_gather_matmul, "num_sms", lambda device: 132)
     x, w = torch.empty(256, 16384, dtype=torch.bfloat16), torch.empty(6656, 16384, dtype=torch.bfloat16)
     split = _all_gather_matmul._config_for(x, w, 8, None)  # llama3-405b TP=8, 2048 tokens
     assert split.stream_k and split.warp_specialized and split.block_m == 128
     assert configs.smem_bytes("all_gather_matmul", split) + configs.SMEM_RESERVE_BYTES <= configs.SMEM_LIMIT_BYTES
-    assert not _all_gather_matmul._config_for(x, w, 2, None).stream_k  # TP=2: unmeasured
+    x2, w2 = torch.empty(8192, 4096, dtype=torch.bfloat16), torch.empty(7168, 4096, dtype=torch.bfloat16)
+    assert _all_gather_matmul._config_for(x2, w2, 2, None).stream_k  # llama3-8b TP=2, 16384 tokens
+    x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    fast, precise = (_scaled.Scaled(torch.bfloat16, True, p) for p in (False, True))
+    fp8_split = _all_gather_matmul._config_for(x8, w8, 8, None, fast)
+    assert fp8_split.stream_k and fp8_split.warp_specialized
+    untuned = AllGatherMatmulConfig.heuristic_fp8(256, 6656, 16384, 8, False, 132, True)
+    assert fp8_split == dataclasses.replace(untuned, stream_k=True)  # its tiling and stages as without the rule
+    assert not _all_gather_matmul._config_for(x8, w8, 8, None, precise).stream_k  # precise: no stream-K kernel
     monkeypatch.setattr(_all_gather_matmul, "warp_specialized_runs", lambda device, dtype: False)
     assert not _all_gather_matmul._config_for(x, w, 8, None).stream_k  # no warp-specialized kernel here

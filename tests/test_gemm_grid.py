@@ -122,14 +122,20 @@ def test_one_gpu_candidates_add_the_warp_specialized_all_gather_where_it_runs():
     space = tune_gemm.candidates(ag, warp_specialized=True)
     on_it = [c for c in space if c.warp_specialized]
     assert space[0] == tune_gemm.heuristic_config(ag, True) and space[0].warp_specialized
-    # 128x128 tiles leave the 14th wave 0.68 full: every 128x128x64 tiling, Triton's too, is
-    # screened as it launches, on the warp-specialized kernel with stream-K (Triton's 4- and 8-warp
-    # 4-stage ones launch alike there: one candidate).
-    assert {(c.block_n, c.num_stages, c.stream_k) for c in on_it} == {(256, 3, False), (128, 4, True), (128, 5, True)}
+    # 128x128 tiles leave the 14th wave 0.68 full: every 128x128 tiling, Triton's too, is screened
+    # as it launches, on the warp-specialized kernel with stream-K (Triton's 4- and 8-warp 4-stage
+    # ones launch alike there: one candidate).
+    assert {(c.block_n, c.block_k, c.num_stages, c.stream_k) for c in on_it} == {
+        (256, 64, 3, False), (128, 64, 4, True), (128, 64, 5, True), (128, 128, 3, True)}  # fmt: skip
     kept = [c for c in space if not c.warp_specialized]
-    assert kept == [c for c in triton_only if (c.block_n, c.block_k) != (128, 64) or c.block_m != 128]
-    assert all(tune.fits(AG, c) for c in space) and len(space) == len(set(space)) == len(kept) + 3
+    assert kept == [c for c in triton_only if c.block_n != 128 or c.block_m != 128]
+    assert all(tune.fits(AG, c) for c in space) and len(space) == len(set(space)) == len(kept) + 4
     assert len({tune.describe(c) for c in space}) == len(space)  # the screen's record is keyed by it
+    # Where the heuristic's own tiling splits its last wave (llama3-405b TP=8, 16384 tokens), the
+    # other tilings take stream-K only where the rule gives it to them, Triton's never.
+    split = tune_gemm.candidates(GemmCase(AG, 16384, 53248, 16384, 8), warp_specialized=True)
+    assert split[0].stream_k and all(c.warp_specialized for c in split if c.stream_k)
+    assert any(not c.warp_specialized for c in split) and len(split) == len(set(split))
     narrow = GemmCase(AG, 1024, 14336, 4096, 8)  # the heuristic's 128x128 stays on Triton; both screened
     assert not tune_gemm.candidates(narrow, warp_specialized=True)[0].warp_specialized
     assert sum(c.warp_specialized for c in tune_gemm.candidates(narrow, warp_specialized=True)) == 2
@@ -196,6 +202,12 @@ def test_one_gpu_candidates_of_an_fp8_all_gather_are_its_stages_and_bands_on_the
         *((128, s, g) for s in (4, 5, 6) for g in (4, 8)), (256, 3, 4), (256, 3, 8)}  # fmt: skip
     assert tune_gemm.case_key(fast, "H").dtype == "float8_e4m3fn+fast_accum" and tune_gemm.case_key(case, "H").dtype == "float8_e4m3fn"
     assert fast.label().endswith(" fast")
+    # As launched: where the rule splits the last wave by K (gpt3-175b TP=8, 16384 tokens: 128x256
+    # tiles leave it 0.45 full, 128x128 ones 0.90), those candidates carry stream-K.
+    split = GemmCase(AG, 16384, 49152, 12288, 8, "float8_e4m3fn", fast_accum=True)
+    split_space = tune_gemm.candidates(split, warp_specialized=True)
+    assert {c.block_n for c in split_space if c.stream_k} == {256}
+    assert any(c.block_n == 128 for c in split_space) and len(split_space) == len(set(split_space))
     with pytest.raises(ValueError, match="FP8 case's choice"):
         GemmCase(AG, 4096, 28672, 8192, 8, fast_accum=True)
 

@@ -195,7 +195,8 @@ def heuristic_config(case: GemmCase, warp_specialized: bool = False):
     if case.fp8:
         precise = not case.fast_accum
         if case.op == "all_gather_matmul":
-            return AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, precise, warp_specialized=warp_specialized)
+            config = AllGatherMatmulConfig.heuristic_fp8(rows, n, k, case.world, precise, warp_specialized=warp_specialized)
+            return _all_gather_matmul.routed(config, rows, n, k, case.world, warp_specialized, scaled=bf16_output(case))
         return scaled_heuristic(case.M, n, k, case.world, bf16_output(case), warp_specialized)
     if case.op == "all_gather_matmul":
         config = AllGatherMatmulConfig.heuristic(rows, n, k, case.world, warp_specialized=warp_specialized)

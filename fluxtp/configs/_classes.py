@@ -123,20 +123,26 @@ def narrow_tiles_win(tile_rows: int, n: int, sms: int = HOPPER_SMS) -> bool:
 
 
 # Stream-K on the all-gather's warp-specialized kernel (its stream_k knob) where whole tiles would
-# leave its last wave at most this full, after a whole wave or more, in tiles of at least this many
-# K blocks. One H200, bf16 all-gathers at TP 4 and 8 (18 cases): 0.906-0.960x the time where this
-# holds (4 cases), 1.00-1.22x elsewhere, the one-wave grids the worst: each program's float32
-# partial in and out costs more than the idle SMs (docs/perf-log.md).
+# leave its last wave at most this full, after a whole wave or more, with K this deep or deeper.
+# One H200 (docs/perf-log.md), stream-K forced against the same tiling without it: bf16 at TP 2, 4
+# and 8, 0.906-0.994x the time at all 15 cases where this holds (K from 4096), 0.976-1.22x at the
+# 17 elsewhere (two gains just past 0.7; the one-wave grids the worst: each program's float32
+# partial in and out costs more than the idle SMs); fast FP8 at TP 4 and 8, whose MMAs take half
+# bf16's time beside the same partials, 0.954-0.983x at all 6 cases with the last wave at most 0.6
+# full and K from 12288, 0.998-1.04x at the 10 elsewhere (last waves 0.68-0.93 full).
 STREAM_K_MAX_LAST_WAVE = 0.7
-STREAM_K_MIN_K_BLOCKS = 128
-STREAM_K_MIN_WORLD = 4  # measured at TP 4 and 8 only
+STREAM_K_MIN_K = 4096
+STREAM_K_FP8_MAX_LAST_WAVE = 0.6
+STREAM_K_FP8_MIN_K = 12288
 
 
-def stream_k_pays(tiles: int, k_blocks: int, programs: int) -> bool:
-    """Whether splitting the last partial wave of `tiles` by K over `programs` paid where measured
-    (STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K_BLOCKS)."""
+def stream_k_pays(tiles: int, k: int, programs: int, fp8: bool = False) -> bool:
+    """Whether splitting the last partial wave of `tiles` (K k deep) by K over `programs` paid
+    where measured: bf16 / fp16 (STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K), or FP8 with fast
+    accumulation (STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K)."""
+    max_last, min_k = (STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K) if fp8 else (STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K)
     last = tiles % programs
-    return tiles >= programs and 0 < last <= STREAM_K_MAX_LAST_WAVE * programs and k_blocks >= STREAM_K_MIN_K_BLOCKS
+    return tiles >= programs and 0 < last <= max_last * programs and k >= min_k
 
 
 @dataclass(frozen=True)
@@ -245,20 +251,22 @@ class AllGatherMatmulConfig(GemmTiling):
             return self
         return dataclasses.replace(self, warp_specialized=True, num_stages=3)
 
-    def with_stream_k_rule(self, rows_per_rank: int, n: int, k: int, world: int,
-                           sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
-        """This bf16 / fp16 tiling on the warp-specialized kernel with stream-K where that paid
-        (stream_k_pays over sms - 1 programs, STREAM_K_MIN_WORLD; 128-row tiles), with as many
-        of its stages as fit beside that kernel's staging; else this config as it is. For calls
-        that may take the warp-specialized kernel (the launcher decides)."""
-        if world < STREAM_K_MIN_WORLD or self.block_m != 128 or self.stream_k:
+    def with_stream_k_rule(self, rows_per_rank: int, n: int, k: int, world: int, sms: int = HOPPER_SMS,
+                           fp8: bool = False) -> AllGatherMatmulConfig:  # fmt: skip
+        """This tiling on the warp-specialized kernel with stream-K where that paid (stream_k_pays
+        over sms - 1 programs; 128-row tiles), a Triton tiling moved there with as many of its
+        stages as fit beside that kernel's staging; else this config as it is. For bf16 / fp16
+        calls that may take the warp-specialized kernel (the launcher decides), and (fp8) fast FP8
+        ones already on it."""
+        if self.block_m != 128 or self.stream_k or (fp8 and not self.warp_specialized):
             return self
         tiles = world * cdiv(rows_per_rank, self.block_m) * cdiv(n, self.block_n)
-        if not stream_k_pays(tiles, cdiv(k, self.block_k), sms - 1):
+        if not stream_k_pays(tiles, k, sms - 1, fp8):
             return self
         # num_warps as the kernel launches (4 a consumer warpgroup: Triton's 4 and 8 run alike there).
         config = dataclasses.replace(self, warp_specialized=True, stream_k=True, num_warps=4)
-        while smem_bytes("all_gather_matmul", config) + SMEM_RESERVE_BYTES > SMEM_LIMIT_BYTES and config.num_stages > 2:
+        while (not self.warp_specialized and config.num_stages > 2
+               and smem_bytes("all_gather_matmul", config) + SMEM_RESERVE_BYTES > SMEM_LIMIT_BYTES):  # fmt: skip
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         return config
 

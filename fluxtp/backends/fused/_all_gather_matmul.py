@@ -382,11 +382,14 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
 
 
 def routed(config: AllGatherMatmulConfig, rows_per_rank: int, n: int, k: int, world: int, kernels_run: bool,
-           sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
-    """An unscaled call's tiling as launched (as _matmul_reduce_scatter.routed for its kernels):
-    where the warp-specialized kernel runs (kernels_run), with stream-K where with_stream_k_rule
-    says (whole tiles would leave the last wave mostly empty)."""
-    return config.with_stream_k_rule(rows_per_rank, n, k, world, sms) if kernels_run else config
+           sms: int = HOPPER_SMS, scaled=None) -> AllGatherMatmulConfig:  # fmt: skip
+    """A call's tiling as launched (as _matmul_reduce_scatter.routed for its kernels): where the
+    warp-specialized kernel runs (kernels_run), with stream-K where with_stream_k_rule says (whole
+    tiles would leave the last wave mostly empty); a scaled call's (scaled: its Scaled) only with
+    fast accumulation, on that kernel already."""
+    if not kernels_run or (scaled is not None and scaled.precise_acc):
+        return config
+    return config.with_stream_k_rule(rows_per_rank, n, k, world, sms, fp8=scaled is not None)
 
 
 def runnable(tuned: AllGatherMatmulConfig, warp_specialized: bool) -> AllGatherMatmulConfig:
@@ -402,14 +405,15 @@ def scaled_config(tuned: AllGatherMatmulConfig | None, rows_per_rank: int, n: in
                   warp_specialized: bool, sms: int = HOPPER_SMS) -> AllGatherMatmulConfig:  # fmt: skip
     """A scaled call's config as launched: its table entry (tuned: None for none; read only where
     the call may take the warp-specialized kernel) for the call's output
-    (AllGatherMatmulConfig.with_fp8_output), else heuristic_fp8's."""
+    (AllGatherMatmulConfig.with_fp8_output), else heuristic_fp8's; routed (stream-K for fast
+    accumulation where that paid)."""
     tuned = tuned if warp_specialized else None
     if tuned is not None and tuned.warp_specialized:
         tuned = tuned.with_fp8_output(scaled.out_dtype.itemsize)
-    if tuned is not None:
-        return tuned
-    return AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, n, k, world, scaled.precise_acc, sms, warp_specialized,
-                                               scaled.out_dtype.itemsize)  # fmt: skip
+    if tuned is None:
+        tuned = AllGatherMatmulConfig.heuristic_fp8(rows_per_rank, n, k, world, scaled.precise_acc, sms, warp_specialized,
+                                                    scaled.out_dtype.itemsize)  # fmt: skip
+    return routed(tuned, rows_per_rank, n, k, world, warp_specialized, sms, scaled)
 
 
 class Plan:

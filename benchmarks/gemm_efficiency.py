@@ -74,6 +74,7 @@ from fluxtp.bench.gemm_grid import (
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import HOPPER_SMS, cdiv
+from fluxtp.configs._classes import MAX_ACC_REGISTERS
 from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.kernels._matmul_reduce_scatter import _halves
 from fluxtp.kernels._tiles import dot_k_block, grouped_tile
@@ -162,10 +163,13 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
             a_desc, b_desc, c_desc, out, m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_SMS=sms, NUM_STAGES=config.num_stages, EPILOGUE_SUBTILE=subtile,
             POINTER_SPLIT=pointer_split, B_KN=b_kn,
-            num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS,  # as the fused kernels
+            num_warps=warps, num_stages=config.num_stages, **COMPILE_OPTIONS,  # as the fused kernels
         )
         return out
 
+    # A warp-specialized config's num_warps is not its own (that kernel runs 4 a consumer): Triton's
+    # twin takes enough warps for its accumulator (128x256 on 4 warps spills, 9x the time).
+    warps = max(config.num_warps, config.block_m * config.block_n // (32 * MAX_ACC_REGISTERS))
     return run
 
 

@@ -255,7 +255,7 @@ def test_matmul_all_reduce_tiles_widen_where_a_program_would_take_two(m):
 def test_the_all_gather_splits_its_last_wave_by_k_where_that_paid(monkeypatch):
     """stream_k_pays over 131 programs, by the one-H200 screens of all-gathers at TP 2, 4 and 8: the
     split paid where the last wave was at most 0.7 full after whole waves (bf16), at most 0.6 full
-    in tiles of K 12288 or deeper (fast FP8)."""
+    after two or more, in tiles of K 12288 or deeper (fast FP8)."""
     from fluxtp.backends.fused import _all_gather_matmul, _scaled
     from fluxtp.configs._classes import stream_k_pays
 
@@ -271,6 +271,7 @@ def test_the_all_gather_splits_its_last_wave_by_k_where_that_paid(monkeypatch):
     assert stream_k_pays(3072, 12288, 131, fp8=True)  # gpt3-175b TP=8, 16384 tokens, 0.45 full: 0.98x
     assert not stream_k_pays(1792, 8192, 131, fp8=True)  # llama3-70b TP=8, 16384 tokens, 0.68 full: 1.00x
     assert not stream_k_pays(1664, 16384, 131, fp8=True)  # 0.70 full: 1.00-1.04x
+    assert not stream_k_pays(208, 16384, 131, fp8=True)  # llama3-405b TP=8, 1024 tokens, 1.59 waves: 0.97 / 1.02x
     monkeypatch.setattr(_all_gather_matmul, "warp_specialized_runs", lambda device, dtype: True)
     monkeypatch.setattr(_scaled, "pingpong_unsupported", lambda *args, **kwargs: None)
     monkeypatch.setattr(_all_gather_matmul, "num_sms", lambda device: 132)

@@ -128,21 +128,26 @@ def narrow_tiles_win(tile_rows: int, n: int, sms: int = HOPPER_SMS) -> bool:
 # and 8, 0.906-0.994x the time at all 15 cases where this holds (K from 4096), 0.976-1.22x at the
 # 17 elsewhere (two gains just past 0.7; the one-wave grids the worst: each program's float32
 # partial in and out costs more than the idle SMs); fast FP8 at TP 4 and 8, whose MMAs take half
-# bf16's time beside the same partials, 0.954-0.983x at all 6 cases with the last wave at most 0.6
-# full and K from 12288, 0.998-1.04x at the 10 elsewhere (last waves 0.68-0.93 full).
+# bf16's time beside the same partials, 0.954-0.983x at the 5 cases with two whole waves or more,
+# the last at most 0.6 full and K from 12288, 0.998-1.04x at the 10 with fuller last waves, and
+# after 1.59 waves 0.974 and 1.019 in two runs.
 STREAM_K_MAX_LAST_WAVE = 0.7
 STREAM_K_MIN_K = 4096
 STREAM_K_FP8_MAX_LAST_WAVE = 0.6
 STREAM_K_FP8_MIN_K = 12288
+STREAM_K_FP8_MIN_WAVES = 2
 
 
 def stream_k_pays(tiles: int, k: int, programs: int, fp8: bool = False) -> bool:
     """Whether splitting the last partial wave of `tiles` (K k deep) by K over `programs` paid
     where measured: bf16 / fp16 (STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K), or FP8 with fast
-    accumulation (STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K)."""
-    max_last, min_k = (STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K) if fp8 else (STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K)
+    accumulation (STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K, STREAM_K_FP8_MIN_WAVES)."""
+    if fp8:
+        max_last, min_k, min_waves = STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K, STREAM_K_FP8_MIN_WAVES
+    else:
+        max_last, min_k, min_waves = STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K, 1
     last = tiles % programs
-    return tiles >= programs and 0 < last <= max_last * programs and k >= min_k
+    return tiles >= min_waves * programs and 0 < last <= max_last * programs and k >= min_k
 
 
 @dataclass(frozen=True)

@@ -136,18 +136,24 @@ STREAM_K_MIN_K = 4096
 STREAM_K_FP8_MAX_LAST_WAVE = 0.6
 STREAM_K_FP8_MIN_K = 12288
 STREAM_K_FP8_MIN_WAVES = 2
+# What the split can take back at most, the last wave's idle SMs' share of the whole grid's time,
+# at least this: at 101.6 waves (0.4%) two runs read 0.962 and 1.022x, within their spread.
+STREAM_K_MIN_IDLE_SHARE = 0.01
 
 
 def stream_k_pays(tiles: int, k: int, programs: int, fp8: bool = False) -> bool:
     """Whether splitting the last partial wave of `tiles` (K k deep) by K over `programs` paid
     where measured: bf16 / fp16 (STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K), or FP8 with fast
-    accumulation (STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K, STREAM_K_FP8_MIN_WAVES)."""
+    accumulation (STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K, STREAM_K_FP8_MIN_WAVES); either where
+    the idle share it could take back is STREAM_K_MIN_IDLE_SHARE or more."""
     if fp8:
         max_last, min_k, min_waves = STREAM_K_FP8_MAX_LAST_WAVE, STREAM_K_FP8_MIN_K, STREAM_K_FP8_MIN_WAVES
     else:
         max_last, min_k, min_waves = STREAM_K_MAX_LAST_WAVE, STREAM_K_MIN_K, 1
     last = tiles % programs
-    return tiles >= min_waves * programs and 0 < last <= max_last * programs and k >= min_k
+    idle_share = (programs - last) / (cdiv(tiles, programs) * programs)
+    return (tiles >= min_waves * programs and 0 < last <= max_last * programs and k >= min_k
+            and idle_share >= STREAM_K_MIN_IDLE_SHARE)  # fmt: skip
 
 
 @dataclass(frozen=True)

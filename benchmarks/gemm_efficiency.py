@@ -157,6 +157,9 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
     c_desc = descriptor(out, [config.block_m, store_n])
     sms = min(programs or num_sms(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
+    # A warp-specialized config's num_warps is not its own (that kernel runs 4 a consumer): Triton's
+    # twin takes enough warps for its accumulator (128x256 on 4 warps spills, 9x the time).
+    warps = max(config.num_warps, config.block_m * config.block_n // (32 * MAX_ACC_REGISTERS))
 
     def run():
         plain_matmul_kernel[(sms,)](
@@ -167,9 +170,6 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
         )
         return out
 
-    # A warp-specialized config's num_warps is not its own (that kernel runs 4 a consumer): Triton's
-    # twin takes enough warps for its accumulator (128x256 on 4 warps spills, 9x the time).
-    warps = max(config.num_warps, config.block_m * config.block_n // (32 * MAX_ACC_REGISTERS))
     return run
 
 

@@ -125,8 +125,9 @@ def narrow_tiles_win(tile_rows: int, n: int, sms: int = HOPPER_SMS) -> bool:
 # Stream-K on the all-gather's warp-specialized kernel (its stream_k knob) where whole tiles would
 # leave its last wave at most this full, after a whole wave or more, with K this deep or deeper.
 # One H200 (docs/perf-log.md), stream-K forced against the same tiling without it: bf16 at TP 2, 4
-# and 8, 0.906-0.994x the time at all 15 cases where this holds (K from 4096), 0.976-1.22x at the
-# 17 elsewhere (two gains just past 0.7; the one-wave grids the worst: each program's float32
+# and 8, 0.906-0.994x the time at all 15 cases where this holds (K from 4096; a later run read 1.034
+# at one of them, 8192x14336x4096 at TP=2, where two read 0.994 and 0.998), 0.976-1.22x at the 17
+# elsewhere (two gains just past 0.7; the one-wave grids the worst: each program's float32
 # partial in and out costs more than the idle SMs); fast FP8 at TP 4 and 8, whose MMAs take half
 # bf16's time beside the same partials, 0.954-0.983x at the 5 cases with two whole waves or more,
 # the last at most 0.6 full and K from 12288, 0.998-1.04x at the 10 with fuller last waves, and
@@ -137,7 +138,7 @@ STREAM_K_FP8_MAX_LAST_WAVE = 0.6
 STREAM_K_FP8_MIN_K = 12288
 STREAM_K_FP8_MIN_WAVES = 2
 # What the split can take back at most, the last wave's idle SMs' share of the whole grid's time,
-# at least this: at 101.6 waves (0.4%) two runs read 0.962 and 1.022x, within their spread.
+# at least this: at 101.6 waves (0.4%) it read 1.022x.
 STREAM_K_MIN_IDLE_SHARE = 0.01
 
 

@@ -125,8 +125,8 @@ def narrow_tiles_win(tile_rows: int, n: int, sms: int = HOPPER_SMS) -> bool:
 # Stream-K on the all-gather's warp-specialized kernel (its stream_k knob) where whole tiles would
 # leave its last wave at most this full, after a whole wave or more, with K this deep or deeper.
 # One H200 (docs/perf-log.md), stream-K forced against the same tiling without it: bf16 at TP 2, 4
-# and 8, 0.906-0.994x the time at all 15 cases where this holds (K from 4096; a later run read 1.034
-# at one of them, 8192x14336x4096 at TP=2, where the screen read 0.994), 0.976-1.22x at the 17
+# and 8, 0.906-0.994x the time at all 15 cases where this holds (K from 4096; one 4-round run read
+# 1.034 at 8192x14336x4096 at TP=2, an 8-round repeat 0.991), 0.976-1.22x at the 17
 # elsewhere (two gains just past 0.7; the one-wave grids the worst: each program's float32
 # partial in and out costs more than the idle SMs); fast FP8 at TP 4 and 8, whose MMAs take half
 # bf16's time beside the same partials, 0.954-0.983x at the 5 cases with two whole waves or more,

@@ -142,6 +142,13 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.cons
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
 
 
+def triton_warps(config) -> int:
+    """The warps Triton's twin of `config` runs: a warp-specialized config's num_warps is not its own
+    (that kernel runs 4 a consumer), so enough for the accumulator (128x256 on 4 warps spilled, 9x
+    the time)."""
+    return max(config.num_warps, config.block_m * config.block_n // (32 * MAX_ACC_REGISTERS))
+
+
 def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: int = 0, programs: int | None = None,
                  out: torch.Tensor | None = None):  # fmt: skip
     """A launcher of plain_matmul_kernel for x [M, K] @ weight[N, K]^T with a fused op's tiling
@@ -157,9 +164,7 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     b_desc = descriptor(b, [config.block_k, config.block_n] if b_kn else [config.block_n, config.block_k])
     c_desc = descriptor(out, [config.block_m, store_n])
     sms = min(programs or num_sms(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
-    # A warp-specialized config's num_warps is not its own (that kernel runs 4 a consumer): Triton's
-    # twin takes enough warps for its accumulator (128x256 on 4 warps spills, 9x the time).
-    warps = max(config.num_warps, config.block_m * config.block_n // (32 * MAX_ACC_REGISTERS))
+    warps = triton_warps(config)
 
     def run():
         plain_matmul_kernel[(sms,)](

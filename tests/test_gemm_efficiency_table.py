@@ -61,3 +61,14 @@ def test_the_targets_report_lists_each_case_over_its_groups_bound_with_its_costs
                                                   ["rs", "1024x4096x14336", "TP8"]]  # fmt: skip
     assert over[0].split()[4:10] == ["1.179", "1.02", "1.100", "1.072", "0.85", "Triton"]  # 8 x 14 tiles: 0.85 waves
     assert over[1].split()[4:6] == ["1.060", "1.05"] and over[2].split()[4:6] == ["1.300", "1.08"]
+
+
+def test_the_plain_twin_runs_triton_s_warps_for_a_warp_specialized_config():
+    """A stream-K config says num_warps=4 (its kernel's consumer warpgroups); Triton's twin of its
+    128x256 tiles needs 8, or its accumulator spills."""
+    from fluxtp.configs import AllGatherMatmulConfig
+
+    split = AllGatherMatmulConfig(warp_specialized=True, stream_k=True, num_warps=4)
+    assert gemm_efficiency.triton_warps(split) == 8
+    assert gemm_efficiency.triton_warps(AllGatherMatmulConfig(block_n=128, num_warps=4)) == 4
+    assert gemm_efficiency.triton_warps(AllGatherMatmulConfig(block_n=128, num_warps=8)) == 8

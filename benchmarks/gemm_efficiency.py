@@ -259,8 +259,11 @@ def varied_keys(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+GPU_STATE_FIELDS = "clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
+
+
 def gpu_state() -> str:
-    query = "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
+    query = f"--query-gpu={GPU_STATE_FIELDS}"
     try:
         return subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -302,7 +305,8 @@ def main() -> None:
     protocol = Protocol(rounds=args.rounds, warmup_rounds=GPU_PROTOCOL.warmup_rounds,
                         calls_per_sample=GPU_PROTOCOL.calls_per_sample)
     device = torch.device("cuda", torch.cuda.current_device())
-    print("GPU before:", gpu_state())
+    state = {"before": gpu_state()}
+    print("GPU before:", state["before"])
     rows = []
     for case in tqdm(todo, unit="case", mininterval=10):
         variants, config, skipped = case_variants(case, tuple(args.vary), args.pointer_epilogue, args.any_bits)
@@ -325,7 +329,8 @@ def main() -> None:
         })
         del variants
         torch.cuda.empty_cache()
-    print("GPU after:", gpu_state())
+    state["after"] = gpu_state()
+    print("GPU after:", state["after"])
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, per-rank GEMMs, ms (median of {args.rounds} interleaved rounds); ratios are time over time "
           "(above 1: slower than the reference)")
@@ -338,6 +343,8 @@ def main() -> None:
         worlds = sorted({r["world"] for r in rows})
         data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=worlds[0] if len(worlds) == 1 else 0,
                         command=command_line())
+        # A power-capped GPU's clocks move between runs and cases: the state read beside the ratios.
+        data["gpu_state"] = {"fields": GPU_STATE_FIELDS, **state}
         print("wrote", write_json(data, args.out))
 
 

@@ -32,7 +32,11 @@ from fluxtp.backends.fused import _all_gather_matmul as ag  # noqa: E402
 from fluxtp.backends.fused import _launch, _scaled  # noqa: E402
 from fluxtp.backends.fused import _matmul_reduce_scatter as rs  # noqa: E402
 from fluxtp.configs import SMEM_LIMIT_BYTES, AllGatherMatmulConfig, MatmulReduceScatterConfig  # noqa: E402
-from fluxtp.configs._classes import REDUCER_FP8_WIDE_PRECISE_TILING  # noqa: E402
+from fluxtp.configs._classes import (  # noqa: E402
+    REDUCER_FP8_WIDE_PRECISE_TILING,
+    WARP_SPECIALIZED_FP8_TILING,
+    WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT,
+)
 from fluxtp.kernels import COMPILE_OPTIONS  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -177,19 +181,23 @@ def test_the_warp_specialized_all_gather_stores_ragged_rows_by_tma(captured_laun
         (8, 128, False, 112),  # 8 x 14 tiles: less than a wave, every tile split
         (4, 512, False, 224 - 131),  # 16 x 14 tiles: those past the first wave split
         (8, 256, "fast", 224 - 131),  # FP8 fast accumulation: 128x256x128 tiles
+        (8, 256, "fast-narrow", 448 - 3 * 131),  # ... its 128x128x128 tiling in six stages
         (4, 1024, False, 448 - 3 * 131),  # 32 x 14 tiles: those past three waves
     ],
 )
 def test_the_all_gather_splits_its_last_wave_by_k_when_asked(captured_launch, world, rows, fp8, sk_tiles):
     """stream_k: the tiles past the last whole wave of 131 programs split by K over all of them, in
     a kernel that compiles for sm_90 without spills (a partial tile beside the accumulator)."""
-    x, w, scaled = _inputs(rows, 3584, 4096, fp8)
+    x, w, scaled = _inputs(rows, 3584, 4096, fp8 and "fast")
     config = dataclasses.replace(WS_WIDE, stream_k=True)
-    if fp8:
+    if fp8 == "fast":
         fast = _scaled.Scaled.of(*scaled["scales"], torch.bfloat16, True)
         config = dataclasses.replace(ag._config_for(x, w, world, None, fast), stream_k=True)
         assert config.warp_specialized and config.block_n == 256
-    ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, use_fast_accum=fp8 == "fast", **scaled)()
+    elif fp8 == "fast-narrow":
+        narrow = {**WARP_SPECIALIZED_FP8_TILING, **WARP_SPECIALIZED_FP8_TWO_BYTE_OUTPUT}
+        config = AllGatherMatmulConfig(**narrow, warp_specialized=True, stream_k=True)
+    ag.gemm_only(x, w, None, GroupInfo(None, 0, world), config, use_fast_accum=bool(fp8), **scaled)()
     launch, args = captured_launch[-1]
     assert launch.constexprs["STREAM_K"] and launch.grid == SMS - 1
     assert args[-4] == sk_tiles  # then the partials' descriptor, the flags and the half-width C descriptor

@@ -915,11 +915,12 @@ def _format_choices(op, shapes, gpu, world, dtype, layout, path, shipped, width,
             reasons.setdefault(choice.why, []).append(s)
         if twin:
             reasons.setdefault("the entry's warp-specialized kernel does not run here: its tiling on Triton", []).append(s)
-        if runs is None and gpu != "cpu" and op == "matmul_reduce_scatter" and scaled is None:
-            reducer = _as_launched_here(op, choice, s, world, dtype, scaled, True)
-            if reducer != config:  # what a Hopper GPU of that name moves it to; no local test says it is one
-                reasons.setdefault(f"on a Hopper GPU whose Triton runs the warp-specialized kernels, the reducer "
-                                   f"kernel instead: {describe(reducer)}", []).append(s)  # fmt: skip
+        if runs is None and gpu != "cpu" and (op == "all_gather_matmul" or scaled is None):
+            on_hopper = _as_launched_here(op, choice, s, world, dtype, scaled, True)
+            if on_hopper != config:  # what a Hopper GPU of that name launches; no local test says it is one
+                instead = "the reducer kernel instead" if op == "matmul_reduce_scatter" else "launched as"
+                reasons.setdefault(f"on a Hopper GPU whose Triton runs the warp-specialized kernels, {instead}: "
+                                   f"{describe(on_hopper)}", []).append(s)  # fmt: skip
     headers = ["MxNxK", "M bucket", "source", "config", "vs nccl"]
     # The config wraps first (it is the widest), then the source and the verdict.
     table = fit_table(rows, headers, width, wrappable={2: 9, 3: 20, 4: 8})

@@ -1136,7 +1136,11 @@ def test_info_configs_says_what_each_shape_uses_and_why(cache, shipped, wide, ca
     # Why, under the table, for the shapes the row does not explain (N and K differ: full shapes).
     assert "16384x28672x8192: user cache: nearest M bucket 4096 (none for bucket 16384)" in notes[AG]
     assert re.search(r"^4096x14336x8192: heuristic \(.*N=14336 K=8192.*no tuned entry", notes[AG], re.M), notes[AG]
-    assert "4096x28672x8192:" not in notes[AG]  # an exact entry: the row says it all
+    # An exact entry: the row says it all, but how a Hopper GPU launches it (its 128x128 tiles leave
+    # the 14th wave 0.68 full: the warp-specialized kernel with stream-K).
+    (note,) = [line for line in notes[AG].splitlines() if line.startswith("4096x28672x8192:")]
+    assert note.startswith("4096x28672x8192: on a Hopper GPU whose Triton runs the warp-specialized kernels, launched as:")
+    assert "128x128x64 ws s4 g8 stream-K" in note
 
 
 def test_info_configs_looks_up_a_weight_layout(cache, shipped, wide, capsys):
@@ -1227,7 +1231,8 @@ def test_info_configs_shows_the_fp8_tables_and_the_reducer_kernel_as_launched(ca
     """--dtype float8_e4m3fn [--fast-accum] looks up the FP8 keys of each accumulation and falls back
     to the FP8 heuristics; where the launcher's warp-specialized kernels run here, a reduce-scatter
     shows the reducer kernel its call takes, and an entry naming a kernel that does not run here
-    gives way to the heuristic; another GPU's lookup notes the reducer kernel a Hopper GPU takes."""
+    gives way to the heuristic; another GPU's lookup notes the reducer kernel a Hopper GPU takes,
+    and an all-gather's stream-K there."""
     from fluxtp.backends.fused import _matmul_reduce_scatter
     from fluxtp.backends.fused._scaled import Scaled
     from fluxtp.bench.ops import Shape
@@ -1276,6 +1281,10 @@ def test_info_configs_shows_the_fp8_tables_and_the_reducer_kernel_as_launched(ca
     twin = dataclasses.replace(ag_choice.config, warp_specialized=False)
     assert "user cache, exact, on the Triton kernel" in table and tune.describe(twin) in table
     assert "does not run here: its tiling on Triton" in table
+    # Another GPU's lookup of an all-gather whose last wave the stream-K rule splits there (llama3-405b
+    # TP=8, 2048 tokens): the note says how a Hopper GPU launches it.
+    table = tune._format_choices(AG, [Shape(2048, 53248, 16384)], H200, 8, "bfloat16", "linear", cache, shipped, 400)
+    assert "warp-specialized kernels, launched as: " in table and " stream-K " in table.split("launched as: ")[1]
     with pytest.raises(SystemExit):
         cli.main(["info", "--configs", "--fast-accum"])
     assert "--fast-accum: FP8 calls only" in capsys.readouterr().err

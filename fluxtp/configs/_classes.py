@@ -612,11 +612,13 @@ def search_space(op: str, m_total: int, n: int, k: int, world: int, warp_special
 
 
 def describe(config) -> str:
-    """A short human form: 128x256x64 w8 s3 g8 (warp-specialized: "ws" for the warps) plus the
-    op's own knobs."""
+    """A short human form: 128x256x64 w8 s3 g8 (warp-specialized: "ws" for the warps; "stream-K"
+    where its last partial wave is split by K) plus the op's own knobs."""
     c = config
     warps = "ws" if getattr(c, "warp_specialized", False) else f"w{c.num_warps}"
     text = f"{c.block_m}x{c.block_n}x{c.block_k} {warps} s{c.num_stages} g{c.group_m}"
+    if getattr(c, "stream_k", False):
+        text += " stream-K"
     if hasattr(c, "chunk_rows"):
         return text + f" chunk_rows={c.chunk_rows}"
     return text + f" {c.transport} epilogue_split={c.epilogue_split}"

@@ -50,6 +50,7 @@ from fluxtp.kernels._pingpong import (
     record_and_trap,
     tma_load,
     tma_store,
+    wait_flag,
 )
 
 
@@ -102,12 +103,7 @@ def _wait_for_chunk(ready_chunk, segment, pid_m, signal_ptr, report_ptr, chunk_r
     chunk_in_segment = pid_m * BLOCK_M // chunk_rows
     chunk = segment * chunks_per_rank + chunk_in_segment
     if chunk != ready_chunk:
-        value = gl.atomic_add(signal_ptr + chunk, 0, sem="acquire", scope="gpu")
-        spins = 0
-        while (value != 1) & (spins < max_spins):
-            value = gl.atomic_add(signal_ptr + chunk, 0, sem="acquire", scope="gpu")
-            spins += 1
-        if value != 1:
+        if wait_flag(signal_ptr + chunk, max_spins) != 1:
             record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
     return chunk
 
@@ -131,13 +127,7 @@ def _wait_for_earlier_pieces(start, k_tiles, sk_tiles, flags_ptr, pieces_ready, 
         local = start // k_tiles
         for q in range(_first_program(local, k_tiles, sk_tiles, NUM_PROGRAMS), gl.program_id(0)):
             for c in gl.static_range(2):
-                flag = flags_ptr + 2 * q + c
-                value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-                spins = 0
-                while (value != 1) & (spins < max_spins):
-                    value = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-                    spins += 1
-                if value != 1:
+                if wait_flag(flags_ptr + 2 * q + c, max_spins) != 1:
                     record_and_trap(report_ptr, q, -1 - local, RANK)
         mbarrier.arrive(pieces_ready, count=1)
 

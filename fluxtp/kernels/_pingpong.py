@@ -47,6 +47,19 @@ def record_and_trap(report_ptr, a, b, rank):
 
 
 @gluon.jit
+def wait_flag(flag_ptr, max_spins):
+    """Spin until *flag_ptr == 1 (acquire, scope gpu), at most max_spins more reads; returns the last
+    value read, 1 once it arrived (as fluxtp.kernels._sync.wait_flag, which a Gluon kernel cannot
+    call). The caller traps on anything else, naming what it waited for."""
+    value = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (value != 1) & (spins < max_spins):
+        value = gl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    return value
+
+
+@gluon.jit
 def allocate_stages(a_desc, b_desc, NUM_STAGES: gl.constexpr):
     """NUM_STAGES stages of A and B tiles (B's as b_desc's block: [BLOCK_N, BLOCK_K], or
     [BLOCK_K, BLOCK_N] over a K x N weight), and per stage a `ready` barrier (the loader's TMA

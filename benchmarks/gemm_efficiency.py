@@ -31,6 +31,12 @@ varied kernel's bitwise against the fused one's (so only knobs that keep the ord
 can be varied, unless --any-bits). The table ends with fused/cuBLAS per op and TP degree:
 geometric mean and worst case.
 
+`--sustained SECONDS [--spells 3]` then times `cublas` and `fused` each alone for SECONDS at a
+time, alternating (the harness's sustained spells), with the SM clock and power nvidia-smi reads
+meanwhile. The interleaved rounds share one clock and so compare work per cycle; a power-capped GPU
+gives each kernel alone the clock its own power draw allows, as it would a stream of like calls.
+The rows keep both, and the per-cycle ratio of the spells.
+
     python benchmarks/gemm_efficiency.py --report FILE.json [FILE.json ...]
 
 reads result files instead (a case in several: the last file's row) and prints them against the
@@ -45,7 +51,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 
 import torch
 import triton
@@ -71,7 +76,8 @@ from fluxtp.bench.gemm_grid import (
     parse_cases,
     relative_error,
 )
-from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds
+from fluxtp.bench import gpu_state
+from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds, measure_sustained
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import HOPPER_SMS, cdiv
 from fluxtp.configs._classes import MAX_ACC_REGISTERS
@@ -259,15 +265,27 @@ def varied_keys(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-GPU_STATE_FIELDS = "clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
+def sustained_row(variants: list[Variant], seconds: float, spells: int, device, gpu) -> dict:
+    """`--sustained`: cuBLAS and the fused kernel each alone for `seconds`, `spells` times
+    (harness.measure_sustained): per variant the median ms, SM clock and power of its spells;
+    fused_vs_cublas the ratio of those times, fused_vs_cublas_cycles the same per SM cycle (each
+    time by its clock), which is what the interleaved rounds compare."""
+    pair = [v for v in variants if v.name in ("cublas", "fused")]
+    spelled = measure_sustained(pair, seconds, spells, device, gpu)
 
+    def median(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 1) if values else None
 
-def gpu_state() -> str:
-    query = f"--query-gpu={GPU_STATE_FIELDS}"
-    try:
-        return subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "nvidia-smi not found"
+    out = {"seconds": seconds, "spells": spells}
+    for name, runs in spelled.items():
+        out[name] = {"ms": round(statistics.median(r.ms for r in runs), 4), "sm_mhz": median(r.sm_mhz for r in runs),
+                     "watts": median(r.watts for r in runs)}  # fmt: skip
+    cublas, fused = out["cublas"], out["fused"]
+    out["fused_vs_cublas"] = round(fused["ms"] / cublas["ms"], 4)
+    if cublas["sm_mhz"] and fused["sm_mhz"]:
+        out["fused_vs_cublas_cycles"] = round(fused["ms"] * fused["sm_mhz"] / (cublas["ms"] * cublas["sm_mhz"]), 4)
+    return out
 
 
 def main() -> None:
@@ -289,6 +307,11 @@ def main() -> None:
     parser.add_argument("--any-bits", action="store_true",
                         help="--vary may change the output bits (knobs that reorder the sums, e.g. block_k): "
                              "varied kernels are checked against cuBLAS only")
+    parser.add_argument("--sustained", type=float, metavar="SECONDS",
+                        help="also time cuBLAS and the fused kernel each alone for SECONDS at a time (--spells times), "
+                             "with the SM clock and power read meanwhile: what a power-capped GPU gives a stream "
+                             "of like calls (the interleaved rounds share one clock)")
+    parser.add_argument("--spells", type=int, default=3, help="with --sustained: spells of each")
     parser.add_argument("--out")
     parser.add_argument("--report", nargs="+", metavar="FILE",
                         help="print result files against the targets instead of timing (no GPU needed)")
@@ -305,7 +328,8 @@ def main() -> None:
     protocol = Protocol(rounds=args.rounds, warmup_rounds=GPU_PROTOCOL.warmup_rounds,
                         calls_per_sample=GPU_PROTOCOL.calls_per_sample)
     device = torch.device("cuda", torch.cuda.current_device())
-    state = {"before": gpu_state()}
+    gpu = gpu_state.smi_id(device)
+    state = {"before": gpu_state.snapshot(gpu)}
     print("GPU before:", state["before"])
     rows = []
     for case in tqdm(todo, unit="case", mininterval=10):
@@ -327,15 +351,20 @@ def main() -> None:
             **{key: v for name in ms if name.startswith("fused_") for key, v in ratio(name, "fused").items()},
             "config": dataclasses.asdict(config), **({"skipped_variants": skipped} if skipped else {}),
         })
+        if args.sustained:
+            rows[-1]["sustained"] = sustained_row(variants, args.sustained, args.spells, device, gpu)
         del variants
         torch.cuda.empty_cache()
-    state["after"] = gpu_state()
+    state["after"] = gpu_state.snapshot(gpu)
     print("GPU after:", state["after"])
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, per-rank GEMMs, ms (median of {args.rounds} interleaved rounds); ratios are time over time "
           "(above 1: slower than the reference)")
     print(format_table(rows))
     print(format_summary(rows))
+    if args.sustained:
+        print(f"Each alone for {args.sustained:g} s, median of {args.spells} spells:")
+        print(format_sustained(rows))
     for r in rows:
         for label, why in r.get("skipped_variants", {}).items():
             print(f"not run: {case_of(r).label()} {label}: {why}")
@@ -344,7 +373,7 @@ def main() -> None:
         data = envelope("gemm_efficiency", rows, device=device_name, gpus=1, world=worlds[0] if len(worlds) == 1 else 0,
                         command=command_line())
         # A power-capped GPU's clocks move between runs and cases: the state read beside the ratios.
-        data["gpu_state"] = {"fields": GPU_STATE_FIELDS, **state}
+        data["gpu_state"] = {"fields": gpu_state.SNAPSHOT_FIELDS, **state}
         print("wrote", write_json(data, args.out))
 
 
@@ -365,6 +394,24 @@ def format_table(rows: list[dict]) -> str:
     ]
     headers = ["case", "cuBLAS", "plain", "fused", "plain/cuBLAS", "fused/cuBLAS (middle half)", "fused/plain"]
     return tabulate(table, headers=headers + [key.removesuffix("_vs_plain").removesuffix("_vs_fused") + "/ref" for key in extra])
+
+
+def format_sustained(rows: list[dict]) -> str:
+    """`--sustained`'s table: each variant's time, SM clock and power alone; fused/cuBLAS alone, per
+    SM cycle, and interleaved."""
+
+    def cell(value, digits=1):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    table = []
+    for r in rows:
+        s = r["sustained"]
+        c, f = s["cublas"], s["fused"]
+        table.append([case_of(r).label(), c["ms"], cell(c["sm_mhz"], 0), cell(c["watts"], 0), f["ms"], cell(f["sm_mhz"], 0),
+                      cell(f["watts"], 0), f'{s["fused_vs_cublas"]:.3f}', cell(s.get("fused_vs_cublas_cycles"), 3),
+                      f'{r["fused_vs_cublas"]:.3f}'])  # fmt: skip
+    headers = ["case", "cuBLAS ms", "MHz", "W", "fused ms", "MHz", "W", "fused/cuBLAS alone", "per cycle", "interleaved"]
+    return tabulate(table, headers=headers, disable_numparse=True)
 
 
 def format_summary(rows: list[dict]) -> str:

@@ -25,6 +25,10 @@
    and their middle half (speedup_vs_nccl_iqr) say how far one run's speedup can be trusted.
    On 2x H200, "auto" timed beside the fused backend it picked read up to 4% apart in ratio of
    medians at M 16384 (docs/perf-log.md).
+8. Sustained spells (measure_sustained; one GPU). Interleaved samples share one clock, which on a
+   power-capped GPU the mix of variants sets: they compare work per cycle. Run alone for seconds,
+   a variant settles at the clock its own power draw allows, as a stream of like calls would; its
+   spells (in alternating order) read the time a call and the SM clock and power beside it.
 
 Inputs are random, never zeros (zeros make GEMMs and links cheaper than real data).
 """
@@ -42,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fluxtp._dist import GroupInfo, max_over_ranks
+from fluxtp.bench.gpu_state import ClockSampler
 
 # A set of inputs smaller than this many caches gets rotated copies (protocol step 4).
 ROTATE_BELOW_CACHE_MULTIPLE = 4
@@ -296,3 +301,50 @@ def measure_rounds(
         ms=dict(zip(names, slowest[: len(names)], strict=True)),
         rounds={name: slowest[len(names) + i * rounds : len(names) + (i + 1) * rounds] for i, name in enumerate(names)},
     )
+
+
+# measure_sustained waits for its queued calls about this often (a gap of a few microseconds each).
+SUSTAINED_BATCH_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class Spell:
+    """One variant alone for a while (measure_sustained): ms a call, and the median SM clock (MHz)
+    and power draw (W) read meanwhile (None where nvidia-smi could not)."""
+
+    ms: float
+    sm_mhz: float | None
+    watts: float | None
+
+
+def measure_sustained(variants: Sequence[Variant], seconds: float, spells: int, device: torch.device,
+                      gpu: str | None = None) -> dict[str, list[Spell]]:  # fmt: skip
+    """Protocol step 8 (one process, no group): each variant alone for `seconds` of back-to-back
+    calls, `spells` times, in turn (odd passes in reverse order, so neither of two variants always
+    follows the other); per variant its spells. `gpu`: nvidia-smi's id of the device (an index or
+    UUID; the first GPU it lists if None)."""
+    if seconds <= 0 or spells < 1:
+        raise ValueError(f"need seconds > 0 and spells >= 1, got {seconds} and {spells}")
+    device = torch.device(device)
+    clock = _CudaClock(device) if device.type == "cuda" else _WallClock()
+    out: dict[str, list[Spell]] = {v.name: [] for v in variants}
+    for spell in range(spells):
+        for variant in variants if spell % 2 == 0 else variants[::-1]:
+            for call in variant.calls:  # warm: the previous variant's queue drained, caches its own
+                call()
+            clock.settle()
+            calls, batch = 0, len(variant.calls) * 8
+            with ClockSampler(gpu) as sampler:
+                start, began = clock.mark(), time.perf_counter()
+                while time.perf_counter() - began < seconds:
+                    queued = time.perf_counter()
+                    for _ in range(batch):
+                        variant.calls[calls % len(variant.calls)]()
+                        calls += 1
+                    clock.settle()  # bounds the queue, so that the spell ends when its time is up
+                    if time.perf_counter() - queued < SUSTAINED_BATCH_SECONDS:
+                        batch *= 2  # batches this long keep the GPU's idle gaps negligible
+                end = clock.mark()
+                clock.settle()
+            out[variant.name].append(Spell(clock.elapsed_ms(start, end) / calls, *sampler.medians()))
+    return out

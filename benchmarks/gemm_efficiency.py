@@ -35,7 +35,7 @@ geometric mean and worst case.
 time, alternating (the harness's sustained spells), with the SM clock and power nvidia-smi reads
 meanwhile. The interleaved rounds share one clock and so compare work per cycle; a power-capped GPU
 gives each kernel alone the clock its own power draw allows, as it would a stream of like calls.
-The rows keep both, and the per-cycle ratio of the spells.
+The rows keep both.
 
     python benchmarks/gemm_efficiency.py --report FILE.json [FILE.json ...]
 
@@ -267,9 +267,9 @@ def varied_keys(rows: list[dict]) -> list[str]:
 
 def sustained_row(variants: list[Variant], seconds: float, spells: int, device, gpu) -> dict:
     """`--sustained`: cuBLAS and the fused kernel each alone for `seconds`, `spells` times
-    (harness.measure_sustained): per variant the median ms, SM clock and power of its spells;
-    fused_vs_cublas the ratio of those times, fused_vs_cublas_cycles the same per SM cycle (each
-    time by its clock), which is what the interleaved rounds compare."""
+    (harness.measure_sustained): per variant the median ms, SM clock and power of its spells, and
+    fused_vs_cublas the ratio of those times. No time per cycle: nvidia-smi's clock is a sample,
+    and a kernel's memory stalls take fewer cycles at a lower clock."""
     pair = [v for v in variants if v.name in ("cublas", "fused")]
     spelled = measure_sustained(pair, seconds, spells, device, gpu)
 
@@ -283,8 +283,6 @@ def sustained_row(variants: list[Variant], seconds: float, spells: int, device, 
                      "watts": median(r.watts for r in runs)}  # fmt: skip
     cublas, fused = out["cublas"], out["fused"]
     out["fused_vs_cublas"] = round(fused["ms"] / cublas["ms"], 4)
-    if cublas["sm_mhz"] and fused["sm_mhz"]:
-        out["fused_vs_cublas_cycles"] = round(fused["ms"] * fused["sm_mhz"] / (cublas["ms"] * cublas["sm_mhz"]), 4)
     return out
 
 
@@ -397,8 +395,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_sustained(rows: list[dict]) -> str:
-    """`--sustained`'s table: each variant's time, SM clock and power alone; fused/cuBLAS alone, per
-    SM cycle, and interleaved."""
+    """`--sustained`'s table: each variant's time, SM clock and power alone; fused/cuBLAS alone and
+    interleaved."""
 
     def cell(value, digits=1):
         return "-" if value is None else f"{value:.{digits}f}"
@@ -408,9 +406,8 @@ def format_sustained(rows: list[dict]) -> str:
         s = r["sustained"]
         c, f = s["cublas"], s["fused"]
         table.append([case_of(r).label(), c["ms"], cell(c["sm_mhz"], 0), cell(c["watts"], 0), f["ms"], cell(f["sm_mhz"], 0),
-                      cell(f["watts"], 0), f'{s["fused_vs_cublas"]:.3f}', cell(s.get("fused_vs_cublas_cycles"), 3),
-                      f'{r["fused_vs_cublas"]:.3f}'])  # fmt: skip
-    headers = ["case", "cuBLAS ms", "MHz", "W", "fused ms", "MHz", "W", "fused/cuBLAS alone", "per cycle", "interleaved"]
+                      cell(f["watts"], 0), f'{s["fused_vs_cublas"]:.3f}', f'{r["fused_vs_cublas"]:.3f}'])  # fmt: skip
+    headers = ["case", "cuBLAS ms", "MHz", "W", "fused ms", "MHz", "W", "fused/cuBLAS alone", "interleaved"]
     return tabulate(table, headers=headers, disable_numparse=True)
 
 

@@ -80,7 +80,7 @@ from fluxtp.bench import gpu_state
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds, measure_sustained
 from fluxtp.bench.results import command_line, envelope, write_json
 from fluxtp.configs import HOPPER_SMS, cdiv
-from fluxtp.configs._classes import MAX_ACC_REGISTERS
+from fluxtp.configs._classes import triton_warps
 from fluxtp.kernels import COMPILE_OPTIONS
 from fluxtp.kernels._matmul_reduce_scatter import _halves
 from fluxtp.kernels._tiles import dot_k_block, grouped_tile
@@ -146,13 +146,6 @@ def plain_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BLOCK_M: tl.cons
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
         else:
             c_desc.store([pid_m_c * BLOCK_M, pid_n_c * BLOCK_N], acc.to(c_desc.dtype))
-
-
-def triton_warps(config) -> int:
-    """The warps Triton's twin of `config` runs: a warp-specialized config's num_warps is not its own
-    (that kernel runs 4 a consumer), so enough for the accumulator (128x256 on 4 warps spilled, 9x
-    the time)."""
-    return max(config.num_warps, config.block_m * config.block_n // (32 * MAX_ACC_REGISTERS))
 
 
 def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: int = 0, programs: int | None = None,

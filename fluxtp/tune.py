@@ -681,7 +681,7 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
         }
         if job.vary:  # heuristic_ms is then the time of the config in use before
             measured["varied"] = list(job.vary)
-        entries.append(Entry(key, result.winner, measured))
+        entries.append(Entry(key, result.winner.as_entry(), measured))
         if cuda:
             torch.cuda.empty_cache()  # the next shape's inputs may be larger
     if rank == 0:

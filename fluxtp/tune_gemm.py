@@ -392,7 +392,7 @@ def entry_of(result: CaseResult, gpu: str) -> Entry:
         "triton": triton_version(),
         "commit": git_commit(),
     }
-    return Entry(case_key(result.case, gpu), result.tuned, measured)
+    return Entry(case_key(result.case, gpu), result.tuned.as_entry(), measured)
 
 
 def result_row(result: CaseResult) -> dict:

@@ -374,6 +374,35 @@ def test_a_one_gpu_entry_takes_todays_communication_knobs(cache):
     assert tune.tuned_config(AG, shard, torch.empty(32, 32, dtype=torch.bfloat16), 2).chunk_rows == 1024  # 4 chunks
 
 
+@pytest.mark.parametrize("tiling, rows, n, k, world", [
+    (dict(block_n=256, num_warps=8, num_stages=3, warp_specialized=True), 2048, 12288, 12288, 4),  # 23.45 waves
+    (dict(block_n=128, num_warps=4, num_stages=5), 128, 6656, 16384, 8),  # a Triton tiling the rule moves
+    (dict(block_n=128, num_warps=8, num_stages=4), 128, 6656, 16384, 8),  # its 8-warp twin
+])
+def test_a_tuned_stream_k_launch_is_recorded_without_it_and_launches_as_measured(tiling, rows, n, k, world):
+    """The tuners measure each tiling as launched (stream-K where the rule splits, on 4 warps a
+    consumer) and record it without the split, at warps its Triton twin can run: at the tuned shape
+    the rule splits it again into exactly what was measured; where the warp-specialized kernel
+    cannot run, the entry is a Triton tiling that fits."""
+    from fluxtp.backends.fused._all_gather_matmul import routed, runnable
+
+    launched = routed(AllGatherMatmulConfig(**tiling), rows, n, k, world, True)
+    assert launched.stream_k and launched.warp_specialized and launched.num_warps == 4
+    recorded = launched.as_entry()
+    assert not recorded.stream_k and recorded.num_warps == max(4, 128 * recorded.block_n // (32 * 128))
+    assert routed(recorded, rows, n, k, world, True) == launched
+    assert configs.fits(AG, runnable(recorded, False)) and not runnable(recorded, False).warp_specialized
+    plain = AllGatherMatmulConfig(**tiling)
+    assert plain.as_entry() is plain and MatmulReduceScatterConfig().as_entry() == MatmulReduceScatterConfig()
+
+
+def test_the_shipped_table_records_no_stream_k():
+    """stream-K is the launcher's per call (the all-gather's rule): no shipped entry forces it."""
+    entries, problem = tune.load(shipped=True)
+    assert problem is None
+    assert not [key for key, e in entries.items() if getattr(e.config, "stream_k", False)]
+
+
 def test_launcher_lookup_converts_local_shapes_to_the_global_key(cache):
     # CPU tensors: the GPU name is "cpu". all_gather_matmul holds x_shard [M/W, K], w [N/W, K];
     # matmul_reduce_scatter x [M, K/W], w [N, K/W]; the cache keys the layer's global M, N, K.

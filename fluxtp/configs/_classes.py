@@ -36,6 +36,11 @@ class GemmTiling:
     num_stages: int = 3
     num_warps: int = 8
 
+    def as_entry(self):
+        """This config as launched, as a tuning table records it: itself (the all-gather's leaves
+        its per-call stream-K out)."""
+        return self
+
 
 
 def fp8_tiling(precise: bool, narrow: bool) -> dict:
@@ -262,6 +267,15 @@ class AllGatherMatmulConfig(GemmTiling):
         if self.warp_specialized or (self.block_m, self.block_n, self.block_k) != (128, 256, 64):
             return self
         return dataclasses.replace(self, warp_specialized=True, num_stages=3)
+
+    def as_entry(self) -> AllGatherMatmulConfig:
+        """This config as launched, as a tuning table records it: without stream-K, which the
+        launcher decides per call (with_stream_k_rule splits the tuned shape again, and at another
+        M of the entry's bucket only where it pays), and at warps its Triton twin can run (the
+        tiling's fallback where the warp-specialized kernel cannot: runnable)."""
+        if not self.stream_k:
+            return self
+        return dataclasses.replace(self, stream_k=False, num_warps=triton_warps(self))
 
     def with_stream_k_rule(self, rows_per_rank: int, n: int, k: int, world: int, sms: int = HOPPER_SMS,
                            fp8: bool = False) -> AllGatherMatmulConfig:  # fmt: skip
@@ -543,6 +557,13 @@ def smem_bytes(op: str, config) -> int:
     else:
         epilogue = c.block_m * (c.block_n // c.epilogue_split) * 4
     return pipeline + epilogue
+
+
+def triton_warps(config) -> int:
+    """The warps Triton's kernel runs `config`'s tiling on: a warp-specialized config's num_warps is
+    not its own (that kernel runs 4 a consumer warpgroup), so enough for the accumulator at
+    MAX_ACC_REGISTERS a thread (128x256 on 4 warps spilled: 9x the time)."""
+    return max(config.num_warps, config.block_m * config.block_n // (32 * MAX_ACC_REGISTERS))
 
 
 def fits(op: str, config) -> bool:

@@ -42,7 +42,6 @@ class GemmTiling:
         return self
 
 
-
 def fp8_tiling(precise: bool, narrow: bool) -> dict:
     """GemmTiling fields of the FP8 kernels, the fastest of eight tilings screened on one H200
     (GEMM-only against torch._scaled_mm, llama3-8b dims, TP 2 and 8: docs/perf-log.md).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -84,6 +85,30 @@ def _local_memory_ops(compiled) -> int:
     return sum("STL" in line or "LDL" in line for line in sass.splitlines())
 
 
+TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared")
+STORES_WRITTEN = re.compile(r"cp\.async\.bulk\.wait_group 0;")  # not .read: the writes done, not only the reads
+RELEASE_ATOMIC = re.compile(r"\b(atom|red)\.\S*\.(release|acq_rel)\.")
+
+
+def _stores_written_before_releases(compiled) -> tuple[int, int]:
+    """(releasing atomics after a TMA store, waits for the stores' writes) in the kernel's PTX;
+    fails where such an atomic has no wait for the writes (cp.async.bulk.wait_group without .read)
+    since the last store before it, in the PTX's order: a flag released after `.read` alone may
+    reach a reader before the data. (A partition that releases stores of another, as the reducer
+    kernel's counter warp, lies elsewhere in the PTX: the caller counts the waits.)"""
+    checked, stored, written = 0, False, False
+    ptx = compiled.asm["ptx"]
+    for number, line in enumerate(ptx.splitlines(), 1):
+        if TMA_STORE.search(line):
+            stored, written = True, False
+        elif STORES_WRITTEN.search(line):
+            written = True
+        elif stored and RELEASE_ATOMIC.search(line):
+            assert written, f"PTX line {number}: {line.strip()!r} releases TMA stores that may not be written yet"
+            checked += 1
+    return checked, len(STORES_WRITTEN.findall(ptx))
+
+
 def _inputs(m: int, n: int, k: int, fp8: bool):
     torch.manual_seed(0)
     x, w = torch.randn(m, k), torch.randn(n, k)
@@ -121,6 +146,8 @@ def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k,
     modelled = rs.reducer_smem_bytes(config, world, x.element_size(), part.itemsize, launch.constexprs["UNITS_IN_FLIGHT"],
                                      launch.constexprs["SPLIT_ACC"])  # fmt: skip
     assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES
+    released, written = _stores_written_before_releases(compiled)
+    assert released >= 1 and written >= 4  # each consumer's own flags and its handover of the peers' halves
 
 
 @pytest.mark.parametrize("world, transport", [(2, "copy_engine"), (8, "push")])
@@ -135,6 +162,8 @@ def test_the_precise_reducer_kernel_compiles_with_wide_tiles(captured_launch, wo
     compiled = _compile(launch, args)
     modelled = rs.reducer_smem_bytes(config, world, 1, 2, launch.constexprs["UNITS_IN_FLIGHT"], split=True)
     assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES
+    released, written = _stores_written_before_releases(compiled)
+    assert released >= 1 and written >= 4  # each consumer's own flags and its handover of the peers' halves
 
 
 WS_WIDE = AllGatherMatmulConfig(block_m=128, block_n=256, block_k=64, num_stages=3, warp_specialized=True)
@@ -203,6 +232,7 @@ def test_the_all_gather_splits_its_last_wave_by_k_when_asked(captured_launch, wo
     assert args[-4] == sk_tiles  # then the partials' descriptor, the flags and the half-width C descriptor
     compiled = _compile(launch, args)
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
+    assert _stores_written_before_releases(compiled)[0] >= 2  # each consumer's flags of the split tiles' partials
     assert _local_memory_ops(compiled) == 0
 
 

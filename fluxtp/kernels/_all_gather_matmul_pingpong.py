@@ -48,6 +48,7 @@ from fluxtp.kernels._pingpong import (
     load_tile,
     partition_barrier,
     record_and_trap,
+    stores_written,
     tma_load,
     tma_store,
     wait_flag,
@@ -264,13 +265,12 @@ def _store_staged(piece, staging, partial_desc, coord):
 def _publish_partial(left, right, c_smem, partial_desc, flags_ptr, C: gl.constexpr):
     """A piece of a split tile that does not end it: consumer C's column halves through its
     staging buffer, TMA-stored into this program's slot of the partials, then flagged (release,
-    once the stores completed in every thread of the partition)."""
+    once the stores have written it: stores_written)."""
     staging = _staging_as(c_smem, partial_desc)
     slot = 2 * gl.program_id(0) + C
     _store_staged(left, staging, partial_desc, [slot, 0, 0])
     _store_staged(right, staging, partial_desc, [slot, 0, left.shape[1]])
-    tma.store_wait(pendings=0)
-    partition_barrier()
+    stores_written()
     gl.atomic_xchg(flags_ptr + slot, 1, sem="release", scope="gpu")
 
 

@@ -71,6 +71,7 @@ from fluxtp.kernels._pingpong import (
     load_tile,
     partition_barrier,
     record_and_trap,
+    stores_written,
     tma_load,
     tma_store,
 )
@@ -132,20 +133,18 @@ def _peer_slot(owner, RANK: gl.constexpr, WORLD: gl.constexpr, PUSH: gl.constexp
 
 @gluon.jit
 def _count_own(counter):
-    """Count an own half in once its TMA store has completed: every thread of the partition is
-    past the wait, then one release at scope gpu (this GPU's reducers read it)."""
-    tma.store_wait(pendings=0)
-    partition_barrier()
+    """Count an own half in once its TMA store has written it (stores_written), one release at
+    scope gpu (this GPU's reducers read it)."""
+    stores_written()
     gl.atomic_add(counter, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
 def _hand_over_peer_half(stored, counted, handed):
     """Tell the counter warp that this consumer's handed-th peer half has been stored (its TMA
-    store completed: every thread of the partition is past the wait), through ring slot
-    handed % 2 once the counter took the half two back."""
-    tma.store_wait(pendings=0)
-    partition_barrier()
+    store has written it: stores_written), through ring slot handed % 2 once the counter took the
+    half two back."""
+    stores_written()
     slot = handed % 2
     mbarrier.wait(counted.index(slot), ((handed // 2) & 1) ^ 1)
     mbarrier.arrive(stored.index(slot), count=1)

@@ -39,6 +39,17 @@ def grouped_tile(local, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def stores_written():
+    """Every thread of the partition past the point where its TMA stores have written their
+    destinations, so that a release after it publishes their data to other programs and GPUs.
+    tma.store_wait waits only until the stores have read shared memory (Triton 3.6 emits
+    `cp.async.bulk.wait_group.read`): a flag released after it may arrive before the data."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    partition_barrier()
+
+
+@gluon.jit
 def record_and_trap(report_ptr, a, b, rank):
     """Every thread stores (a, b, rank), fences it system-wide and traps: whichever thread traps
     first has made the record visible (fluxtp.kernels._sync.record_and_trap)."""

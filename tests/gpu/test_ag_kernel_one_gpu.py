@@ -150,7 +150,9 @@ def test_a_chunk_that_never_arrives_traps_and_is_named(kernel):
 )
 def test_stream_k_over_reused_buffers(world, m, n, k, dtype, with_bias):
     """One launch plan called again and again on fresh data (GEMM-only mode: every chunk there): the
-    split tiles' sums match float64 each time, and every program's flags read zero after each call."""
+    split tiles' sums match float64 each time, and every program's flags read zero after each call;
+    then calls one after another, no sync between, alternating two inputs: each bitwise its input's
+    first output (a partial flagged before its stores landed would carry the call before's)."""
     skip_unless_hopper()
     cfg = dataclasses.replace(WIDE, warp_specialized=True, stream_k=True)
     rank = world - 1
@@ -164,6 +166,7 @@ def test_stream_k_over_reused_buffers(world, m, n, k, dtype, with_bias):
     gemm = _Gemm(w, b, y.stride(0), y.device, m, chunk_rows, GroupInfo(None, rank, world), cfg, DEFAULT_SPINS, 1, None)
     sk_tiles, _, flags = gemm.pingpong.stream_k
     assert sk_tiles > 0
+    inputs, outputs = [], []
     for call in range(4):
         what = f"world={world} m={m} n={n} k={k} call={call} seed={seed}"
         x = draw(seed + 2 + call, (world * m, k), dtype, "cuda")
@@ -175,3 +178,10 @@ def test_stream_k_over_reused_buffers(world, m, n, k, dtype, with_bias):
         assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"
         assert flags.eq(0).all(), f"{what}: the kernel left stream-K flags {flags.nonzero().flatten().tolist()} set"
         assert signals.eq(1).all() and done.item() == 0, f"{what}: signals or count not left as found"
+        inputs.append((x, x[rank * m : (rank + 1) * m].clone()))
+        outputs.append(y.clone())
+    differs = torch.zeros((), dtype=torch.int64, device="cuda")
+    for call in range(400):
+        gemm(*inputs[call % 2], w, b, y, signals, done)
+        differs += (y != outputs[call % 2]).any()
+    assert differs.item() == 0, f"world={world} seed={seed}: {differs.item()} of 400 back-to-back calls differ"

@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _matmul_reduce_scatter
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel, uses_reducer
 from tests._cases import TOLERANCE, draw, rel_error
@@ -119,3 +120,33 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
     out = owner_with_late_partials(x, w, b, world, k_local, cfg, owner, GATE_DELAY_S, MAX_SPINS, what)
     err = rel_error(out, _reference(x, w, b, owner, world))
     assert err <= TOLERANCE[dtype], f"{what}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "world, m, n, k_local",
+    [
+        (8, 128, 4096, 1792),  # llama3-8b TP=8, 1024 tokens: one wave, the own rows summed at the end
+        (4, 1024, 4096, 3584),  # llama3-8b TP=4, 4096 tokens: own tiles published through the GEMM
+    ],
+)
+def test_back_to_back_calls_over_one_workspace_read_this_calls_partials(world, m, n, k_local):
+    """GEMM-only calls of the reducer kernel one after another on one stream, x alternating between
+    two inputs (no sync between calls): each output matches float64 and, bitwise, its input's first
+    output. A flag released before the partial it publishes has landed (the consumers' wait for
+    their stores' writes) would let the reducer read the other input's partial of the call before."""
+    seed = random.randrange(1 << 30)
+    inputs = [draw(seed + i, (world * m, k_local), torch.bfloat16, "cuda") for i in range(2)]
+    w = draw(seed + 2, (n, k_local), torch.bfloat16, "cuda", scale=k_local**-0.5)
+    x = inputs[0].clone()
+    run = _matmul_reduce_scatter.gemm_only(x, w, None, GroupInfo(None, 0, world), REDUCER)
+    firsts = []
+    for x_i in inputs:
+        x.copy_(x_i)
+        firsts.append(run().clone())
+        err = rel_error(firsts[-1], x_i[:m].double() @ w.double().T)
+        assert err <= TOLERANCE[torch.bfloat16], f"world={world} seed={seed}: rel err {err:.2e}"
+    differs = torch.zeros((), dtype=torch.int64, device="cuda")
+    for call in range(400):
+        x.copy_(inputs[call % 2])
+        differs += (run() != firsts[call % 2]).any()
+    assert differs.item() == 0, f"world={world} seed={seed}: {differs.item()} of 400 calls read another call's partials"

@@ -109,6 +109,23 @@ def _stores_written_before_releases(compiled) -> tuple[int, int]:
     return checked, len(STORES_WRITTEN.findall(ptx))
 
 
+TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global")
+ACQUIRE = re.compile(r"\.acquire\.")
+
+
+# The kernels whose TMA loads read what flags publish (a peer's rows, partials); the Triton
+# reduce-scatter reads its partials by pointer (the generic proxy), its operands by TMA.
+TMA_READS_FLAGGED = {"all_gather_matmul_kernel", "all_gather_matmul_pingpong_kernel", "matmul_reduce_scatter_reducer_kernel"}
+
+
+def _orders_acquires_before_tma_loads(compiled) -> bool:
+    """Whether a kernel that acquires flags and TMA-loads data has the proxy fence that orders the
+    one before the other (fence.proxy.async.global; the PTX memory model orders accesses of the
+    generic and the async proxy only through it); True where it does not do both."""
+    ptx = compiled.asm["ptx"]
+    return not (ACQUIRE.search(ptx) and TMA_LOAD.search(ptx)) or "fence.proxy.async.global" in ptx
+
+
 def _inputs(m: int, n: int, k: int, fp8: bool):
     torch.manual_seed(0)
     x, w = torch.randn(m, k), torch.randn(n, k)
@@ -233,6 +250,7 @@ def test_the_all_gather_splits_its_last_wave_by_k_when_asked(captured_launch, wo
     compiled = _compile(launch, args)
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
     assert _stores_written_before_releases(compiled)[0] >= 2  # each consumer's flags of the split tiles' partials
+    assert _orders_acquires_before_tma_loads(compiled)
     assert _local_memory_ops(compiled) == 0
 
 
@@ -347,5 +365,8 @@ def test_every_heuristic_launch_fits_shared_memory(captured_launch, op):
             if key in seen:
                 continue
             seen.add(key)
-            shared = _compile(launch, args).metadata.shared
+            compiled = _compile(launch, args)
+            shared = compiled.metadata.shared
             assert shared <= SMEM_LIMIT_BYTES, f"{what}: {launch.constexprs} needs {shared} bytes of shared memory"
+            if launch.kernel.__name__ in TMA_READS_FLAGGED:
+                assert _orders_acquires_before_tma_loads(compiled), f"{what}: TMA loads after acquires, no proxy fence"

@@ -28,7 +28,7 @@ gathered before any chunk's signal), then the bias is added and C (out_dtype) ro
 import triton
 import triton.language as tl
 
-from fluxtp.kernels._sync import record_and_trap, wait_flag
+from fluxtp.kernels._sync import fence_async_proxy, record_and_trap, wait_flag
 from fluxtp.kernels._tiles import dot_k_block, grouped_tile
 
 
@@ -62,6 +62,7 @@ def _wait_for_tile(tile_id, ready, signal_ptr, report_ptr, tiles_m, tiles_n, til
         # 2.4-5x slower (one H200), and device_print slows the whole kernel (docs/perf-log.md).
         if not wait_flag(signal_ptr + chunk, 1, max_spins, "gpu"):
             record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
+        fence_async_proxy()  # the acquire before the chunk's TMA loads
     return chunk
 
 

@@ -43,6 +43,7 @@ from fluxtp.kernels._pingpong import (
     accumulate_halves,
     accumulate_plain,
     allocate_pingpong,
+    fence_async_proxy,
     grouped_tile,
     load_blocks,
     load_tile,
@@ -106,6 +107,7 @@ def _wait_for_chunk(ready_chunk, segment, pid_m, signal_ptr, report_ptr, chunk_r
     if chunk != ready_chunk:
         if wait_flag(signal_ptr + chunk, max_spins) != 1:
             record_and_trap(report_ptr, segment, chunk_in_segment, RANK)
+        fence_async_proxy()  # the acquire before the chunk's TMA loads
     return chunk
 
 
@@ -285,6 +287,7 @@ def _add_partials(left, right, c_smem, partial_desc, bars, local, k_tiles, sk_ti
     first_program = _first_program(local, k_tiles, sk_tiles, NUM_PROGRAMS)
     if first_program < gl.program_id(0):
         mbarrier.wait(bars.index(2), 0)
+        fence_async_proxy()  # the loader's acquires (seen through bars[2]) before the partials' TMA loads
     loads = 0
     tma.store_wait(pendings=0)  # the staging buffer's last store has read it
     for q in range(first_program, gl.program_id(0)):

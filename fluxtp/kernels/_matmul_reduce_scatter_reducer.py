@@ -67,6 +67,7 @@ from fluxtp.kernels._pingpong import (
     accumulate,
     accumulate_plain,
     allocate_stages,
+    fence_async_proxy,
     grouped_tile,
     load_tile,
     partition_barrier,
@@ -379,9 +380,7 @@ def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, needed, t
     missing = _wait_flags(flag_ptrs, waited, expected, lanes, needed * WORLD, max_spins)
     if missing < needed * WORLD:
         record_and_trap(report_ptr, missing % WORLD, gl.min(gl.where(lanes == missing, tile, 1 << 30), 0), RANK)
-    # Generic-proxy accesses before (the acquire) are ordered before the async proxy's after (TMA).
-    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [first_unit], dtype=gl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
+    fence_async_proxy()  # the acquires before the units' TMA loads
     return gl.minimum(missing // WORLD, count)
 
 

@@ -39,6 +39,14 @@ def grouped_tile(local, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def fence_async_proxy():
+    """Order this thread's generic-proxy accesses before (a flag's acquire) before its async-proxy
+    ones after (TMA loads of the data the flag publishes), as fluxtp.kernels._sync.fence_async_proxy."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def stores_written():
     """Every thread of the partition past the point where its TMA stores have written their
     destinations, so that a release after it publishes their data to other programs and GPUs.

@@ -8,6 +8,8 @@ the Triton interpreter cannot run: interpreter tests preset every flag so it is 
 Scope: "gpu" for flags written on this GPU (its copy stream), "sys" for flags a peer writes.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -16,6 +18,20 @@ import triton.language as tl
 def trap():
     """Abort the kernel (cudaErrorLaunchFailure on the host): a wait that will never finish."""
     tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+# The interpreter (TRITON_INTERPRET=1, read before triton is imported) runs no inline PTX.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def fence_async_proxy():
+    """Order this thread's generic-proxy accesses before (a flag's acquire) before its async-proxy
+    ones after (TMA loads of the data the flag publishes): the PTX memory model orders accesses of
+    different proxies only through a proxy fence. None under the interpreter: one memory, no proxies."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit

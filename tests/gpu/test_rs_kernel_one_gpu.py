@@ -132,8 +132,8 @@ def test_owner_waits_for_every_late_partial(transport, world, owner, m, n, k_loc
 def test_back_to_back_calls_over_one_workspace_read_this_calls_partials(world, m, n, k_local):
     """GEMM-only calls of the reducer kernel one after another on one stream, x alternating between
     two inputs (no sync between calls): each output matches float64 and, bitwise, its input's first
-    output. A flag released before the partial it publishes has landed (the consumers' wait for
-    their stores' writes) would let the reducer read the other input's partial of the call before."""
+    output. Were an own-tile flag released before the partial it publishes had landed (what
+    stores_written prevents), the reducer would read the other input's partial of the call before."""
     seed = random.randrange(1 << 30)
     inputs = [draw(seed + i, (world * m, k_local), torch.bfloat16, "cuda") for i in range(2)]
     w = draw(seed + 2, (n, k_local), torch.bfloat16, "cuda", scale=k_local**-0.5)

@@ -20,7 +20,14 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `one_unit_a_wait`: the reducer's waits read one unit's flags, not the next ones' too;
 - `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
-- `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn.
+- `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn;
+- `units_by_pointers`: the reducer warp's units (not the tail's) loaded by pointer from L2 into
+  registers and summed there, a row at a time: no shared memory;
+- `units_prefetched_to_l2`: its units' rows only prefetched into L2 (HBM to L2, nothing to the SM),
+  nothing summed;
+- `units_waited_only`: its units' flags waited for, nothing loaded nor summed.
+Against `no_sums` (the units TMA-loaded into shared memory, nothing summed) the last three tell
+which part of moving the W slots' rows costs the GEMM its time: HBM, L2 to the SM, or shared memory.
 The shipped kernel and the variants that change only how it waits or sums (COMPUTES_THE_OP)
 compute the op's result (checked first; the peers' partials read are zeros). Time over cuBLAS's, medians.
 """
@@ -80,6 +87,93 @@ ATOMIC_READS = [  # the flags read by atomic adds of 0 with acquire (the waited 
      "                                           sem='acquire', scope='sys') == expected)\n"),
 ]
 TWO_REDUCER_WARPS = [("REDUCER_WARPS = gl.constexpr(1)", "REDUCER_WARPS = gl.constexpr(2)")]
+
+# The reducer warp's units another way (the tail after the GEMM keeps its TMA loads): where
+# loading the W slots' rows into shared memory costs an FP8 GEMM its time (HBM, L2 to the SMs, or
+# shared memory), told apart by what each way moves.
+_ISSUE_FIRST = "_issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)"
+_ISSUE_NEXT = ("_issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,\n"
+               "                            PUSH)  # fmt: skip")
+_SUM = ("_sum_unit(unit_bufs, buffer, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,\n"
+        "                          WORLD, HAS_BIAS, REDUCER_WARPS)  # fmt: skip")
+_UNIT_WAYS = '''@gluon.jit
+def _unit_rows(buffer_ptrs, row0, col0, rows_per_rank, N, r, c, i, dtype: gl.constexpr, RANK: gl.constexpr,
+               WORLD: gl.constexpr, PUSH: gl.constexpr, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """(pointers, mask) of row r's columns c * WIDTH.. of a unit in its i-th slot of the sum (the
+    own slot, then the incoming ones in rank order), in this rank's buffer: slots [*, m, N]."""
+    slot = _own_slot(PUSH, WORLD) if i == 0 else i - 1
+    base = gl.load(buffer_ptrs + RANK).to(gl.pointer_type(dtype))
+    rows = row0 + r + gl.arange(0, 1, layout=gl.SliceLayout(1, layout))
+    cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    offs = gl.expand_dims((slot * rows_per_rank + rows).to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
+    return base + offs, gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
+
+
+@gluon.jit
+def _sum_unit_by_pointers(buffer_ptrs, out_ptr, bias_ptr, row0, col0, rows_per_rank, N, stride_om, RANK: gl.constexpr,
+                          WORLD: gl.constexpr, PUSH: gl.constexpr, UNIT_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HAS_BIAS: gl.constexpr):  # fmt: skip
+    """_sum_unit with the W slots' rows loaded from L2 into registers (no shared memory), a row at a time."""
+    WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
+    layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [1, 1], [1, 0])
+    dtype: gl.constexpr = out_ptr.dtype.element_ty
+    for r in gl.static_range(UNIT_ROWS):
+        for c in gl.static_range(BLOCK_N // WIDTH):
+            acc = gl.zeros((1, WIDTH), gl.float32, layout=layout)
+            for i in gl.static_range(WORLD):
+                ptrs, mask = _unit_rows(buffer_ptrs, row0, col0, rows_per_rank, N, r, c, i, dtype, RANK, WORLD, PUSH,
+                                        WIDTH, layout)  # fmt: skip
+                acc += gl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
+            rows = row0 + r + gl.arange(0, 1, layout=gl.SliceLayout(1, layout))
+            cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+            if HAS_BIAS:
+                acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+            mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
+            offs = gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+            gl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+
+
+@gluon.jit
+def _prefetch_unit_to_l2(buffer_ptrs, out_ptr, row0, col0, rows_per_rank, N, RANK: gl.constexpr, WORLD: gl.constexpr,
+                         PUSH: gl.constexpr, UNIT_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """The W slots' rows of a unit brought into L2 (cp.async.bulk.prefetch.L2, a row's columns a
+    lane), none into the SM; nothing summed."""
+    gl.static_assert(WORLD * UNIT_ROWS <= 32)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lanes = gl.arange(0, 32, layout=layout)
+    i = lanes // UNIT_ROWS
+    slot = gl.where(i == 0, _own_slot(PUSH, WORLD), i - 1)
+    rows = gl.minimum(row0 + lanes % UNIT_ROWS, rows_per_rank - 1)
+    base = gl.load(buffer_ptrs + RANK).to(gl.pointer_type(out_ptr.dtype.element_ty))
+    ptrs = base + (slot * rows_per_rank + rows).to(gl.int64) * N + col0
+    nbytes = gl.minimum(N - col0, BLOCK_N) * (out_ptr.dtype.element_ty.primitive_bitwidth // 8) // 16 * 16
+    valid = (lanes < WORLD * UNIT_ROWS) & (nbytes > 0)
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; }"
+                              " mov.u32 $0, 0;", "=r,l,r,r", [ptrs, valid.to(gl.int32), nbytes + lanes * 0],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _tail_first('''
+BY_POINTERS = [  # computes the op: the units' rows by pointer loads, no shared memory
+    ("@gluon.jit\ndef _tail_first(", _UNIT_WAYS),
+    (_ISSUE_FIRST, "mbarrier.arrive(unit_bar.index(j), count=1)"),
+    (_ISSUE_NEXT, "mbarrier.arrive(unit_bar.index(buffer), count=1)"),
+    (_SUM, "_sum_unit_by_pointers(buffer_ptrs, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,\n"
+           "                                      RANK, WORLD, PUSH, UNIT_ROWS, BLOCK_N, HAS_BIAS)"),
+]
+PREFETCH_TO_L2 = [  # the units' rows into L2 only; nothing summed
+    ("@gluon.jit\ndef _tail_first(", _UNIT_WAYS),
+    (_ISSUE_FIRST, "mbarrier.arrive(unit_bar.index(j), count=1)"),
+    (_ISSUE_NEXT, "mbarrier.arrive(unit_bar.index(buffer), count=1)"),
+    (_SUM, "_prefetch_unit_to_l2(buffer_ptrs, out_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, RANK, WORLD, PUSH,\n"
+           "                                     UNIT_ROWS, BLOCK_N)"),
+]
+WAITS_ONLY = [  # the units' flags waited for; nothing loaded nor summed
+    (_ISSUE_FIRST, "mbarrier.arrive(unit_bar.index(j), count=1)"),
+    (_ISSUE_NEXT, "mbarrier.arrive(unit_bar.index(buffer), count=1)"),
+    (_SUM, "pass"),
+]
 VARIANTS = {
     "no_reducer": NO_REDUCER,
     "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
@@ -91,9 +185,12 @@ VARIANTS = {
     "atomic_reads": ATOMIC_READS,
     "one_unit_atomic_reads": ONE_UNIT_A_WAIT + ATOMIC_READS,
     "two_reducer_warps": TWO_REDUCER_WARPS,
+    "units_by_pointers": BY_POINTERS,
+    "units_prefetched_to_l2": PREFETCH_TO_L2,
+    "units_waited_only": WAITS_ONLY,
 }
 COMPUTES_THE_OP = ("fused", "own_flag_only", "one_unit_a_wait", "atomic_reads", "one_unit_atomic_reads",
-                   "two_reducer_warps")
+                   "two_reducer_warps", "units_by_pointers")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 

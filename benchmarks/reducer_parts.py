@@ -22,7 +22,8 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
 - `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn;
 - `units_by_pointers`: the reducer warp's units (not the tail's) loaded by pointer from L2 into
-  registers and summed there, a row at a time: no shared memory;
+  registers and summed there, a row at a time: no shared memory (and a unit's rows one round trip
+  after another, which alone may make it slower);
 - `units_prefetched_to_l2`: its units' rows only prefetched into L2 (HBM to L2, nothing to the SM),
   nothing summed;
 - `units_waited_only`: its units' flags waited for, nothing loaded nor summed.

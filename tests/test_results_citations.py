@@ -1,10 +1,11 @@
-"""Every results file the docs cite by its full name exists under benchmarks/results/: a figure
-in the README or the docs points at the JSON (and command) that reproduces it. Names written as
-a pattern (`{a,b}` alternatives) need at least one match, as such patterns zip parts (x{2,4} with
-tp{2,4}) rather than cross them; names abbreviated from the one before (`...-suffix.json`, a
-bare `-suffix.json`, a table's `h200-...` under its column's prefix) or with wildcards are left
-to the reader."""
+"""The docs and benchmarks/results/ agree: every results file the README or the docs cite by its
+full name exists (a figure points at the JSON and command that reproduce it), and every JSON there
+is named somewhere (a reader finds what it measured). Names written as a pattern (`{a,b}`
+alternatives) need one match, as such patterns zip parts (x{2,4} with tp{2,4}) rather than cross
+them; abbreviated names (`...-suffix.json`, a bare `-suffix.json`, a table's `h200-...` under its
+column's prefix) and wildcards count for the second test, not the first."""
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ CITED = re.compile(r"`([a-z_]+-h\d00[^`\s]*\.(?:json|png))`")  # scenario-device
 
 
 def _alternatives(name: str) -> list[str]:
+    """Every name a pattern of `{a,b}` alternatives stands for (each brace crossed with the others)."""
     match = re.search(r"\{([^{}]*)\}", name)
     if match is None:
         return [name]
@@ -26,11 +28,43 @@ def _alternatives(name: str) -> list[str]:
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_results_file_a_doc_names_exists(doc):
     present = {p.name for p in RESULTS.iterdir()}
+    text = doc.read_text()
     missing = []
-    for match in CITED.finditer(doc.read_text()):
+    for match in CITED.finditer(text):
         name = match.group(1).split("/")[-1]
         if "..." in name or "*" in name or "<" in name:
             continue
         if not any(alt in present for alt in _alternatives(name)):
-            missing.append(f"line {doc.read_text()[: match.start()].count(chr(10)) + 1}: {name}")
+            missing.append(f"line {text.count(chr(10), 0, match.start()) + 1}: {name}")
     assert not missing, f"{doc.name} cites results files that are not in benchmarks/results: {missing}"
+
+
+def _named(text: str, present: set[str]) -> set[str]:
+    """The results files `text` names: in full or as an alternative of a pattern; abbreviated from
+    the full name before it (`...-x.json` or `-x.json`: a start of that name, then the ending);
+    under a column's `prefix-...`; or by a wildcard."""
+    named, before, column = set(), [], ""
+    for token in re.findall(r"`([^`\s]+)`", text):
+        alternatives = _alternatives(token.split("/")[-1])
+        for alt in alternatives:
+            if alt.endswith("-..."):
+                column = alt[:-3]
+            elif alt.startswith("...") or alt.startswith("-"):
+                ending = alt.lstrip(".")
+                named |= {full[:i] + ending for full in before for i in range(len(full)) if full[:i] + ending in present}
+            elif "*" in alt or "..." in alt:
+                pattern = alt.replace("...", "*")
+                named |= {name for name in present if fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, column + pattern)}
+            elif alt in present or column + alt in present:
+                named.add(alt if alt in present else column + alt)
+        before = [alt for alt in alternatives if alt in present] or before
+    return named
+
+
+def test_every_results_json_is_named_somewhere():
+    """Each JSON under benchmarks/results/ is named in the results index or the docs, so that a
+    reader finds what it measured and how (its PNG, where it has one, goes with it)."""
+    present = {p.name for p in RESULTS.iterdir()}
+    named = _named("\n".join(doc.read_text() for doc in DOCS), present)
+    unnamed = sorted(name for name in present if name.endswith(".json") and name not in named)
+    assert not unnamed, f"results files no doc names (index them in benchmarks/results/README.md): {unnamed}"

@@ -1,11 +1,13 @@
-"""The docs and benchmarks/results/ agree: every results file the README or the docs cite by its
-full name exists (a figure points at the JSON and command that reproduce it), and every JSON there
-is named somewhere (a reader finds what it measured). Names written as a pattern (`{a,b}`
+"""The results files and the docs agree, and each file says how it was measured: every results
+file the README or the docs cite by its full name exists (a figure points at the JSON and command
+that reproduce it), every JSON there is named somewhere (a reader finds what it measured), and
+each records its device, GPU count, date, commit and command. Names written as a pattern (`{a,b}`
 alternatives) need one match, as such patterns zip parts (x{2,4} with tp{2,4}) rather than cross
 them; abbreviated names (`...-suffix.json`, a bare `-suffix.json`, a table's `h200-...` under its
-column's prefix) and wildcards count for the second test, not the first."""
+column's prefix) and wildcards count for naming a file, not for citing one."""
 
 import fnmatch
+import json
 import re
 from pathlib import Path
 
@@ -68,3 +70,15 @@ def test_every_results_json_is_named_somewhere():
     named = _named("\n".join(doc.read_text() for doc in DOCS), present)
     unnamed = sorted(name for name in present if name.endswith(".json") and name not in named)
     assert not unnamed, f"results files no doc names (index them in benchmarks/results/README.md): {unnamed}"
+
+
+def test_every_results_json_says_where_when_and_how_it_was_measured():
+    """Each JSON records its device, GPU count, date, commit and the exact command (the project's
+    rule for a GPU claim: reproducible by that command)."""
+    lacking = []
+    for path in sorted(RESULTS.glob("*.json")):
+        record = json.loads(path.read_text())
+        absent = [key for key in ("device", "gpus", "date", "commit", "command") if not record.get(key)]
+        if absent:
+            lacking.append(f"{path.name}: {absent}")
+    assert not lacking, f"results files without their provenance: {lacking}"

@@ -93,8 +93,8 @@ TWO_REDUCER_WARPS = [("REDUCER_WARPS = gl.constexpr(1)", "REDUCER_WARPS = gl.con
 # loading the W slots' rows into shared memory costs an FP8 GEMM its time (HBM, L2 to the SMs, or
 # shared memory), told apart by what each way moves.
 _ISSUE_FIRST = "_issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)"
-_ISSUE_NEXT = ("_issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,\n"
-               "                            PUSH)  # fmt: skip")
+_ISSUE_NEXT = ("_issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, "
+               "WORLD,\n                            PUSH)  # fmt: skip")
 _SUM = ("_sum_unit(unit_bufs, buffer, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,\n"
         "                          WORLD, HAS_BIAS, REDUCER_WARPS)  # fmt: skip")
 _UNIT_WAYS = '''@gluon.jit

@@ -115,7 +115,11 @@ ACQUIRE = re.compile(r"\.acquire\.")
 
 # The kernels whose TMA loads read what flags publish (a peer's rows, partials); the Triton
 # reduce-scatter reads its partials by pointer (the generic proxy), its operands by TMA.
-TMA_READS_FLAGGED = {"all_gather_matmul_kernel", "all_gather_matmul_pingpong_kernel", "matmul_reduce_scatter_reducer_kernel"}
+TMA_READS_FLAGGED = {
+    "all_gather_matmul_kernel",
+    "all_gather_matmul_pingpong_kernel",
+    "matmul_reduce_scatter_reducer_kernel",
+}
 
 
 def _orders_acquires_before_tma_loads(compiled) -> bool:

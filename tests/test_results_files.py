@@ -24,7 +24,8 @@ def _alternatives(name: str) -> list[str]:
     match = re.search(r"\{([^{}]*)\}", name)
     if match is None:
         return [name]
-    return [full for alt in match.group(1).split(",") for full in _alternatives(name[: match.start()] + alt + name[match.end() :])]
+    head, tail = name[: match.start()], name[match.end() :]
+    return [full for alt in match.group(1).split(",") for full in _alternatives(head + alt + tail)]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -53,10 +54,12 @@ def _named(text: str, present: set[str]) -> set[str]:
                 column = alt[:-3]
             elif alt.startswith("...") or alt.startswith("-"):
                 ending = alt.lstrip(".")
-                named |= {full[:i] + ending for full in before for i in range(len(full)) if full[:i] + ending in present}
+                starts = {full[:i] for full in before for i in range(len(full))}
+                named |= {start + ending for start in starts if start + ending in present}
             elif "*" in alt or "..." in alt:
                 pattern = alt.replace("...", "*")
-                named |= {name for name in present if fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, column + pattern)}
+                named |= {name for name in present
+                          if fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(name, column + pattern)}  # fmt: skip
             elif alt in present or column + alt in present:
                 named.add(alt if alt in present else column + alt)
         before = [alt for alt in alternatives if alt in present] or before

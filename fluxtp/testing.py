@@ -61,15 +61,17 @@ def _entry(rank, fn, world_size, port, backend, timeout_s, args, done_dir):
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
     )
-    failure = None
+    failure, in_body = None, True
     try:
         fn(rank, world_size, *args)
+        in_body = False
         dist.barrier()
         # Every rank's body passed: what may still go wrong is teardown (see run_on_ranks).
         Path(done_dir, f"rank{rank}.done").touch()
     except Exception:
         failure = traceback.format_exc()
-        Path(done_dir, f"rank{rank}.failed").write_text(failure)
+        # A body's failure, or (.lost) the final barrier's: a peer whose body failed left it.
+        Path(done_dir, f"rank{rank}.{'failed' if in_body else 'lost'}").write_text(failure)
     # Torn down outside the except clause: its traceback's frames hold the body's objects (a model
     # with captured NCCL graphs), which made destroy_process_group hang and hid the failure.
     destroy_process_group()
@@ -167,6 +169,14 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
             crashed = {r: _CRASH_EXIT_CODES[code] for r, code in enumerate(codes) if code in _CRASH_EXIT_CODES}
             if crashed:
                 raise _NativeCrash(crashed, e) from e
+            failed = {int(f.stem.removeprefix("rank")): f.read_text() for f in Path(done_dir).glob("*.failed")}
+            if isinstance(e, mp.ProcessRaisedException) and failed and e.error_index not in failed:
+                # The first rank seen to fail only lost a failed peer at the final barrier: name the
+                # peer's own failure (the one the test is about), as the rank raised it.
+                rank = min(failed)
+                raise mp.ProcessRaisedException(
+                    f"\n\n-- Process {rank} terminated with the following error:\n{failed[rank]}", rank, ctx.processes[rank].pid
+                ) from e
             raise
 
 

@@ -1,4 +1,5 @@
-"""fluxtp.testing.run_on_ranks: failures propagate, named even where teardown then hangs; a crash in
+"""fluxtp.testing.run_on_ranks: failures propagate, named even where teardown then hangs or a peer
+that lost the failed rank at the final barrier exits first; a crash in
 teardown after a pass does not; a gloo rank killed by a crash signal in its body is run once more,
 an NCCL one fails at once.
 run_launch: a torchrun launch whose worker died of a crash signal runs once more, nothing else does."""
@@ -149,6 +150,26 @@ def test_a_failed_body_tears_down_without_its_frames_and_reports_the_failure():
     # alive, teardown hung on them, and the test ended in a timeout that never named the failure.
     with pytest.raises(mp.ProcessRaisedException, match="rank 0 saw a wrong number"):
         run_on_ranks(_raise_holding_a_graph, 2, backend="gloo", timeout_s=120)
+
+
+def _raise_then_leave_last(rank, world):
+    """Rank 0's body fails, and it exits a while after tearing down: rank 1, at the final barrier,
+    loses it and exits first."""
+    if rank == 0:
+        real = testing.destroy_process_group
+
+        def destroy():
+            real()
+            time.sleep(3)
+
+        testing.destroy_process_group = destroy
+        raise AssertionError("rank 0 saw a wrong number")
+
+
+def test_a_rank_that_lost_its_failed_peer_at_the_barrier_does_not_hide_the_failure():
+    # Rank 1's error (the connection rank 0 closed) reached join first and was the one raised.
+    with pytest.raises(mp.ProcessRaisedException, match="rank 0 saw a wrong number"):
+        run_on_ranks(_raise_then_leave_last, 2, backend="gloo", timeout_s=120)
 
 
 def test_a_timeout_names_the_failures_of_ranks_that_hang_in_teardown():

@@ -1,7 +1,6 @@
 """fluxtp.testing.run_on_ranks: failures propagate, named even where teardown then hangs or a peer
-that lost the failed rank at the final barrier exits first; a crash in
-teardown after a pass does not; a gloo rank killed by a crash signal in its body is run once more,
-an NCCL one fails at once.
+that lost the failed rank at the final barrier exits first; a crash in teardown after a pass does
+not; a gloo rank killed by a crash signal in its body is run once more, an NCCL one fails at once.
 run_launch: a torchrun launch whose worker died of a crash signal runs once more, nothing else does."""
 
 import atexit

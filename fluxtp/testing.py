@@ -134,6 +134,12 @@ def run_launch(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Comple
     return run()
 
 
+def _body_failures(done_dir: str) -> dict[int, str]:
+    """rank -> the traceback its body failed with (_entry's rank{r}.failed files), by rank."""
+    failed = {int(f.stem.removeprefix("rank")): f.read_text() for f in Path(done_dir).glob("*.failed")}
+    return dict(sorted(failed.items()))
+
+
 def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: float) -> None:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="fluxtp-ranks-") as done_dir:
@@ -151,8 +157,8 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
                     for p in ctx.processes:
                         if p.is_alive():
                             p.kill()
-                    failed = sorted(Path(done_dir).glob("*.failed"))  # bodies that failed, then hung in teardown
-                    failures = "".join(f"\n{f.stem}: {f.read_text()}" for f in failed)
+                    # Bodies that failed, then hung in teardown.
+                    failures = "".join(f"\nrank{r}: {text}" for r, text in _body_failures(done_dir).items())
                     raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout_s:.0f} s{failures}")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # A rank killed by a signal after every rank's body passed and met at the final
@@ -169,7 +175,7 @@ def _spawn_and_join(fn, world_size: int, args: tuple, backend: str, timeout_s: f
             crashed = {r: _CRASH_EXIT_CODES[code] for r, code in enumerate(codes) if code in _CRASH_EXIT_CODES}
             if crashed:
                 raise _NativeCrash(crashed, e) from e
-            failed = {int(f.stem.removeprefix("rank")): f.read_text() for f in Path(done_dir).glob("*.failed")}
+            failed = _body_failures(done_dir)
             if isinstance(e, mp.ProcessRaisedException) and failed and e.error_index not in failed:
                 # The first rank seen to fail only lost a failed peer at the final barrier: name the
                 # peer's own failure (the one the test is about), as the rank raised it.

@@ -98,38 +98,28 @@ _ISSUE_NEXT = ("_issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer
 _SUM = ("_sum_unit(unit_bufs, buffer, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om,\n"
         "                          WORLD, HAS_BIAS, REDUCER_WARPS)  # fmt: skip")
 _UNIT_WAYS = '''@gluon.jit
-def _unit_rows(buffer_ptrs, row0, col0, rows_per_rank, N, r, c, i, dtype: gl.constexpr, RANK: gl.constexpr,
-               WORLD: gl.constexpr, PUSH: gl.constexpr, WIDTH: gl.constexpr, layout: gl.constexpr):
-    """(pointers, mask) of row r's columns c * WIDTH.. of a unit in its i-th slot of the sum (the
-    own slot, then the incoming ones in rank order), in this rank's buffer: slots [*, m, N]."""
-    slot = _own_slot(PUSH, WORLD) if i == 0 else i - 1
-    base = gl.load(buffer_ptrs + RANK).to(gl.pointer_type(dtype))
-    rows = row0 + r + gl.arange(0, 1, layout=gl.SliceLayout(1, layout))
-    cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    offs = gl.expand_dims((slot * rows_per_rank + rows).to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
-    return base + offs, gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
-
-
-@gluon.jit
 def _sum_unit_by_pointers(buffer_ptrs, out_ptr, bias_ptr, row0, col0, rows_per_rank, N, stride_om, RANK: gl.constexpr,
                           WORLD: gl.constexpr, PUSH: gl.constexpr, UNIT_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                           HAS_BIAS: gl.constexpr):  # fmt: skip
-    """_sum_unit with the W slots' rows loaded from L2 into registers (no shared memory), a row at a time."""
+    """_sum_unit with the W slots' rows (the own slot's, then the incoming ones' in rank order, in
+    this rank's buffer: slots [*, m, N]) loaded from L2 into registers (no shared memory), a row at
+    a time."""
     WIDTH: gl.constexpr = REDUCE_WIDTH if BLOCK_N > REDUCE_WIDTH else BLOCK_N
     layout: gl.constexpr = gl.BlockedLayout([1, WIDTH // 32], [1, 32], [1, 1], [1, 0])
     dtype: gl.constexpr = out_ptr.dtype.element_ty
+    slots = gl.load(buffer_ptrs + RANK).to(gl.pointer_type(dtype))
     for r in gl.static_range(UNIT_ROWS):
+        rows = row0 + r + gl.arange(0, 1, layout=gl.SliceLayout(1, layout))
         for c in gl.static_range(BLOCK_N // WIDTH):
+            cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+            mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
             acc = gl.zeros((1, WIDTH), gl.float32, layout=layout)
             for i in gl.static_range(WORLD):
-                ptrs, mask = _unit_rows(buffer_ptrs, row0, col0, rows_per_rank, N, r, c, i, dtype, RANK, WORLD, PUSH,
-                                        WIDTH, layout)  # fmt: skip
-                acc += gl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
-            rows = row0 + r + gl.arange(0, 1, layout=gl.SliceLayout(1, layout))
-            cols = col0 + c * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+                slot = _own_slot(PUSH, WORLD) if i == 0 else i - 1
+                offs = gl.expand_dims((slot * rows_per_rank + rows).to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
+                acc += gl.load(slots + offs, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-            mask = gl.expand_dims(rows < rows_per_rank, 1) & gl.expand_dims(cols < N, 0)
             offs = gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
             gl.store(out_ptr + offs, acc.to(dtype), mask=mask)
 

@@ -28,7 +28,14 @@ import fluxtp.kernels._all_gather_matmul_pingpong as ag_module
 import fluxtp.kernels._matmul_reduce_scatter_reducer as rs_module
 from fluxtp._dist import GroupInfo
 from fluxtp.backends.fused import _all_gather_matmul, _matmul_reduce_scatter
-from fluxtp.bench.gemm_grid import cublas_reference, expected_rows, fp8_case_inputs, launched_config, relative_error
+from fluxtp.bench.gemm_grid import (
+    cublas_reference,
+    expected_rows,
+    fp8_case_inputs,
+    gathered,
+    launched_config,
+    relative_error,
+)
 from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -130,8 +137,8 @@ def main() -> None:
             if not config.warp_specialized:
                 print(f"{case.label()}: a call runs a Triton kernel here; skipped", flush=True)
                 continue
-            full = x.repeat(case.world, 1) if op == "all_gather_matmul" else x
-            reference = lambda full=full: cublas_reference(full, w, scales, args.fast_accum)  # noqa: E731
+            full, full_scales = gathered(case, x), (gathered(case, scale_x), scale_w)  # row scales travel with rows
+            reference = lambda full=full, s=full_scales: cublas_reference(full, w, s, args.fast_accum)  # noqa: E731
             want = expected_rows(case, reference())
             runs = {}
             for name, kernel in kernels.items():

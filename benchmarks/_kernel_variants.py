@@ -150,7 +150,7 @@ def time_case(case, runs: dict, a: torch.Tensor, weight: torch.Tensor, config, r
 
 def report(scenario: str, rows: list[dict], columns: list[str], detail: str, out: str | None) -> None:
     """The table of every row's times over cuBLAS's (with the row's `detail` field), and the JSON."""
-    print(tabulate([[r["case"], r[detail], *(r["vs_cublas"].get(n, "-") for n in columns)] for r in rows],
+    print(tabulate([[r["case"], r[detail], *(r["vs_cublas"][n] for n in columns)] for r in rows],
                    headers=["case (time / cuBLAS)", detail, *columns]))  # fmt: skip
     if out:
         data = envelope(scenario, rows, device=torch.cuda.get_device_name(), gpus=1, world=0, command=command_line())

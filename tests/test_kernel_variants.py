@@ -30,6 +30,7 @@ def test_every_variant_applies_to_the_shipped_kernel(script, kernel_file):
 def test_the_scale_load_variants_apply_to_both_warp_specialized_kernels():
     module = importlib.import_module("scale_loads")
     for op, (*_, kernel_file, op_variants) in module.OPS.items():
+        assert set(op_variants) == set(module.VARIANTS), op
         shipped = (variants.KERNELS / kernel_file).read_text()
         for name, replacements in op_variants.items():
             source = variants.variant_source(shipped, f"{op} {name}", replacements)

@@ -52,7 +52,6 @@ from fluxtp.kernels._pingpong import (
     stores_written,
     tma_load,
     tma_store,
-    wait_first_block,
     wait_flag,
 )
 
@@ -180,40 +179,24 @@ def _loader(a_desc, own_desc, b_desc, a_bufs, b_bufs, ready, empty, signal_ptr, 
 
 
 @gluon.jit
-def _scales(scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, col, rows_per_rank, N, HALF: gl.constexpr,
-            WIDTH: gl.constexpr, layout: gl.constexpr, C: gl.constexpr, RANK: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
-    """What consumer C's rows of a tile's columns col..col + WIDTH are multiplied by: (x's scale,
-    the weight's) per tensor, or row-wise (x's rows', the columns', in `layout`'s slices; this
-    rank's rows' scales from its own, the peers' from the gathered); (1, 1) unscaled. A peer's row
-    scales are there once its rows are (the loader waited for them: wait_first_block)."""
-    if SCALING == 1:
-        return gl.load(scale_a_ptr), gl.load(scale_b_ptr)
-    elif SCALING == 2:
-        rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
-        cols = col + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-        if segment == RANK:
-            row_scales = scale_own_ptr + rows
-        else:
-            row_scales = scale_a_ptr + segment * rows_per_rank + rows
-        scale_a = gl.load(row_scales, mask=rows < rows_per_rank, other=0.0)
-        return scale_a, gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
-    else:
-        return 1.0, 1.0
-
-
-@gluon.jit
-def _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a, scale_b, segment, pid_m, col, rows_per_rank, N, stride_cm,
-              layout: gl.constexpr, C: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SCALING: gl.constexpr):  # fmt: skip
+def _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, col,
+              rows_per_rank, N, stride_cm, layout: gl.constexpr, C: gl.constexpr, RANK: gl.constexpr,
+              HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, SCALING: gl.constexpr):  # fmt: skip
     """Consumer C's rows of a tile's columns col.. (acc: float32 [BLOCK_M // 2, width] in layout)
-    times its scales (_scales), biased and stored (through c_smem, once its last store has read it)."""
+    scaled, biased and stored (through c_smem, once its last store has read it)."""
     HALF: gl.constexpr = acc.shape[0]
     WIDTH: gl.constexpr = acc.shape[1]
     rows = pid_m * (2 * HALF) + C * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))  # in the segment
     cols = col + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
     if SCALING == 1:
-        acc = acc * scale_a * scale_b
-    elif SCALING == 2:
+        acc = acc * gl.load(scale_a_ptr) * gl.load(scale_b_ptr)
+    elif SCALING == 2:  # row-wise: this rank's rows' scales from its own, the peers' from the gathered
+        if segment == RANK:
+            row_scales = scale_own_ptr + rows
+        else:
+            row_scales = scale_a_ptr + segment * rows_per_rank + rows
+        scale_a = gl.load(row_scales, mask=rows < rows_per_rank, other=0.0)
+        scale_b = gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
         acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
@@ -348,29 +331,17 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
     used = 0
     for tile in range(gl.program_id(0), whole_tiles, NUM_PROGRAMS):
         segment, pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, RANK, WORLD, GROUP_M, SEGMENT_BANDS, PEER_BANDS)
-        # The scales' loads in flight during the K loop, not waited for after it with the tensor cores
-        # idle (docs/perf-log.md); not beside SPLIT_ACC's accumulators, whose registers hold no more.
-        if not SPLIT_ACC:
-            if SCALING != 0:
-                if K > 0:
-                    wait_first_block(ready, used)
-            scale_a, scale_b = _scales(scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, pid_n * BLOCK_N,
-                                       rows_per_rank, N, BLOCK_M // 2, ACC_N, layout, C, RANK, SCALING)  # fmt: skip
         if PRECISE_ACC:
             acc, acc_hi, used = accumulate(a_bufs, b_bufs, ready, empty, used, K, C, layout, SPLIT_ACC)
         else:
             acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)
-        if SPLIT_ACC:
-            scale_a, scale_b = _scales(scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, pid_n * BLOCK_N,
-                                       rows_per_rank, N, BLOCK_M // 2, ACC_N, layout, C, RANK, SCALING)  # fmt: skip
         c_smem = c_bufs.index(C)
-        _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a, scale_b, segment, pid_m, pid_n * BLOCK_N, rows_per_rank,
-                  N, stride_cm, layout, C, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
+        _epilogue(acc, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
+                  pid_n * BLOCK_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
         if SPLIT_ACC:  # the columns' second half, through the same staging buffer
-            scale_a, scale_b = _scales(scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, pid_n * BLOCK_N + ACC_N,
-                                       rows_per_rank, N, BLOCK_M // 2, ACC_N, layout, C, RANK, SCALING)  # fmt: skip
-            _epilogue(acc_hi, c_desc, c_smem, c_ptr, bias_ptr, scale_a, scale_b, segment, pid_m, pid_n * BLOCK_N + ACC_N,
-                      rows_per_rank, N, stride_cm, layout, C, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
+            _epilogue(acc_hi, c_desc, c_smem, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m,
+                      pid_n * BLOCK_N + ACC_N, rows_per_rank, N, stride_cm, layout, C, RANK, HAS_BIAS, TMA_STORE,
+                      SCALING)  # fmt: skip
     if STREAM_K:
         gl.static_assert(not PRECISE_ACC)
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -391,16 +362,12 @@ def _consumer(c_desc, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, 
                 left, right = _add_partials(left, right, c_bufs.index(C), partial_desc, sk_bars, local, k_tiles, sk_tiles,
                                             flags_ptr, C, NUM_PROGRAMS)  # fmt: skip
                 # Each column half through the staging buffer's half view.
-                col = pid_n * BLOCK_N
-                scale_a, scale_b = _scales(scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, col, rows_per_rank, N,
-                                           BLOCK_M // 2, BLOCK_N // 2, half_layout, C, RANK, SCALING)  # fmt: skip
-                _epilogue(left, c_half_desc, c_half, c_ptr, bias_ptr, scale_a, scale_b, segment, pid_m, col, rows_per_rank,
-                          N, stride_cm, half_layout, C, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
-                col += BLOCK_N // 2
-                scale_a, scale_b = _scales(scale_a_ptr, scale_own_ptr, scale_b_ptr, segment, pid_m, col, rows_per_rank, N,
-                                           BLOCK_M // 2, BLOCK_N // 2, half_layout, C, RANK, SCALING)  # fmt: skip
-                _epilogue(right, c_half_desc, c_half, c_ptr, bias_ptr, scale_a, scale_b, segment, pid_m, col, rows_per_rank,
-                          N, stride_cm, half_layout, C, HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
+                _epilogue(left, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
+                          pid_m, pid_n * BLOCK_N, rows_per_rank, N, stride_cm, half_layout, C, RANK, HAS_BIAS, TMA_STORE,
+                          SCALING)  # fmt: skip
+                _epilogue(right, c_half_desc, c_half, c_ptr, bias_ptr, scale_a_ptr, scale_own_ptr, scale_b_ptr, segment,
+                          pid_m, pid_n * BLOCK_N + BLOCK_N // 2, rows_per_rank, N, stride_cm, half_layout, C, RANK,
+                          HAS_BIAS, TMA_STORE, SCALING)  # fmt: skip
             it -= k1 - k0
     if TMA_STORE:
         tma.store_wait(pendings=0)

@@ -182,15 +182,6 @@ def _promote(a_bufs, b_bufs, ready, empty, used, acc, acc_hi, part, BLOCKS: gl.c
 
 
 @gluon.jit
-def wait_first_block(ready, used):
-    """Wait for the stage the next tile's first K block lands in (the K loop's own wait for it then
-    returns at once: the stage is not refilled before this consumer releases it). Whatever the
-    loader waited for before loading it, a peer's rows and their row scales, is visible after."""
-    STAGES: gl.constexpr = ready.type.shape[0]
-    mbarrier.wait(ready.index(used % STAGES), (used // STAGES) & 1)
-
-
-@gluon.jit
 def accumulate(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr, SPLIT: gl.constexpr = False):
     """Consumer C's half of one tile's rows in float32 from the next cdiv(K, BLOCK_K) stages (the
     running count `used`); returns (acc, acc_hi, used). acc is [BLOCK_M // 2, BLOCK_N] in `layout`

@@ -26,7 +26,10 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
   after another, which alone may make it slower);
 - `units_prefetched_to_l2`: its units' rows only prefetched into L2 (HBM to L2, nothing to the SM),
   nothing summed;
-- `units_waited_only`: its units' flags waited for, nothing loaded nor summed.
+- `units_waited_only`: its units' flags waited for, nothing loaded nor summed;
+- `consumer_lag_1`, `consumer_lag_2` (fast accumulation, bf16, fp16): consumer 1 starts one or two
+  K blocks after consumer 0, so that each one's epilogue (scales, staging, store, count) runs
+  beside the other's MMAs, not with the tensor cores idle (short K a rank: 14-28 blocks a tile).
 Against `no_sums` (the units TMA-loaded into shared memory, nothing summed) the last three tell
 which part of moving the W slots' rows costs the GEMM its time: HBM, L2 to the SM, or shared memory.
 The shipped kernel and the variants that change only how it waits or sums (COMPUTES_THE_OP)
@@ -165,6 +168,66 @@ WAITS_ONLY = [  # the units' flags waited for; nothing loaded nor summed
     (_ISSUE_NEXT, "mbarrier.arrive(unit_bar.index(buffer), count=1)"),
     (_SUM, "pass"),
 ]
+_LAGGED_LOOP = """from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _accumulate_lagged(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr, lag_bar,
+                       LAG: gl.constexpr):  # fmt: skip
+    \"\"\"_pingpong.accumulate_blocks over K, consumer 0 arriving on lag_bar as its running count
+    reaches LAG (consumer 1 starts then).\"\"\"
+    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
+    previous = 0
+    k_blocks = gl.cdiv(K, a_bufs.type.shape[2])
+    for ki in range(k_blocks):
+        s = used % STAGES
+        if C == 0:
+            mbarrier.arrive(lag_bar.index(0), count=1, pred=used == LAG)
+        mbarrier.wait(ready.index(s), (used // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index(previous), count=1, pred=ki > 0)
+        previous = s
+        used += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(previous), count=1, pred=k_blocks > 0)
+    return acc, used
+
+
+@gluon.jit
+def _consumer("""
+
+
+def consumer_lag(blocks: int) -> list[tuple[str, str]]:
+    """Consumer 1 `blocks` K blocks behind consumer 0 (not with precise accumulation nor B_KN)."""
+    return [
+        ("@gluon.jit\ndef _consumer(", _LAGGED_LOOP),
+        ("        mbarrier.init(counted.index(b), count=1)\n",
+         "        mbarrier.init(counted.index(b), count=1)\n"
+         "    lag_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())\n"
+         "    mbarrier.init(lag_bar.index(0), count=1)\n"),
+        ("last_step, scale_a_ptr, scale_b_ptr, 0, RANK", "last_step, scale_a_ptr, scale_b_ptr, lag_bar, 0, RANK"),
+        ("last_step, scale_a_ptr, scale_b_ptr, 1, RANK", "last_step, scale_a_ptr, scale_b_ptr, lag_bar, 1, RANK"),
+        ("              scale_a_ptr, scale_b_ptr, C: gl.constexpr,", "              scale_a_ptr, scale_b_ptr, lag_bar, C: gl.constexpr,"),
+        ("    used = 0\n    for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):\n",
+         f"    LAG: gl.constexpr = 0 if PRECISE_ACC or B_KN else {blocks}\n"
+         "    if LAG > 0:\n        if C == 1:\n            mbarrier.wait(lag_bar.index(0), 0)\n"
+         "    used = 0\n    for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):\n"),
+        ("                acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)\n",
+         "                if LAG > 0:\n"
+         "                    acc, used = _accumulate_lagged(a_bufs, b_bufs, ready, empty, used, K, C, layout, lag_bar, LAG)\n"
+         "                else:\n"
+         "                    acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)\n"),
+        ("    if pending != 0:\n        handed = _hand_over_peer_half(stored, counted, handed)\n",
+         "    if pending != 0:\n        handed = _hand_over_peer_half(stored, counted, handed)\n"
+         "    if LAG > 0:  # consumer 0 never reached block LAG: consumer 1 may start now\n"
+         "        if C == 0:\n            mbarrier.arrive(lag_bar.index(0), count=1, pred=used <= LAG)\n"),
+    ]
+
+
 VARIANTS = {
     "no_reducer": NO_REDUCER,
     "no_reducer_no_peer_counts": NO_REDUCER + NO_PEER_COUNTS,
@@ -179,9 +242,11 @@ VARIANTS = {
     "units_by_pointers": BY_POINTERS,
     "units_prefetched_to_l2": PREFETCH_TO_L2,
     "units_waited_only": WAITS_ONLY,
+    "consumer_lag_1": consumer_lag(1),
+    "consumer_lag_2": consumer_lag(2),
 }
 COMPUTES_THE_OP = ("fused", "own_flag_only", "one_unit_a_wait", "atomic_reads", "one_unit_atomic_reads",
-                   "two_reducer_warps", "units_by_pointers")
+                   "two_reducer_warps", "units_by_pointers", "consumer_lag_1", "consumer_lag_2")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 

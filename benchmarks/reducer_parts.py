@@ -21,18 +21,18 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
 - `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn;
+- `consumer_lag_1`, `consumer_lag_2` (fast accumulation, bf16, fp16): consumer 1 starts one or two
+  K blocks after consumer 0, so that each one's epilogue (scales, staging, store, count) runs
+  beside the other's MMAs, not with the tensor cores idle (short K a rank: 14-28 blocks a tile).
 - `units_by_pointers`: the reducer warp's units (not the tail's) loaded by pointer from L2 into
   registers and summed there, a row at a time: no shared memory (and a unit's rows one round trip
   after another, which alone may make it slower);
 - `units_prefetched_to_l2`: its units' rows only prefetched into L2 (HBM to L2, nothing to the SM),
   nothing summed;
-- `units_waited_only`: its units' flags waited for, nothing loaded nor summed;
-- `consumer_lag_1`, `consumer_lag_2` (fast accumulation, bf16, fp16): consumer 1 starts one or two
-  K blocks after consumer 0, so that each one's epilogue (scales, staging, store, count) runs
-  beside the other's MMAs, not with the tensor cores idle (short K a rank: 14-28 blocks a tile).
+- `units_waited_only`: its units' flags waited for, nothing loaded nor summed.
 Against `no_sums` (the units TMA-loaded into shared memory, nothing summed) the last three tell
 which part of moving the W slots' rows costs the GEMM its time: HBM, L2 to the SM, or shared memory.
-The shipped kernel and the variants that change only how it waits or sums (COMPUTES_THE_OP)
+The shipped kernel and the variants that change only how it waits, sums or staggers its consumers (COMPUTES_THE_OP)
 compute the op's result (checked first; the peers' partials read are zeros). Time over cuBLAS's, medians.
 """
 

@@ -59,7 +59,16 @@ from fluxtp.bench.gemm_grid import (
 from fluxtp.bench.harness import graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _kernel_variants import case_parser, cases_of, chosen_variants, report, time_case, variant_kernels  # noqa: E402
+from _kernel_variants import (  # noqa: E402
+    KERNELS,
+    case_parser,
+    cases_of,
+    chosen_variants,
+    report,
+    time_case,
+    variant_kernels,
+    variant_source,
+)
 
 NO_REDUCER = [
     ("    if last_step == WORLD - 1:\n        UNIT_ROWS", "    if last_step == WORLD + 99:\n        UNIT_ROWS"),
@@ -168,43 +177,26 @@ WAITS_ONLY = [  # the units' flags waited for; nothing loaded nor summed
     (_ISSUE_NEXT, "mbarrier.arrive(unit_bar.index(buffer), count=1)"),
     (_SUM, "pass"),
 ]
-_LAGGED_LOOP = """from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
-
-
-@gluon.jit
-def _accumulate_lagged(a_bufs, b_bufs, ready, empty, used, K, C: gl.constexpr, layout: gl.constexpr, lag_bar,
-                       LAG: gl.constexpr):  # fmt: skip
-    \"\"\"_pingpong.accumulate_blocks over K, consumer 0 arriving on lag_bar as its running count
-    reaches LAG (consumer 1 starts then).\"\"\"
-    HALF: gl.constexpr = a_bufs.type.shape[1] // 2
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=layout)
-    previous = 0
-    k_blocks = gl.cdiv(K, a_bufs.type.shape[2])
-    for ki in range(k_blocks):
-        s = used % STAGES
-        if C == 0:
-            mbarrier.arrive(lag_bar.index(0), count=1, pred=used == LAG)
-        mbarrier.wait(ready.index(s), (used // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(s).slice(C * HALF, HALF), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(empty.index(previous), count=1, pred=ki > 0)
-        previous = s
-        used += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index(previous), count=1, pred=k_blocks > 0)
-    return acc, used
-
-
-@gluon.jit
-def _consumer("""
+def _lagged_loop() -> str:
+    """_pingpong.accumulate_blocks, read from its source, as the kernel file's `_accumulate_lagged`:
+    consumer 0 arrives on lag_bar as its running count reaches LAG (consumer 1 starts then)."""
+    source = (KERNELS / "_pingpong.py").read_text()
+    start = source.index("@gluon.jit\ndef accumulate_blocks(")
+    loop = source[start : source.index("\n\n\n", start)]
+    wait = "        mbarrier.wait(ready.index(s), (used // STAGES) & 1)\n"
+    loop = variant_source(loop, "consumer_lag", [
+        ("def accumulate_blocks(", "def _accumulate_lagged("),
+        ("B_KN: gl.constexpr = False):", "B_KN: gl.constexpr, lag_bar, LAG: gl.constexpr):"),
+        (wait, "        if C == 0:\n            mbarrier.arrive(lag_bar.index(0), count=1, pred=used == LAG)\n" + wait),
+    ])  # fmt: skip
+    imports = "from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait\n"
+    return f"{imports}\n\n{loop}\n\n\n@gluon.jit\ndef _consumer("
 
 
 def consumer_lag(blocks: int) -> list[tuple[str, str]]:
     """Consumer 1 `blocks` K blocks behind consumer 0 (not with precise accumulation nor B_KN)."""
     return [
-        ("@gluon.jit\ndef _consumer(", _LAGGED_LOOP),
+        ("@gluon.jit\ndef _consumer(", _lagged_loop()),
         ("        mbarrier.init(counted.index(b), count=1)\n",
          "        mbarrier.init(counted.index(b), count=1)\n"
          "    lag_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())\n"
@@ -218,7 +210,8 @@ def consumer_lag(blocks: int) -> list[tuple[str, str]]:
          "    used = 0\n    for t in range(gl.program_id(0), WORLD * tiles_m * tiles_n, NUM_PROGRAMS):\n"),
         ("                acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)\n",
          "                if LAG > 0:\n"
-         "                    acc, used = _accumulate_lagged(a_bufs, b_bufs, ready, empty, used, K, C, layout, lag_bar, LAG)\n"
+         "                    acc, used = _accumulate_lagged(a_bufs, b_bufs, ready, empty, used, gl.cdiv(K, a_bufs.type.shape[2]),\n"
+         "                                                   C, layout, B_KN, lag_bar, LAG)\n"
          "                else:\n"
          "                    acc, used = accumulate_plain(a_bufs, b_bufs, ready, empty, used, K, C, layout, B_KN)\n"),
         ("    if pending != 0:\n        handed = _hand_over_peer_half(stored, counted, handed)\n",

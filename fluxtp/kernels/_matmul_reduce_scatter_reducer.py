@@ -355,8 +355,9 @@ def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, needed, t
     how many in a row have arrived (this rank's own partial of its tile and every peer's band of
     it; acquire), waiting until the first `needed` have: every flag read at once by the calling
     WARPS warps, thread k * W + r for unit k and rank r, one round trip for them all (a reducer
-    behind the GEMM learns of several ready units from one); gives up after max_spins rounds
-    (record and trap)."""
+    behind the GEMM learns of several ready units from one); gives up after max_spins rounds.
+    Returns the first lane whose flag has not arrived (count * W or more: none): below needed * W
+    it gave up, and the caller traps (_give_up)."""
     LANES: gl.constexpr = 32 * WARPS
     gl.static_assert(WORLD <= LANES)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -378,10 +379,18 @@ def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, needed, t
     band_complete = band_tiles * TILE_ARRIVALS if PUSH else band_tiles * 0 + 1
     expected = gl.where(srcs == RANK, TILE_ARRIVALS, band_complete)
     missing = _wait_flags(flag_ptrs, waited, expected, lanes, needed * WORLD, max_spins)
-    if missing < needed * WORLD:
-        record_and_trap(report_ptr, missing % WORLD, gl.min(gl.where(lanes == missing, tile, 1 << 30), 0), RANK)
     fence_async_proxy()  # the acquires before the units' TMA loads
-    return gl.minimum(missing // WORLD, count)
+    return missing
+
+
+@gluon.jit
+def _give_up(report_ptr, missing, first_unit, tiles_m, tiles_n, RANK: gl.constexpr, WORLD: gl.constexpr,
+             BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr):  # fmt: skip
+    """Record (rank waited for, tile, this rank) of lane `missing` of a wait from first_unit
+    (_wait_units) and trap."""
+    pid_m, pid_n, row0 = _unit(first_unit + (missing // WORLD) * NUM_PROGRAMS, tiles_m, tiles_n, BAND_ROWS, BLOCK_M,
+                               UNIT_ROWS)  # fmt: skip
+    record_and_trap(report_ptr, missing % WORLD, pid_m * tiles_n + pid_n, RANK)
 
 
 @gluon.jit
@@ -393,10 +402,13 @@ def _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, til
     the units after it too; returns the new ready_below."""
     if unit >= ready_below:
         count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)
-        ready = _wait_units(buffer_ptrs, own_flags, report_ptr, unit, count, 1, tiles_m, tiles_n, flags_offset,
-                            max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH,
-                            REDUCER_WARPS)  # fmt: skip
-        ready_below = unit + ready * NUM_PROGRAMS
+        missing = _wait_units(buffer_ptrs, own_flags, report_ptr, unit, count, 1, tiles_m, tiles_n, flags_offset,
+                              max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH,
+                              REDUCER_WARPS)  # fmt: skip
+        if missing < WORLD:
+            _give_up(report_ptr, missing, unit, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
+                     UNIT_ROWS)  # fmt: skip
+        ready_below = unit + gl.minimum(missing // WORLD, count) * NUM_PROGRAMS
     return ready_below
 
 
@@ -546,7 +558,9 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
           HAS_BIAS: gl.constexpr, PUSH: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
     """The tail's units (module docstring), by this program's WARPS warps once every partition is
     done: TAIL_UNITS at a time in the stage ring, their flags waited for 32 * WARPS // W units a
-    round trip, every load in flight, each unit summed as it lands."""
+    round trip, every load in flight, each unit summed as it lands. A wait that gives up traps
+    after the tail's loop, the waits after it skipped: a trap in the loop made Triton 3.8 spill
+    the consumer's registers in this partition (docs/perf-log.md)."""
     UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
     tiles_m = gl.cdiv(rows_per_rank, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -559,15 +573,21 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
         ring = b_bufs._reinterpret(units_desc.dtype, RING_SHAPE, units_desc.layout)
     PER_WAIT: gl.constexpr = 32 * WARPS // WORLD
     tail_phase = 0
+    gave_up_unit = -1  # the first unit of the wait that gave up; gave_up_lane its first missing lane
+    gave_up_lane = 0
     first_unit = _tail_first(rows_per_rank, N, WORLD, NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNIT_ROWS)
     for first in range(first_unit, units, TAIL_UNITS * NUM_PROGRAMS):
         count = gl.minimum(gl.cdiv(units - first, NUM_PROGRAMS), TAIL_UNITS)
         partition_barrier()  # every warp is done reading the ring's last units before TMA overwrites them
         for k0 in range(0, count, PER_WAIT):
             batch = gl.minimum(count - k0, PER_WAIT)
-            _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS, batch, batch, tiles_m, tiles_n,
-                        flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
-                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip
+            if gave_up_unit < 0:
+                missing = _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS, batch, batch,
+                                      tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
+                                      BLOCK_M, UNIT_ROWS, PUSH, WARPS)  # fmt: skip
+                if missing < batch * WORLD:
+                    gave_up_unit = first + k0 * NUM_PROGRAMS
+                    gave_up_lane = missing
             for k in range(k0, gl.minimum(count, k0 + PER_WAIT)):
                 unit = first + k * NUM_PROGRAMS
                 pid_m, pid_n, row0 = _unit(unit, tiles_m, tiles_n, BAND_ROWS, BLOCK_M, UNIT_ROWS)
@@ -583,6 +603,9 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
                 _sum_unit(ring, k, out_ptr, bias_ptr, row0, pid_n * BLOCK_N, rows_per_rank, N, stride_om, WORLD,
                           HAS_BIAS, WARPS)  # fmt: skip
         tail_phase ^= 1
+    if gave_up_unit >= 0:
+        _give_up(report_ptr, gave_up_lane, gave_up_unit, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
+                 BLOCK_M, UNIT_ROWS)  # fmt: skip
 
 
 @gluon.jit

@@ -215,19 +215,28 @@ launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk
 
 
 # The warp-specialized reduce-scatter (the reducer kernel, push) as rank 2 of 4 running its own
-# step: rank 0's second band of rows (one tile row of 4 tiles, 2 arrivals each) counts one half
-# short. A reducer's wait must give up and name rank 0 and a tile of that band (4-7).
+# step: rank 0's second band of rows (one tile row, 2 arrivals a tile) counts one half short. A
+# reducer's wait must give up and name rank 0 and a tile of that band: in 128x128 tiles the
+# reducer warp's (tiles 4-7), in 128x256 tiles in three stages the tail's (the one round of
+# tiles is all tail; tiles 2-3).
 _RS_PINGPONG_TIMEOUT_SCRIPT = """
 import dataclasses
 import torch
+from fluxtp.backends.fused import _launch
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel
 from fluxtp.backends.fused._scaled import Scaled
 
+launch = _launch.Launch.__call__
+def shown(self, *args):  # which wait gives up: the tail's where it has units
+    print("TAIL_UNITS", self.constexprs["TAIL_UNITS"], flush=True)
+    return launch(self, *args)
+_launch.Launch.__call__ = shown
+
 world, rank, m, n, k = 4, 2, 256, 512, 1024
 config = MatmulReduceScatterConfig.warp_specialized_fp8(world * m, n, world)
-config = dataclasses.replace(config, transport="push", group_m=1)
+config = dataclasses.replace(config, transport="push", group_m=1, block_n=BLOCK_N, num_stages=STAGES)
 layout = Layout.of(m, n, 4, world, config, True)
-assert layout.counts_bands and layout.bands == 2 and layout.tiles_n == 4
+assert layout.counts_bands and layout.bands == 2 and layout.tiles_n == n // BLOCK_N
 x = torch.randn(world * m, k, device="cuda").to(torch.float8_e4m3fn)
 w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
 buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
@@ -247,9 +256,12 @@ launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, w
     "script, module, expected",
     [
         (_AG_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul", "rank 1 timed out waiting for chunk 1 of rank 3's rows"),
-        (_RS_PINGPONG_TIMEOUT_SCRIPT, "_matmul_reduce_scatter", r"rank 2 timed out waiting for rank 0's partial of tile [4-7]\b"),
+        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "128").replace("STAGES", "5"), "_matmul_reduce_scatter",
+         r"TAIL_UNITS 0\b[\s\S]*rank 2 timed out waiting for rank 0's partial of tile [4-7]\b"),
+        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "256").replace("STAGES", "3"), "_matmul_reduce_scatter",
+         r"TAIL_UNITS [1-9][\s\S]*rank 2 timed out waiting for rank 0's partial of tile [23]\b"),
     ],
-    ids=["all_gather", "reduce_scatter"],
+    ids=["all_gather", "reduce_scatter", "reduce_scatter_tail"],
 )
 def test_the_warp_specialized_kernels_name_what_never_arrives(script, module, expected):
     skip_unless_hopper()

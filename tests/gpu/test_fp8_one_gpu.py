@@ -216,9 +216,9 @@ launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk
 
 # The warp-specialized reduce-scatter (the reducer kernel, push) as rank 2 of 4 running its own
 # step: rank 0's second band of rows (one tile row, 2 arrivals a tile) counts one half short. A
-# reducer's wait must give up and name rank 0 and a tile of that band: in 128x128 tiles the
-# reducer warp's (tiles 4-7), in 128x256 tiles in three stages the tail's (the one round of
-# tiles is all tail; tiles 2-3).
+# reducer's wait must give up and name rank 0 and a tile of that band: precise in 128x128 tiles
+# the reducer warp's (tiles 4-7), fast in 128x256 tiles in three stages the tail's (the one round
+# of tiles is all tail; tiles 2-3).
 _RS_PINGPONG_TIMEOUT_SCRIPT = """
 import dataclasses
 import torch
@@ -247,7 +247,7 @@ ptrs = torch.tensor([buffer.data_ptr()] * world, dtype=torch.int64, device="cuda
 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 one = torch.ones(1, device="cuda")
 launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, world - 1, world - 1, max_spins=100_000,
-              scaled=Scaled(torch.bfloat16, False, True), scales=(one, one), own_offset=layout.own_offset,
+              scaled=Scaled(torch.bfloat16, False, PRECISE), scales=(one, one), own_offset=layout.own_offset,
               buffers=[buffer] * world)
 """
 
@@ -256,9 +256,11 @@ launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, w
     "script, module, expected",
     [
         (_AG_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul", "rank 1 timed out waiting for chunk 1 of rank 3's rows"),
-        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "128").replace("STAGES", "5"), "_matmul_reduce_scatter",
+        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "128").replace("STAGES", "5").replace("PRECISE", "True"),
+         "_matmul_reduce_scatter",
          r"TAIL_UNITS 0\b[\s\S]*rank 2 timed out waiting for rank 0's partial of tile [4-7]\b"),
-        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "256").replace("STAGES", "3"), "_matmul_reduce_scatter",
+        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "256").replace("STAGES", "3").replace("PRECISE", "False"),
+         "_matmul_reduce_scatter",
          r"TAIL_UNITS [1-9][\s\S]*rank 2 timed out waiting for rank 0's partial of tile [23]\b"),
     ],
     ids=["all_gather", "reduce_scatter", "reduce_scatter_tail"],

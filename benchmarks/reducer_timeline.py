@@ -89,8 +89,8 @@ def _stamp(event):
         ("            buffer = (buffer + 1) % UNITS_IN_FLIGHT\n",
          f"            if nth < {UNITS}:\n                _stamp(6 + 5 * nth)\n            buffer = (buffer + 1) % UNITS_IN_FLIGHT\n"),
         ("    tail_phase = 0\n", "    _stamp(56)\n    tail_phase = 0\n"),
-        ("                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n",
-         "                        UNIT_ROWS, PUSH, WARPS)  # fmt: skip\n            _stamp(58)\n"),
+        ("                    gave_up_lane = missing\n",
+         "                    gave_up_lane = missing\n            _stamp(58)\n"),
         ("        for k in range(count):\n", "        _stamp(57)\n        for k in range(count):\n"),
         ("tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n",
          "tail_bar.index(k), row0, pid_n * BLOCK_N, WORLD, PUSH)\n"

@@ -249,9 +249,11 @@ def _staging_as(c_smem, desc):
     BLOCK_BITS: gl.constexpr = BLOCK[1] * BLOCK[2] * desc.dtype.primitive_bitwidth
     gl.static_assert(SOURCE_BITS % BLOCK_BITS == 0)
     SHAPE: gl.constexpr = [SOURCE_BITS // BLOCK_BITS, BLOCK[0], BLOCK[1], BLOCK[2]]
-    if NAMED_REINTERPRET:
-        return c_smem.reinterpret(desc.dtype, SHAPE, desc.layout).index(0)
-    return c_smem._reinterpret(desc.dtype, SHAPE, desc.layout).index(0)
+    if NAMED_REINTERPRET:  # an else, not an early return: Triton 3.9 compiles the code after one too
+        view = c_smem.reinterpret(desc.dtype, SHAPE, desc.layout)
+    else:
+        view = c_smem._reinterpret(desc.dtype, SHAPE, desc.layout)
+    return view.index(0)
 
 
 @gluon.jit

@@ -347,8 +347,8 @@ def _wait_flags(flag_ptrs, waited, expected, lanes, needed, max_spins):
 
 
 @gluon.jit
-def _wait_units(buffer_ptrs, own_flags, report_ptr, first_unit, count, needed, tiles_m, tiles_n, flags_offset,
-                max_spins, RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
+def _wait_units(buffer_ptrs, own_flags, first_unit, count, needed, tiles_m, tiles_n, flags_offset, max_spins,
+                RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
                 NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr,
                 WARPS: gl.constexpr = 1):  # fmt: skip
     """Of the `count` (at most 32 * WARPS // W) units first_unit, first_unit + NUM_PROGRAMS, ...,
@@ -402,7 +402,7 @@ def _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, til
     the units after it too; returns the new ready_below."""
     if unit >= ready_below:
         count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)
-        missing = _wait_units(buffer_ptrs, own_flags, report_ptr, unit, count, 1, tiles_m, tiles_n, flags_offset,
+        missing = _wait_units(buffer_ptrs, own_flags, unit, count, 1, tiles_m, tiles_n, flags_offset,
                               max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH,
                               REDUCER_WARPS)  # fmt: skip
         if missing < WORLD:
@@ -582,7 +582,7 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
         for k0 in range(0, count, PER_WAIT):
             batch = gl.minimum(count - k0, PER_WAIT)
             if gave_up_unit < 0:
-                missing = _wait_units(buffer_ptrs, own_flags, report_ptr, first + k0 * NUM_PROGRAMS, batch, batch,
+                missing = _wait_units(buffer_ptrs, own_flags, first + k0 * NUM_PROGRAMS, batch, batch,
                                       tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
                                       BLOCK_M, UNIT_ROWS, PUSH, WARPS)  # fmt: skip
                 if missing < batch * WORLD:

@@ -72,6 +72,12 @@ def _compile(launch: _launch.Launch, args: tuple):
     return triton.compile(source, target=HOPPER, options=options)
 
 
+# Spill loads and stores a launch may have: on an H200, 279 (Triton 3.8, a trap beside the
+# reducer's accumulators) and 1658 (3.6, stream-K) cost 1.3x and 5x; 162 (Triton 3.9's ptxas, the
+# precise reducer) cost nothing (docs/perf-log.md, "Under Triton 3.9").
+MAX_SPILL_OPS = 192
+
+
 def _local_memory_ops(compiled) -> int:
     """Spill loads and stores (LDL / STL) in the compiled kernel's SASS, read by the nvdisasm that
     ships with Triton; a test that counts them skips where it is missing."""
@@ -176,7 +182,8 @@ def test_the_precise_reducer_kernel_compiles_with_wide_tiles(captured_launch, wo
     """Precise FP8 reduce-scatters in 128x256 tiles: the accumulator in column halves, staged in
     two pieces each, four 128-deep stages beside the reduction units; at TP=8 with the tail after
     the join. Few spills: with a trap inside the tail's loop, Triton 3.8 spilled 279 ops around
-    the consumer's accumulators: 1.25-1.66x 3.6's ratio to cuBLAS on an H200 (docs/perf-log.md)."""
+    the consumer's accumulators: 1.25-1.66x 3.6's ratio to cuBLAS on an H200 (docs/perf-log.md);
+    Triton 3.9 spills 162 there, which measured costing nothing."""
     x, w, scaled = _inputs(1024 * world, 4096, 1792, True)
     config = MatmulReduceScatterConfig(**REDUCER_FP8_WIDE_PRECISE_TILING, warp_specialized=True, transport=transport)
     rs.gemm_only(x, w, None, GroupInfo(None, 0, world), config, **scaled)()
@@ -186,7 +193,7 @@ def test_the_precise_reducer_kernel_compiles_with_wide_tiles(captured_launch, wo
     compiled = _compile(launch, args)
     modelled = rs.reducer_smem_bytes(config, world, 1, 2, launch.constexprs["UNITS_IN_FLIGHT"], split=True)
     assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES
-    assert _local_memory_ops(compiled) <= 64
+    assert _local_memory_ops(compiled) <= MAX_SPILL_OPS
     released, written = _stores_written_before_releases(compiled)
     assert released >= 1 and written >= 4  # each consumer's own flags and its handover of the peers' halves
 
@@ -241,7 +248,9 @@ def test_the_warp_specialized_all_gather_stores_ragged_rows_by_tma(captured_laun
 )
 def test_the_all_gather_splits_its_last_wave_by_k_when_asked(captured_launch, world, rows, fp8, sk_tiles):
     """stream_k: the tiles past the last whole wave of 131 programs split by K over all of them, in
-    a kernel that compiles for sm_90 without spills (a partial tile beside the accumulator)."""
+    a kernel that compiles for sm_90 with few spills: a partial tile joined into one accumulator
+    made Triton 3.6 spill 1658 ops and serialize the MMAs (5x the time); split into two column
+    halves it spills none under Triton 3.6 and 3.8, and 104 under 3.9's ptxas, at the same speed."""
     x, w, scaled = _inputs(rows, 3584, 4096, fp8 and "fast")
     config = dataclasses.replace(WS_WIDE, stream_k=True)
     if fp8 == "fast":
@@ -259,7 +268,7 @@ def test_the_all_gather_splits_its_last_wave_by_k_when_asked(captured_launch, wo
     assert compiled.metadata.shared <= SMEM_LIMIT_BYTES
     assert _stores_written_before_releases(compiled)[0] >= 2  # each consumer's flags of the split tiles' partials
     assert _orders_acquires_before_tma_loads(compiled)
-    assert _local_memory_ops(compiled) == 0
+    assert _local_memory_ops(compiled) <= MAX_SPILL_OPS
 
 
 def test_stream_k_is_refused_where_its_kernel_does_not_run(captured_launch):
@@ -347,11 +356,6 @@ SWEEP_KINDS = [
     (torch.float8_e4m3fn, "fast", torch.bfloat16),
     (torch.float8_e4m3fn, "fast", torch.float32),
 ]
-
-
-# Spill loads and stores a shipped launch may have: the most today is 87 (the Triton
-# reduce-scatter kernel at TP=2, fast FP8, whose spills measured costing nothing).
-MAX_SPILL_OPS = 128
 
 
 @pytest.mark.parametrize("op", list(SWEEP_SHAPES))

@@ -2,14 +2,17 @@
 change that Gluon, Triton or ptxas rejects, or a heuristic's tiling that does not fit shared
 memory, fails here on CPU, before device time. Each case captures the Launch its op's GEMM-only
 mode makes (CPU tensors, 132 SMs), then compiles it offline (Triton's GluonASTSource or ASTSource
-with an explicit target) and checks its shared memory.
+with an explicit target) and checks its shared memory. Every compile here also fails where ptxas
+serializes a kernel's wgmma (its warning C7512: the MMAs one at a time, several times slower).
 
 Skipped where this Triton cannot compile Gluon offline (no GluonASTSource; 3.6 and 3.8 have it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import itertools
 import re
 import subprocess
@@ -69,7 +72,16 @@ def _compile(launch: _launch.Launch, args: tuple):
         if name not in names or name == "num_warps":
             options[name] = value
     source = (_runtime.GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs)
-    return triton.compile(source, target=HOPPER, options=options)
+    ptxas_log = io.StringIO()
+    with triton.knobs.nvidia.scope(), triton.knobs.compilation.scope(), contextlib.redirect_stdout(ptxas_log):
+        triton.knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas's -v log to stdout
+        triton.knobs.compilation.always_compile = True  # so ptxas runs even where the kernel is cached
+        compiled = triton.compile(source, target=HOPPER, options=options)
+    log = ptxas_log.getvalue()
+    assert re.search(r"ptxas\S* info", log), f"{kernel.__name__}: no ptxas log printed (Triton {triton.__version__})"
+    serialized = [line for line in log.splitlines() if "C7512" in line or "serialized" in line]
+    assert not serialized, f"{kernel.__name__} {launch.constexprs}: {serialized[0]}"
+    return compiled
 
 
 # Spill loads and stores a launch may have: on an H200, 279 (Triton 3.8, a trap beside the

@@ -378,9 +378,8 @@ def test_every_heuristic_launch_fits_shared_memory_and_spills_little(captured_la
     Triton's and the warp-specialized ones) fits sm_90's shared memory: a tiling whose epilogue
     does not fit fails its launch with OutOfResources on the GPU (the FP8 fast all-gather's
     128x256 Triton tiles with a float32 output did, at TP=4). And it spills at most
-    MAX_SPILL_OPS: the Triton release your torch brings may allocate registers differently from
-    the measured one (the reducer kernel spilled 279 ops under Triton 3.8, 1.25-1.66x 3.6's ratio to
-    cuBLAS on an H200; docs/perf-log.md)."""
+    MAX_SPILL_OPS (its comment has the measurements): the Triton release your torch brings may
+    allocate registers differently from the measured one."""
     module = ag if op == "all_gather_matmul" else rs
     seen = set()
     for world in (2, 4, 8):

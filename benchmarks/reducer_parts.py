@@ -17,6 +17,11 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `own_flag_only`: the shipped kernel whose reducers wait for their tiles' own flags only, not the
   peers' bands (one GPU: the peers' counts are preset, so it computes the op);
 - `no_waits`: the shipped kernel whose reducers wait for nothing (they sum unready rows);
+- `no_waits_no_done_count`: `no_waits`, and no program counts itself out at the end (the last
+  one's reset of the own flags and counter for the next launch never runs): what that count's
+  round trip costs, against `no_waits`;
+- `relaxed_done_count`: that count relaxed, not acq_rel (its release waits for the program's
+  output stores);
 - `one_unit_a_wait`: the reducer's waits read one unit's flags, not the next ones' too;
 - `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
@@ -87,6 +92,9 @@ NO_SUMS = [  # the units still wait and load; nothing is summed or stored
 ]
 OWN_FLAG_ONLY = [("    waited = lanes < count * WORLD\n", "    waited = (lanes < count * WORLD) & (srcs == RANK)\n")]
 NO_WAITS = [("    waited = lanes < count * WORLD\n", "    waited = lanes < 0\n")]
+DONE_COUNT = '    if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:\n'
+NO_DONE_COUNT = [(DONE_COUNT, "    if gl.program_id(0) < 0:\n")]  # no program counts itself out (nothing reset)
+RELAXED_DONE_COUNT = [(DONE_COUNT, DONE_COUNT.replace('"acq_rel"', '"relaxed"'))]
 ONE_UNIT_A_WAIT = [  # the reducer's wait reads one unit's flags, not the next ones' too
     ("count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)",
      "count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 1)"),
@@ -228,6 +236,8 @@ VARIANTS = {
     "no_sums": NO_SUMS,
     "own_flag_only": OWN_FLAG_ONLY,
     "no_waits": NO_WAITS,
+    "no_waits_no_done_count": NO_WAITS + NO_DONE_COUNT,
+    "relaxed_done_count": RELAXED_DONE_COUNT,
     "one_unit_a_wait": ONE_UNIT_A_WAIT,
     "atomic_reads": ATOMIC_READS,
     "one_unit_atomic_reads": ONE_UNIT_A_WAIT + ATOMIC_READS,

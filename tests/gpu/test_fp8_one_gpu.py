@@ -11,6 +11,7 @@ precise and fast accumulation, the heuristic's FP8 tilings.
 """
 
 import dataclasses
+import json
 import random
 import re
 
@@ -221,6 +222,8 @@ launch_gemm(x, x[rank * m : (rank + 1) * m], w, None, y, signals, done, m, chunk
 # of tiles is all tail; tiles 2-3).
 _RS_PINGPONG_TIMEOUT_SCRIPT = """
 import dataclasses
+import json
+import sys
 import torch
 from fluxtp.backends.fused import _launch
 from fluxtp.backends.fused._matmul_reduce_scatter import Layout, MatmulReduceScatterConfig, launch_kernel
@@ -233,10 +236,11 @@ def shown(self, *args):  # which wait gives up: the tail's where it has units
 _launch.Launch.__call__ = shown
 
 world, rank, m, n, k = 4, 2, 256, 512, 1024
+case = json.loads(sys.argv[1])  # block_n, num_stages, precise
 config = MatmulReduceScatterConfig.warp_specialized_fp8(world * m, n, world)
-config = dataclasses.replace(config, transport="push", group_m=1, block_n=BLOCK_N, num_stages=STAGES)
+config = dataclasses.replace(config, transport="push", group_m=1, block_n=case["block_n"], num_stages=case["num_stages"])
 layout = Layout.of(m, n, 4, world, config, True)
-assert layout.counts_bands and layout.bands == 2 and layout.tiles_n == n // BLOCK_N
+assert layout.counts_bands and layout.bands == 2 and layout.tiles_n == n // case["block_n"]
 x = torch.randn(world * m, k, device="cuda").to(torch.float8_e4m3fn)
 w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
 buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cuda")
@@ -247,27 +251,25 @@ ptrs = torch.tensor([buffer.data_ptr()] * world, dtype=torch.int64, device="cuda
 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 one = torch.ones(1, device="cuda")
 launch_kernel(x, w, None, out, ptrs, layout.flags_offset, rank, world, config, world - 1, world - 1, max_spins=100_000,
-              scaled=Scaled(torch.bfloat16, False, PRECISE), scales=(one, one), own_offset=layout.own_offset,
+              scaled=Scaled(torch.bfloat16, False, case["precise"]), scales=(one, one), own_offset=layout.own_offset,
               buffers=[buffer] * world)
 """
 
 
 @pytest.mark.parametrize(
-    "script, module, expected",
+    "script, module, args, expected",
     [
-        (_AG_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul", "rank 1 timed out waiting for chunk 1 of rank 3's rows"),
-        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "128").replace("STAGES", "5").replace("PRECISE", "True"),
-         "_matmul_reduce_scatter",
+        (_AG_PINGPONG_TIMEOUT_SCRIPT, "_all_gather_matmul", (), "rank 1 timed out waiting for chunk 1 of rank 3's rows"),
+        (_RS_PINGPONG_TIMEOUT_SCRIPT, "_matmul_reduce_scatter", ({"block_n": 128, "num_stages": 5, "precise": True},),
          r"TAIL_UNITS 0\b[\s\S]*rank 2 timed out waiting for rank 0's partial of tile [4-7]\b"),
-        (_RS_PINGPONG_TIMEOUT_SCRIPT.replace("BLOCK_N", "256").replace("STAGES", "3").replace("PRECISE", "False"),
-         "_matmul_reduce_scatter",
+        (_RS_PINGPONG_TIMEOUT_SCRIPT, "_matmul_reduce_scatter", ({"block_n": 256, "num_stages": 3, "precise": False},),
          r"TAIL_UNITS [1-9][\s\S]*rank 2 timed out waiting for rank 0's partial of tile [23]\b"),
     ],
     ids=["all_gather", "reduce_scatter", "reduce_scatter_tail"],
 )
-def test_the_warp_specialized_kernels_name_what_never_arrives(script, module, expected):
+def test_the_warp_specialized_kernels_name_what_never_arrives(script, module, args, expected):
     skip_unless_hopper()
-    proc = run_until_trap(script, module)
+    proc = run_until_trap(script, module, *map(json.dumps, args))
     assert re.search(expected, proc.stdout), proc.stdout[-2000:] + proc.stderr[-2000:]
 
 

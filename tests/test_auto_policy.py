@@ -280,6 +280,8 @@ def test_the_all_gather_splits_its_last_wave_by_k_where_that_paid(monkeypatch):
     split = _all_gather_matmul._config_for(x, w, 8, None)  # llama3-405b TP=8, 2048 tokens
     assert split.stream_k and split.warp_specialized and split.block_m == 128
     assert configs.smem_bytes("all_gather_matmul", split) + configs.SMEM_RESERVE_BYTES <= configs.SMEM_LIMIT_BYTES
+    unsplit = _all_gather_matmul.looked_up(x, w, 8)  # the tiling the rule split, as it was (benchmarks' `unrouted`)
+    assert not unsplit.stream_k and _all_gather_matmul.routed(unsplit, 256, 6656, 16384, 8, True, 132) == split
     x2, w2 = torch.empty(8192, 4096, dtype=torch.bfloat16), torch.empty(7168, 4096, dtype=torch.bfloat16)
     assert _all_gather_matmul._config_for(x2, w2, 2, None).stream_k  # llama3-8b TP=2, 16384 tokens
     x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)

@@ -372,13 +372,21 @@ def _config_for(x_shard, weight, world: int, config: AllGatherMatmulConfig | Non
         tuned = tuned_config(_OP, x_shard, weight, world, not scaled.precise_acc) if warp_specialized else None
         return scaled_config(tuned, rows_per_rank, weight.shape[0], k, world, scaled, warp_specialized, num_sms(device))
     warp_specialized = warp_specialized_runs(device, weight.dtype)
-    tuned = tuned_config(_OP, x_shard, weight, world)
     n, sms = weight.shape[0], num_sms(device)
+    return routed(looked_up(x_shard, weight, world), rows_per_rank, n, k, world, warp_specialized, sms)
+
+
+def looked_up(x_shard, weight, world: int) -> AllGatherMatmulConfig:
+    """An unscaled call's tiling before routing: the tuned table's entry (runnable here), else the
+    heuristic's. _config_for routes it (stream-K where that paid); benchmarks launch it as it is
+    to measure what the routing changes."""
+    rows_per_rank, k = x_shard.shape
+    warp_specialized = warp_specialized_runs(x_shard.device, weight.dtype)
+    tuned = tuned_config(_OP, x_shard, weight, world)
     if tuned is None:
-        config = AllGatherMatmulConfig.heuristic(rows_per_rank, n, k, world, sms, warp_specialized)
-    else:
-        config = runnable(tuned, warp_specialized)
-    return routed(config, rows_per_rank, n, k, world, warp_specialized, sms)
+        return AllGatherMatmulConfig.heuristic(rows_per_rank, weight.shape[0], k, world, num_sms(x_shard.device),
+                                               warp_specialized)  # fmt: skip
+    return runnable(tuned, warp_specialized)
 
 
 def routed(config: AllGatherMatmulConfig, rows_per_rank: int, n: int, k: int, world: int, kernels_run: bool,

@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 import fluxtp
 from fluxtp import symm
+from fluxtp.backends.fused import _all_gather_matmul
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, check_all_gather_matmul, draw, rel_error
-from tests.gpu import WORLD
+from tests.gpu import WORLD, plan_configs, skip_unless_hopper
 
 pytestmark = [
     pytest.mark.gpu,
@@ -120,6 +121,44 @@ def _two_groups_body(rank, world, seed):
 
 def test_two_groups_alternating():
     run_on_ranks(_two_groups_body, WORLD, random.randrange(1 << 30), backend="nccl")
+
+
+def _stream_k_shape(world: int) -> tuple[int, int, int] | None:
+    """(rows a rank, columns a rank, K) of a call the launcher splits by stream-K at this world
+    size on this GPU (its table or heuristic picks the tiling, so the shape is searched, not
+    fixed), ragged rows first; None if no candidate splits."""
+    for k in (4096, 8192):
+        for n in (3456, 3584, 3328, 4608):
+            for total in (4096, 8192, 2048):
+                for m in (total // world - 40, total // world):
+                    x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+                    w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+                    if _all_gather_matmul._config_for(x, w, world, None).stream_k:
+                        return m, n, k
+    return None
+
+
+def _stream_k_body(rank, world, seed):
+    shape = _stream_k_shape(world)
+    assert shape is not None, f"no candidate shape takes stream-K at world {world}: widen _stream_k_shape's search"
+    m, n, k = shape
+    configs = plan_configs(_all_gather_matmul)
+    for i in range(6):
+        x, xs, w, b = _inputs(seed + 13 * i, world, rank, m, n, k, torch.bfloat16, i % 2 == 0)
+        if i == 3 and rank == world - 1:  # the last segments' rows, the split tiles' among them, arrive late
+            with torch.cuda.stream(symm.copy_stream(xs.device)):
+                torch.cuda._sleep(100_000_000)
+        y, xg = fluxtp.all_gather_matmul(xs, w, bias=b, backend="fused", return_gathered=True)
+        _check(y, xg, x, w, b, f"call {i}, {m}x{n}x{k} a rank")
+    assert configs and all(config.stream_k for config in configs), f"the calls did not launch stream-K: {configs}"
+
+
+def test_stream_k_split_calls():
+    """The stream-K rule's split (the last partial wave's tiles split by K over every program)
+    with the peers' rows arriving over the interconnect, one of them late: the one-GPU tests gate
+    the waits; this runs them against real peers."""
+    skip_unless_hopper()
+    run_on_ranks(_stream_k_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
 def _auto_body(rank, world, seed):

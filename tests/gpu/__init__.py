@@ -36,6 +36,25 @@ def plan_configs(module) -> list:
     return seen
 
 
+def stream_k_shape(world: int, scaled=None) -> tuple[int, int, int] | None:
+    """(rows a rank, columns a rank, K) of an all-gather the launcher splits by stream-K at this
+    world size on this GPU, ragged rows first; scaled: an FP8 call's (fluxtp.backends.fused._scaled.Scaled,
+    fast accumulation: its rule wants K from 12288). The table or the heuristic picks the tiling,
+    so the shape is searched, not fixed; None if no candidate splits."""
+    from fluxtp.backends.fused._all_gather_matmul import _config_for
+
+    dtype = torch.bfloat16 if scaled is None else torch.float8_e4m3fn
+    for k in (4096, 8192) if scaled is None else (12288, 16384):
+        for n in (3456, 3584, 3328, 4608):
+            for total in (4096, 8192, 2048):
+                for m in (total // world - 40, total // world):
+                    x = torch.empty(m, k, device="cuda", dtype=dtype)
+                    w = torch.empty(n, k, device="cuda", dtype=dtype)
+                    if _config_for(x, w, world, None, scaled).stream_k:
+                        return m, n, k
+    return None
+
+
 def skip_unless_hopper() -> None:
     """Skip the calling test off Hopper: the warp-specialized (Gluon) kernels are for sm_90."""
     import pytest

@@ -88,6 +88,30 @@ def test_fp8_reduce_scatter_on_the_reducer_kernel():
     run_on_ranks(_reducer_body, WORLD, random.randrange(1 << 30))
 
 
+def _stream_k_body(rank, world, seed):
+    """Fast FP8 all-gathers the stream-K rule splits, against real peers: ragged rows, both
+    scalings, each call against float64 with its gathered rows and scales exact."""
+    from fluxtp.backends.fused import _all_gather_matmul
+    from fluxtp.backends.fused._scaled import Scaled
+    from tests.gpu import plan_configs, stream_k_shape
+
+    device = torch.device("cuda", rank)
+    shape = stream_k_shape(world, Scaled(torch.bfloat16, True, False))
+    assert shape is not None, f"no candidate shape takes fast FP8 stream-K at world {world}: widen stream_k_shape's search"
+    m, n, k = shape
+    configs = plan_configs(_all_gather_matmul)
+    for i, row_wise in enumerate((True, False, True)):
+        check_all_gather_scaled(rank, world, seed + 10 * i, m, n, k, device, "fused", row_wise, torch.bfloat16,
+                                torch.float32 if i == 2 else None, fast=True)  # fmt: skip
+    assert configs and all(config.stream_k for config in configs), f"the calls did not launch stream-K: {configs}"
+
+
+def test_fp8_fast_all_gather_stream_k():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("stream-K runs on the warp-specialized kernel, for Hopper")
+    run_on_ranks(_stream_k_body, WORLD, random.randrange(1 << 30))
+
+
 def _layers_body(rank, world, seed):
     from torch import nn
 

@@ -16,7 +16,7 @@ from fluxtp import symm
 from fluxtp.backends.fused import _all_gather_matmul
 from fluxtp.testing import run_on_ranks
 from tests._cases import TOLERANCE, check_all_gather_matmul, draw, rel_error
-from tests.gpu import WORLD, plan_configs, skip_unless_hopper
+from tests.gpu import WORLD, plan_configs, skip_unless_hopper, stream_k_shape
 
 pytestmark = [
     pytest.mark.gpu,
@@ -123,24 +123,9 @@ def test_two_groups_alternating():
     run_on_ranks(_two_groups_body, WORLD, random.randrange(1 << 30), backend="nccl")
 
 
-def _stream_k_shape(world: int) -> tuple[int, int, int] | None:
-    """(rows a rank, columns a rank, K) of a call the launcher splits by stream-K at this world
-    size on this GPU (its table or heuristic picks the tiling, so the shape is searched, not
-    fixed), ragged rows first; None if no candidate splits."""
-    for k in (4096, 8192):
-        for n in (3456, 3584, 3328, 4608):
-            for total in (4096, 8192, 2048):
-                for m in (total // world - 40, total // world):
-                    x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-                    w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
-                    if _all_gather_matmul._config_for(x, w, world, None).stream_k:
-                        return m, n, k
-    return None
-
-
 def _stream_k_body(rank, world, seed):
-    shape = _stream_k_shape(world)
-    assert shape is not None, f"no candidate shape takes stream-K at world {world}: widen _stream_k_shape's search"
+    shape = stream_k_shape(world)
+    assert shape is not None, f"no candidate shape takes stream-K at world {world}: widen stream_k_shape's search"
     m, n, k = shape
     configs = plan_configs(_all_gather_matmul)
     for i in range(6):

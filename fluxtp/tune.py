@@ -399,21 +399,30 @@ def _time_left(deadline: float, info, device) -> float:
 
 def varied_space(op: str, start, vary, m_total: int, n: int, k: int, world: int,
                  warp_specialized: bool = False) -> list:  # fmt: skip
-    """`start`, then the candidates that differ from it in the `vary` fields only. A
-    reduce-scatter's warp_specialized names the kernel: varied from a Triton entry, the reducer
-    kernel's tiling (REDUCER_TILING, the one it has) stands for the entry's, so the entry meets
-    its reducer-kernel twin (the same band and transport); from a reducer-kernel entry, its Triton
-    twin is that tiling on Triton."""
+    """`start`, then the candidates that differ from it in the `vary` fields only. warp_specialized
+    names the kernel, and the other kernel's tiling stands for the entry's, so the entry meets its
+    twin there: a reduce-scatter's reducer kernel in its one tiling (REDUCER_TILING; the same band
+    and transport), from a reducer-kernel entry that tiling on Triton; an all-gather's other
+    kernel in a tile of the same area (the warp-specialized kernel takes 128-row tiles only: a
+    256x128 Triton entry meets it in 128x256), at the warps and stages it has there."""
     fields = {f.name for f in dataclasses.fields(start)}
     unknown = sorted(set(vary) - fields)
     if unknown:
         raise ValueError(f"{op} configs have no field(s) {', '.join(unknown)}; they have {', '.join(sorted(fields))}")
     pinned = {f: getattr(start, f) for f in vary}
 
+    def twin_tiling(c) -> dict:
+        """The start's values of the fields in which c, on the other kernel, may differ from it."""
+        if "warp_specialized" not in vary or c.warp_specialized == start.warp_specialized:
+            return {}
+        if op == "matmul_reduce_scatter":
+            return {f: getattr(start, f) for f in REDUCER_TILING} if c.warp_specialized else {}
+        if c.block_m * c.block_n != start.block_m * start.block_n:
+            return {}
+        return {f: getattr(start, f) for f in ("block_m", "block_n", "num_warps", "num_stages")}
+
     def varies_only_there(c) -> bool:
-        reducer_twin = op == "matmul_reduce_scatter" and "warp_specialized" in vary and c.warp_specialized
-        tiling = {f: getattr(start, f) for f in REDUCER_TILING} if reducer_twin and not start.warp_specialized else {}
-        return dataclasses.replace(c, **{**tiling, **pinned}) == start
+        return dataclasses.replace(c, **{**twin_tiling(c), **pinned}) == start
 
     space = candidates(op, m_total, n, k, world, warp_specialized)
     return [start] + [c for c in space if c != start and varies_only_there(c)]

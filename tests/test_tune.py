@@ -1028,6 +1028,24 @@ def test_varying_a_reduce_scatters_kernel_meets_the_entrys_twin_on_the_other_ker
     assert tune.varied_space(RS, triton, ("warp_specialized",), m, n, k, 2) == [triton]  # where it cannot run
 
 
+def test_varying_an_all_gathers_kernel_meets_the_entrys_twin_in_a_tile_of_the_same_area():
+    """--vary warp_specialized on an all-gather entry the warp-specialized kernel cannot take (256
+    rows): that kernel in 128x256 tiles, the entry's other knobs kept; back from it, Triton's
+    tilings of that area; nothing where the kernel does not run."""
+    m, n, k = 2048, 14336, 8192  # llama3-70b TP=2, whose H200 entry is such a Triton tiling
+    triton = AllGatherMatmulConfig(block_m=256, block_n=128, num_warps=8, num_stages=4, group_m=16, chunk_rows=1024)
+    space = tune.varied_space(AG, triton, ("warp_specialized",), m, n, k, 2, warp_specialized=True)
+    assert space[0] == triton and len(space) == 2
+    twin = space[1]
+    assert (twin.warp_specialized, twin.block_m, twin.block_n) == (True, 128, 256)
+    assert (twin.group_m, twin.chunk_rows, twin.block_k) == (16, 1024, 64)  # the entry's other knobs
+    back = tune.varied_space(AG, twin, ("warp_specialized",), m, n, k, 2, warp_specialized=True)
+    assert triton in back and all(c.block_m * c.block_n == 128 * 256 and c.group_m == 16 for c in back)
+    assert tune.varied_space(AG, triton, ("warp_specialized",), m, n, k, 2) == [triton]  # where it cannot run
+    staged = tune.varied_space(AG, triton, ("num_stages",), m, n, k, 2, warp_specialized=True)
+    assert all(not c.warp_specialized and c.block_m == 256 for c in staged)  # the kernel not varied: no twin
+
+
 LUCKY = [False]  # the stand-in below: BEST is fast until the confirmation measures it
 
 

@@ -130,7 +130,7 @@ def _stream_k_body(rank, world, seed):
     configs = plan_configs(_all_gather_matmul)
     for i in range(6):
         x, xs, w, b = _inputs(seed + 13 * i, world, rank, m, n, k, torch.bfloat16, i % 2 == 0)
-        if i == 3 and rank == world - 1:  # the last segments' rows, the split tiles' among them, arrive late
+        if i == 3 and rank == world - 1:  # this rank's peer rows, the split tiles' among them, arrive late
             with torch.cuda.stream(symm.copy_stream(xs.device)):
                 torch.cuda._sleep(100_000_000)
         y, xg = fluxtp.all_gather_matmul(xs, w, bias=b, backend="fused", return_gathered=True)

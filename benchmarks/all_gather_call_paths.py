@@ -1,4 +1,4 @@
-"""The fused all-gather's call paths under two configs, side by side on the local GPUs.
+"""The fused all-gather's call paths under several configs, side by side on the local GPUs.
 
     torchrun --nproc-per-node 2 benchmarks/all_gather_call_paths.py [--shapes MxNxK,...] [--paths ...]
         [--configs ...] [--out FILE.json]

@@ -77,7 +77,8 @@ one's E_overlap = 1 - (T - T_gemm) / (T_nccl - T_gemm), all from one interleaved
 
 Shipping measured configs: `fluxtp tune` on the GPU machine into a cache of its own, then
 `python -m fluxtp.tune merge-defaults <that dir>/configs.json` merges its entries (measured
-ones only) into fluxtp/configs/default.json, to be committed.
+ones only) into fluxtp/configs/default.json, to be committed; given the run's `--out` results
+file instead (benchmarks/results/tune-*.json), its tuned rows, or those `--shapes` names.
 """
 
 from __future__ import annotations
@@ -226,17 +227,23 @@ def _replace_file(path: Path, text: str) -> None:
         raise
 
 
-def merge_into_shipped(source: str | os.PathLike, target: str | os.PathLike | None = None) -> tuple[int, int]:
-    """Merge the entries of a `fluxtp tune` cache file into the shipped table (default: the
-    package's fluxtp/configs/default.json, in a source checkout the file to commit); equal keys
-    are replaced by the source's. Returns (entries added, entries replaced).
+def merge_into_shipped(source: str | os.PathLike, target: str | os.PathLike | None = None,
+                       shapes: tuple[str, ...] = ()) -> tuple[int, int]:  # fmt: skip
+    """Merge the entries of a `fluxtp tune` cache file, or the tuned rows of a `fluxtp tune --out`
+    results file (entries_from_results: `shapes` picks rows), into the shipped table (default:
+    the package's fluxtp/configs/default.json, in a source checkout the file to commit); equal
+    keys are replaced by the source's. Returns (entries added, entries replaced).
 
     Only measured entries ship: each must record SHIPPED_MEASURED_FIELDS in "measured" (what
     rank_tune writes). CacheFileError, and nothing written, when the source lacks them or
     either file cannot be used (a corrupt shipped table is not overwritten silently)."""
     source, target = Path(source), Path(shipped_path() if target is None else target)
     try:
-        new = parse(source.read_text())
+        text = source.read_text()
+        results = _tune_results(text)
+        if shapes and results is None:
+            raise CacheFileError("--shapes picks rows of a `fluxtp tune --out` results file; this is a cache file")
+        new = parse(text) if results is None else {e.key: e for e in entries_from_results(results, shapes)}
     except (OSError, UnicodeDecodeError) as e:
         raise CacheFileError(f"cannot read {source} ({e})") from None
     except CacheFileError as e:
@@ -260,6 +267,68 @@ def merge_into_shipped(source: str | os.PathLike, target: str | os.PathLike | No
     _replace_file(target, dumps(shipped.values()))
     reload()
     return len(new) - replaced, replaced
+
+
+def _tune_results(text: str) -> dict | None:
+    """The envelope of a `fluxtp tune --out` results file, None for any other text."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(data, dict) and data.get("scenario") == "tune" and "rows" in data:
+        return data
+    return None
+
+
+def entries_from_results(results: dict, shapes: tuple[str, ...] = ()) -> list:
+    """The table entries a `fluxtp tune --out` results file records: its rows whose tuned config
+    replaced the baseline, or the rows of `shapes` (MxNxK as tuned); CacheFileError for a shape
+    the file has no row of."""
+    rows = {f"{r['M']}x{r['N']}x{r['K']}": r for r in results["rows"]}
+    missing = [s for s in shapes if s not in rows]
+    if missing:
+        raise CacheFileError(f"no row of {', '.join(missing)} (the file has {', '.join(rows)})")
+    picked = [rows[s] for s in shapes] if shapes else [r for r in rows.values() if not r["tuned_is_heuristic"]]
+    run = {f: results[f] for f in ("date", "torch", "triton", "commit")}
+    varied = _varied_in(results.get("command", ""))
+    return [entry_from_row(r, results["device"], results["world"], run, varied) for r in picked]
+
+
+def _varied_in(command: str) -> list[str]:
+    """The fields `--vary` named in a recorded `fluxtp tune` command (rows before "varied" was
+    recorded in them)."""
+    import shlex
+
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word == "--vary" and i + 1 < len(words):
+            return words[i + 1].split(",")
+        if word.startswith("--vary="):
+            return word.removeprefix("--vary=").split(",")
+    return []
+
+
+def entry_from_row(row: dict, gpu: str, world: int, run: dict, varied: list[str] = ()) -> Entry:
+    """The table entry of one tuned shape from its results row (comparison_row); run: the date,
+    torch, triton and commit of the run that measured it."""
+    key = Key(gpu, world, row["dtype"], row["op"], row["N"], row["K"], m_bucket(row["M"]), row["weight_layout"])
+    ms = row["ms"]
+    measured = {
+        "M": row["M"],
+        "ms": ms["tuned"],
+        "heuristic_ms": ms["heuristic"],
+        "nccl_ms": ms["nccl"],
+        "gemm_ms": ms["gemm"],
+        "candidates": row["candidates"],
+        "screened": row["screened"],
+        **run,
+    }
+    varied = row.get("varied", varied)
+    if varied:  # heuristic_ms is then the time of the config in use before
+        measured["varied"] = list(varied)
+    return Entry(key, config_from_dict(row["op"], row["tuned_config"]).as_entry(), measured)
 
 
 # ---------------------------------------------------------------- fluxtp tune
@@ -574,8 +643,9 @@ def tune_shape(
     )
 
 
-def comparison_row(op: str, dtype_name: str, r: ShapeResult, weight_layout: str = "linear") -> dict:
-    """One shape's tuned-vs-heuristic row of `fluxtp tune --out` (the confirmation's times)."""
+def comparison_row(op: str, dtype_name: str, r: ShapeResult, weight_layout: str = "linear", varied=()) -> dict:
+    """One shape's tuned-vs-heuristic row of `fluxtp tune --out` (the confirmation's times);
+    varied: the fields `--vary` named (the heuristic is then the config in use before)."""
     from fluxtp.bench.harness import overlap_efficiency, speedup
 
     def rounded(value, digits=4):
@@ -600,6 +670,7 @@ def comparison_row(op: str, dtype_name: str, r: ShapeResult, weight_layout: str 
         "screened": r.screened,
         "pruned": r.pruned,
         "failed": len(r.failed) + len(r.wrong),
+        **({"varied": list(varied)} if varied else {}),
     }
 
 
@@ -656,7 +727,7 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
     if info.group is not None:
         dist.barrier(group=info.group)
     deadline_total = time.monotonic() + job.budget_s
-    results, entries, errors = [], [], []
+    results, errors = [], []
     for i, shape in enumerate(job.shapes):
         left = _time_left(deadline_total, info, device)
         deadline = time.monotonic() + max(0.0, left) / (len(job.shapes) - i)
@@ -674,27 +745,13 @@ def rank_tune(rank: int, world: int, job: TuneJob) -> None:
             errors.append(f"fluxtp tune: {e}")
             break
         results.append(result)
-        key = Key(gpu, world, dtype_name, job.op, shape.N, shape.K, m_bucket(shape.M), job.weight_layout)
-        measured = {
-            "M": shape.M,
-            "ms": round(result.winner_ms, 5),
-            "heuristic_ms": round(result.heuristic_ms, 5),
-            "nccl_ms": round(result.nccl_ms, 5),
-            "gemm_ms": round(result.gemm_ms, 5),
-            "candidates": result.space,
-            "screened": result.screened,
-            "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__,
-            "triton": triton_version(),
-            "commit": git_commit(),
-        }
-        if job.vary:  # heuristic_ms is then the time of the config in use before
-            measured["varied"] = list(job.vary)
-        entries.append(Entry(key, result.winner.as_entry(), measured))
         if cuda:
             torch.cuda.empty_cache()  # the next shape's inputs may be larger
+    rows = [comparison_row(job.op, dtype_name, r, job.weight_layout, job.vary) for r in results]
+    run = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton_version(),
+           "commit": git_commit()}  # fmt: skip
+    entries = [entry_from_row(row, gpu, world, run) for row in rows]
     if rank == 0:
-        rows = [comparison_row(job.op, dtype_name, r, job.weight_layout) for r in results]
         layout = "" if job.weight_layout == "linear" else f", {job.weight_layout} weight"
         print(format_comparison(rows, f"{job.op} on {gpu} x{world}, {dtype_name}{layout}"), flush=True)
         for r in results:
@@ -959,12 +1016,16 @@ def main(argv: list[str] | None = None) -> int:
         description="Merge the measured entries of a `fluxtp tune` cache file (FLUXTP_CACHE_DIR=D fluxtp tune ... "
         "writes D/configs.json) into the shipped table; entries with the same key are replaced.",
     )
-    merge.add_argument("file", help="the cache file to merge (schema fluxtp.tune/1)")
+    merge.add_argument("file", help="the cache file to merge (schema fluxtp.tune/1), or a `fluxtp tune --out` results "
+                       "file (its tuned rows)")
+    merge.add_argument("--shapes", metavar="MxNxK,...", default="",
+                       help="of a results file, these rows only (those the baseline kept included)")
     merge.add_argument("--into", metavar="PATH", help="the table to merge into (default: the package's default.json)")
     args = parser.parse_args(argv)
     target = Path(args.into) if args.into else shipped_path()
+    shapes = tuple(s for s in args.shapes.split(",") if s)
     try:
-        added, replaced = merge_into_shipped(args.file, target)
+        added, replaced = merge_into_shipped(args.file, target, shapes)
     except CacheFileError as e:
         print(f"python -m fluxtp.tune merge-defaults: {e}", file=sys.stderr)
         return 2

@@ -764,6 +764,43 @@ def test_the_one_gpu_tune_leaves_every_entry_measured_with_communication(shipped
     assert tune_gemm.multi_gpu_keys() == {with_nccl.key, early.key}
 
 
+def _tune_row(m, won: bool, **config):
+    tuned = dataclasses.asdict(dataclasses.replace(AllGatherMatmulConfig(), **config))
+    return {"op": AG, "M": m, "N": 28672, "K": 8192, "dtype": "bfloat16", "weight_layout": "linear",
+            "ms": {"gemm": 0.8, "nccl": 1.1, "heuristic": 1.0, "tuned": 0.9 if won else 1.0}, "tuned_config": tuned,
+            "tuned_is_heuristic": not won, "candidates": 3, "screened": 3}  # fmt: skip
+
+
+def test_merge_defaults_from_a_tune_results_file_ships_its_tuned_rows_or_those_named(tmp_path, shipped):
+    results = tmp_path / "tune-h200-x2.json"  # what `fluxtp tune --vary ... --out` wrote (rows before "varied")
+    command = ("fluxtp tune --op all_gather_matmul --nproc 2 --shapes 2048x28672x8192,8192x28672x8192 "
+               "--vary warp_specialized,num_stages")
+    run = {"torch": "2.11.0+cu130", "triton": "3.6.0", "commit": "d22cabf", "date": "2026-11-29"}
+    rows = [_tune_row(2048, False), _tune_row(8192, True, warp_specialized=True, stream_k=True, num_warps=4, num_stages=3)]
+    results.write_text(json.dumps({"schema": "fluxtp.bench/1", "scenario": "tune", "device": H200, "gpus": 2, "world": 2,
+                                   **run, "command": command, "rows": rows}))  # fmt: skip
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text(tune.dumps([]))
+    done = _merge(results, "--into", shipped)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"merged 1 entries from {results} into {shipped} (1 new, 0 replaced; 1 in all)" in done.stdout
+    table, problem = tune.load(shipped, shipped=True)
+    (entry,) = table.values()
+    assert problem is None and entry.key == tune.Key(H200, 2, "bfloat16", AG, 28672, 8192, 8192)
+    # as the launcher's table holds it: stream-K is decided per call, at its Triton twin's warps
+    assert entry.config == dataclasses.replace(AllGatherMatmulConfig(), warp_specialized=True, num_stages=3, num_warps=8)
+    assert entry.measured == {"M": 8192, "ms": 0.9, "heuristic_ms": 1.0, "nccl_ms": 1.1, "gemm_ms": 0.8, "candidates": 3,
+                              "screened": 3, **run, "varied": ["warp_specialized", "num_stages"]}  # fmt: skip
+    assert tune.merge_into_shipped(results, shipped, ("2048x28672x8192",)) == (1, 0)  # named: kept rows too
+    done = _merge(results, "--shapes", "4096x28672x8192", "--into", shipped)
+    assert done.returncode == 2 and "no row of 4096x28672x8192 (the file has 2048x28672x8192, 8192x28672x8192)" in done.stderr
+    cache = tmp_path / "cache.json"
+    tune.write_entries([measured_entry(m=1024)], cache)
+    done = _merge(cache, "--shapes", "1024x28672x8192", "--into", shipped)
+    assert done.returncode == 2 and "--shapes picks rows of a `fluxtp tune --out` results file" in done.stderr
+    assert len(tune.load(shipped, shipped=True)[0]) == 2
+
+
 def test_merge_defaults_refuses_unmeasured_entries_and_a_corrupt_table(tmp_path, shipped):
     tuned = tmp_path / "tuned" / tune.CACHE_FILE
     tune.write_entries([entry(m=1024)], tuned)  # "measured" holds only M and ms
@@ -957,6 +994,12 @@ def test_rank_tune_writes_every_shape_and_reports_wrong_candidates(tmp_path):
             expected = overlap_efficiency(row["ms"][key], row["ms"]["gemm"], row["ms"]["nccl"])
             assert row["E_overlap"][key] == (None if expected is None else pytest.approx(expected, abs=2e-3))
         assert 1 <= row["screened"] <= row["candidates"] and row["failed"] >= 1  # the 256x tiles, the w4 s3 ones
+    # The results file is enough to ship the entries the cache got (its rows whose tuned config won).
+    table = tmp_path / "shipped.json"
+    assert tune.merge_into_shipped(result_file, table) == (2, 0)
+    shipped, problem = tune.load(table, shipped=True)
+    tuned = [tune.Key("cpu", 2, "float32", AG, 64, 32, shape.M) for shape in shapes]
+    assert problem is None and shipped == {key: entries[key] for key in tuned}
 
 
 def _rank_tune_transposed_on_cpu(rank, world, job, out_dir):

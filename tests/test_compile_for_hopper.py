@@ -10,9 +10,13 @@ Skipped where this Triton cannot compile Gluon offline (no GluonASTSource; 3.6, 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import importlib
 import io
+import multiprocessing
+import os
 import itertools
 import re
 import subprocess
@@ -58,20 +62,42 @@ def captured_launch(monkeypatch):
     return launches
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    """What compiling a launch takes, picklable (for the sweep's worker processes): its kernel by
+    module and name, the arguments' types as the JIT launcher mangles them, constexprs, options."""
+
+    module: str
+    kernel: str
+    signature: tuple
+    constexprs: tuple
+    options: tuple
+
+    @classmethod
+    def of(cls, launch: _launch.Launch, args: tuple) -> CompileJob:
+        names = launch.kernel.arg_names
+        signature = {name: mangle_type(arg) for name, arg in zip(names, args)}
+        constexprs = {name: None for name, kind in signature.items() if kind == "constexpr"}
+        options = dict(COMPILE_OPTIONS)  # as every launch passes them
+        for name, value in launch.constexprs.items():
+            if name in names:
+                signature[name], constexprs[name] = "constexpr", value
+            if name not in names or name == "num_warps":
+                options[name] = value
+        return cls(launch.kernel.fn.__module__, launch.kernel.__name__, tuple(signature.items()),
+                   tuple(constexprs.items()), tuple(options.items()))  # fmt: skip
+
+
 def _compile(launch: _launch.Launch, args: tuple):
     """The launch's kernel compiled for HOPPER with its arguments' types and constexprs."""
-    kernel = launch.kernel
-    names = kernel.arg_names
-    signature = {name: mangle_type(arg) for name, arg in zip(names, args)}  # as the JIT launcher types them
-    constexprs = {name: None for name, kind in signature.items() if kind == "constexpr"}
-    options = dict(COMPILE_OPTIONS)  # as every launch passes them
+    return _compile_job(CompileJob.of(launch, args))
+
+
+def _compile_job(job: CompileJob):
+    kernel = getattr(importlib.import_module(job.module), job.kernel)
     gluon = isinstance(kernel, _runtime.GluonJITFunction)
-    for name, value in launch.constexprs.items():
-        if name in names:
-            signature[name], constexprs[name] = "constexpr", value
-        if name not in names or name == "num_warps":
-            options[name] = value
-    source = (_runtime.GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs)
+    options = dict(job.options)
+    source = (_runtime.GluonASTSource if gluon else ASTSource)(kernel, dict(job.signature), dict(job.constexprs))
     ptxas_log = io.StringIO()
     with triton.knobs.nvidia.scope(), triton.knobs.compilation.scope(), contextlib.redirect_stdout(ptxas_log):
         triton.knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas's -v log to stdout
@@ -80,7 +106,7 @@ def _compile(launch: _launch.Launch, args: tuple):
     log = ptxas_log.getvalue()
     assert re.search(r"ptxas\S* info", log), f"{kernel.__name__}: no ptxas log printed (Triton {triton.__version__})"
     serialized = [line for line in log.splitlines() if "C7512" in line or "serialized" in line]
-    assert not serialized, f"{kernel.__name__} {launch.constexprs}: {serialized[0]}"
+    assert not serialized, f"{kernel.__name__} {dict(job.constexprs)} {options}: {serialized[0]}"
     return compiled
 
 
@@ -91,16 +117,18 @@ def _compile(launch: _launch.Launch, args: tuple):
 MAX_SPILL_OPS = 192
 
 
+NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"  # ships with Triton
+
+
 def _local_memory_ops(compiled) -> int:
     """Spill loads and stores (LDL / STL) in the compiled kernel's SASS, read by the nvdisasm that
     ships with Triton; a test that counts them skips where it is missing."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    if not nvdisasm.exists():
-        pytest.skip(f"no {nvdisasm} to read the SASS with")
+    if not NVDISASM.exists():
+        pytest.skip(f"no {NVDISASM} to read the SASS with")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(NVDISASM), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     return sum("STL" in line or "LDL" in line for line in sass.splitlines())
 
 
@@ -372,8 +400,26 @@ SWEEP_KINDS = [
 ]
 
 
+def _sweep_check(job: CompileJob) -> tuple[int, int | None, bool]:
+    """(shared memory bytes, spill ops or None without nvdisasm, acquires ordered before TMA
+    loads) of a launch, compiled in a worker process."""
+    compiled = _compile_job(job)
+    spills = _local_memory_ops(compiled) if NVDISASM.exists() else None
+    ordered = job.kernel not in TMA_READS_FLAGGED or _orders_acquires_before_tma_loads(compiled)
+    return compiled.metadata.shared, spills, ordered
+
+
+@pytest.fixture(scope="module")
+def compile_pool():
+    """Worker processes for the sweep's compiles (ptxas runs one kernel on one core): spawned,
+    as forking a process that has run MLIR's thread pool may hang."""
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
 @pytest.mark.parametrize("op", list(SWEEP_SHAPES))
-def test_every_heuristic_launch_fits_shared_memory_and_spills_little(captured_launch, op):
+def test_every_heuristic_launch_fits_shared_memory_and_spills_little(captured_launch, compile_pool, op):
     """What an untuned call launches on an H100 / H200 (each kernel specialization compiled once,
     Triton's and the warp-specialized ones) fits sm_90's shared memory: a tiling whose epilogue
     does not fit fails its launch with OutOfResources on the GPU (the FP8 fast all-gather's
@@ -381,7 +427,7 @@ def test_every_heuristic_launch_fits_shared_memory_and_spills_little(captured_la
     MAX_SPILL_OPS (its comment has the measurements): the Triton release your torch brings may
     allocate registers differently from the measured one."""
     module = ag if op == "all_gather_matmul" else rs
-    seen = set()
+    jobs = {}  # each kernel specialization once
     for world in (2, 4, 8):
         for (rows, n, k), (dtype, accumulation, out_dtype) in itertools.product(SWEEP_SHAPES[op], SWEEP_KINDS):
             torch.manual_seed(0)
@@ -394,14 +440,10 @@ def test_every_heuristic_launch_fits_shared_memory_and_spills_little(captured_la
                 module.gemm_only(x, w, None, GroupInfo(None, 0, world), scales=scales, out_dtype=out_dtype,
                                  use_fast_accum=accumulation == "fast")()  # fmt: skip
             launch, args = captured_launch[-1]
-            key = (launch.kernel, tuple(sorted(launch.constexprs.items())), tuple(mangle_type(a) for a in args))
-            if key in seen:
-                continue
-            seen.add(key)
-            compiled = _compile(launch, args)
-            shared = compiled.metadata.shared
-            assert shared <= SMEM_LIMIT_BYTES, f"{what}: {launch.constexprs} needs {shared} bytes of shared memory"
-            spills = _local_memory_ops(compiled)
-            assert spills <= MAX_SPILL_OPS, f"{what}: {launch.constexprs} spills {spills} ops (Triton {triton.__version__})"
-            if launch.kernel.__name__ in TMA_READS_FLAGGED:
-                assert _orders_acquires_before_tma_loads(compiled), f"{what}: TMA loads after acquires, no proxy fence"
+            jobs.setdefault(CompileJob.of(launch, args), (what, launch.constexprs))
+    for (what, constexprs), (shared, spills, ordered) in zip(jobs.values(), compile_pool.map(_sweep_check, jobs)):
+        assert shared <= SMEM_LIMIT_BYTES, f"{what}: {constexprs} needs {shared} bytes of shared memory"
+        if spills is None:
+            pytest.skip(f"no {NVDISASM} to read the SASS with")
+        assert spills <= MAX_SPILL_OPS, f"{what}: {constexprs} spills {spills} ops (Triton {triton.__version__})"
+        assert ordered, f"{what}: TMA loads after acquires, no proxy fence"

@@ -18,7 +18,13 @@ Every rank holds the whole activations [tokens, hidden] (replicated) and its sha
                       the logits, so that argmax sees the whole vocabulary, the same on every rank
 
 So a layer communicates twice (two all-reduces) and the model once more (the logits), all of it
-through the model's backend (its ops, and fluxtp.backends.collective for the gather). The math
+through the model's backend (its ops, and fluxtp.backends.collective for the gathers). A long
+prefill (SEQUENCE_PARALLEL_MIN_TOKENS or more, a multiple of the world size) runs sequence
+parallel instead, as Megatron's training layers do: each rank holds a contiguous block of the
+flattened prompts' rows, norms it, and q/k/v and gate/up gather the rows inside their GEMM
+(fluxtp.all_gather_matmul), o_proj and down_proj scatter them back (fluxtp.matmul_reduce_scatter):
+the same bytes as the all-reduces, but both halves overlap a GEMM (an all-reduce after a GEMM
+hides at most its reduce-scatter half). The math
 is that of transformers' Llama/Mistral/Qwen2/Qwen3 (RMSNorm in float32, RoPE from the model's
 own rotary embedding, so rope_theta and llama3 scaling come with it): greedy tokens match the
 unsharded Hugging Face model.
@@ -44,6 +50,9 @@ from fluxtp._dist import resolve_group
 from fluxtp.inference.kv_cache import StaticKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# A prefill of fewer tokens is latency-bound: the all-reduce layout's two collectives a layer cost
+# less than sequence parallelism's four.
+SEQUENCE_PARALLEL_MIN_TOKENS = 1024
 
 # A full weight of the unsharded model by its transformers parameter name, or None when the
 # model has no such parameter (a bias it was built without).
@@ -391,14 +400,31 @@ class TPLlama:
 
     # ------------------------------------------------------------ forward
 
-    def _layers(self, h: torch.Tensor, batch: int, seq: int, cos, sin, attend) -> torch.Tensor:
-        """h [batch*seq, H] through every layer; attend(layer, q, k, v) -> [B, heads_local, S, head_dim]
-        with q [B, heads_local, S, d] and k, v [B, kv_heads_local, S, d] (RoPE applied)."""
-        d, group = self.dims, self.info.group
+    def sequence_parallel(self, tokens: int) -> bool:
+        """Whether a prefill of `tokens` rows in all runs sequence parallel (module docstring)."""
+        world = self.dims.world
+        return world > 1 and tokens >= SEQUENCE_PARALLEL_MIN_TOKENS and tokens % world == 0
+
+    def _column(self, x: torch.Tensor, weight, bias, sequence_parallel: bool) -> torch.Tensor:
+        """A column-parallel GEMM of every row: the row blocks gathered inside it when sequence parallel."""
+        if sequence_parallel:
+            return fluxtp.all_gather_matmul(x, weight, group=self.info.group, bias=bias, backend=self.backend)
+        return F.linear(x, weight, bias)
+
+    def _row(self, x: torch.Tensor, weight, bias, sequence_parallel: bool) -> torch.Tensor:
+        """A row-parallel GEMM summed over the ranks: into this rank's row block when sequence parallel."""
+        op = fluxtp.matmul_reduce_scatter if sequence_parallel else fluxtp.matmul_all_reduce
+        return op(x, weight, group=self.info.group, bias=bias, backend=self.backend)
+
+    def _layers(self, h: torch.Tensor, batch: int, seq: int, cos, sin, attend, sequence_parallel=False) -> torch.Tensor:
+        """h [batch*seq, H] (sequence parallel: this rank's block of those rows) through every layer;
+        attend(layer, q, k, v) -> [B, heads_local, S, head_dim] with q [B, heads_local, S, d] and
+        k, v [B, kv_heads_local, S, d] (RoPE applied), every row."""
+        d, sp = self.dims, sequence_parallel
         q_size, kv_size = d.heads_local * d.head_dim, d.kv_heads_local * d.head_dim
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
-            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+            q, k, v = self._column(x, layer.qkv_weight, layer.qkv_bias, sp).split((q_size, kv_size, kv_size), dim=-1)
             q = q.view(batch, seq, d.heads_local, d.head_dim)
             k = k.view(batch, seq, d.kv_heads_local, d.head_dim)
             v = v.view(batch, seq, d.kv_heads_local, d.head_dim)
@@ -407,13 +433,20 @@ class TPLlama:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             out = out.transpose(1, 2).reshape(batch * seq, q_size)
-            h = h + fluxtp.matmul_all_reduce(out, layer.o_weight, group=group, bias=layer.o_bias, backend=self.backend)
+            h = h + self._row(out, layer.o_weight, layer.o_bias, sp)
             x = rms_norm(h, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + fluxtp.matmul_all_reduce(
-                self.act(gate) * up, layer.down_weight, group=group, bias=layer.down_bias, backend=self.backend
-            )
+            gate, up = self._column(x, layer.gate_up_weight, layer.gate_up_bias, sp).chunk(2, dim=-1)
+            h = h + self._row(self.act(gate) * up, layer.down_weight, layer.down_bias, sp)
         return h
+
+    def _last_rows(self, h: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """Each prompt's last row [B, H] from the sequence-parallel row blocks h (rank r holds rows
+        r*n .. r*n+n-1 of the flattened prompts): every rank's candidates gathered, the holder's kept."""
+        n = h.shape[0]
+        last = torch.arange(1, batch + 1, device=h.device) * seq - 1
+        candidates = h.index_select(0, (last - self.info.rank * n).clamp(0, n - 1))
+        gathered = backends.collective("gather_rows", self.backend)(candidates, self.info)  # [W * B, H]
+        return gathered.view(self.dims.world, batch, -1)[last // n, torch.arange(batch, device=h.device)]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and the vocab-parallel head: h [B, H] -> logits [B, vocab], the same on every rank."""
@@ -433,6 +466,7 @@ class TPLlama:
         Resets the cache to these B sequences (its length becomes S) and returns the logits of
         each prompt's last token, [B, vocab]: the first generated token is their argmax. Attention
         is causal over the prompt itself (flash/efficient kernels), then keys and values are stored.
+        B * S rows run sequence parallel where sequence_parallel(B * S) says.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq] token ids, got shape {tuple(tokens.shape)}")
@@ -445,10 +479,14 @@ class TPLlama:
             grouped = d.heads_local != d.kv_heads_local
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=grouped)
 
-        h = F.embedding(tokens.reshape(-1), self.embed)
-        h = self._layers(h, batch, seq, self.rope_cos[:seq], self.rope_sin[:seq], attend)
+        rows = tokens.reshape(-1)
+        sp = self.sequence_parallel(rows.numel())
+        if sp:  # this rank's block of the rows
+            block = rows.numel() // d.world
+            rows = rows[self.info.rank * block : (self.info.rank + 1) * block]
+        h = self._layers(F.embedding(rows, self.embed), batch, seq, self.rope_cos[:seq], self.rope_sin[:seq], attend, sp)
         cache.reset(seq)
-        return self._logits(h.view(batch, seq, -1)[:, -1])
+        return self._logits(self._last_rows(h, batch, seq) if sp else h.view(batch, seq, -1)[:, -1])
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, advance: bool = True) -> torch.Tensor:

@@ -7,6 +7,8 @@ python -m pytest tests/gpu/test_inference_gpu.py    (about half a minute)
 - bfloat16, nccl / torch / fused: each backend's tokens and logits against nccl's; the captured
   decode step replayed for 20 fresh prompts (300 replays, one capture) against the same backend
   run eagerly; the tokens the same on both ranks.
+- Long prompts (2048 rows): the sequence-parallel prefill, float32 against HF's forward and each
+  bfloat16 backend against nccl.
 
 Greedy tokens are compared up to a near-tie: two computations whose logits differ by at most
 eps may pick different tokens only where the reference's two candidates are within 2 eps. So
@@ -138,3 +140,40 @@ def _body(rank, world, seed):
 
 def test_greedy_generation_with_cuda_graphs_per_backend():
     run_on_ranks(_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=300)
+
+
+LONG_BATCH, LONG_PROMPT = 2, 1024  # 2048 rows: a sequence-parallel prefill at any WORLD up to 8
+
+
+def _long_prompt_body(rank, world, seed):
+    device = torch.device("cuda", rank)
+    model = _build(seed, device)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, CONFIG["vocab_size"], (LONG_BATCH, LONG_PROMPT), generator=g).to(device)
+
+    # float32, nccl: the prefill's logits against HF's forward.
+    tp = TPLlama.from_hf(model, backend="nccl")
+    assert tp.sequence_parallel(prompts.numel())
+    tp.allocate_cache(LONG_BATCH, LONG_PROMPT + NEW_TOKENS)
+    with torch.no_grad():
+        ref = model(input_ids=prompts).logits[:, -1]
+    err = ((tp.prefill(prompts) - ref).abs().max() / ref.abs().max()).item()
+    assert err <= FLOAT32_TOLERANCE, f"float32 nccl sequence-parallel prefill against HF: off by {err:.3g}"
+    del tp
+
+    model.to(torch.bfloat16)
+    results = {}
+    for backend in BACKENDS:
+        tp = TPLlama.from_hf(model, backend=backend)
+        results[backend] = tp.generate(prompts, NEW_TOKENS, cuda_graph=True, return_logits=True)
+        _same_on_all_ranks(results[backend][0], f"{backend} tokens")
+        del tp
+    for backend in BACKENDS[1:]:
+        assert_greedy_agree(*results[backend], *results["nccl"], BFLOAT16_TOLERANCE,
+                            f"bfloat16 {backend} against nccl, sequence-parallel prefill")  # fmt: skip
+
+
+def test_long_prompts_prefill_sequence_parallel_per_backend():
+    """Prompts of 2048 rows in all: the prefill's rows in blocks through all_gather_matmul and
+    matmul_reduce_scatter on each backend, then decode on the all-reduces."""
+    run_on_ranks(_long_prompt_body, WORLD, random.randrange(1 << 30), backend="nccl", timeout_s=300)

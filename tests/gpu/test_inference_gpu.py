@@ -117,13 +117,7 @@ def _body(rank, world, seed):
     assert_greedy_agree(tokens, logits, ref_tokens, ref_logits, FLOAT32_TOLERANCE, "float32 nccl against HF")
     del tp
 
-    model.to(torch.bfloat16)
-    results = {}
-    for backend in BACKENDS:
-        tp = TPLlama.from_hf(model, backend=backend)
-        results[backend] = tp.generate(prompts, NEW_TOKENS, cuda_graph=True, return_logits=True)
-        _same_on_all_ranks(results[backend][0], f"{backend} tokens")
-        _same_on_all_ranks(results[backend][1], f"{backend} logits")
+    def replays_match_eager(backend, tp):
         (graph,) = tp.decode_graphs.values()  # whatever its key: the one captured step
         for i in range(REPLAY_RUNS):
             fresh = _prompts(seed + 1 + i, device)
@@ -133,9 +127,25 @@ def _body(rank, world, seed):
             )
             eager = tp.generate(fresh, NEW_TOKENS, cuda_graph=False, return_logits=True)
             assert_greedy_agree(*replayed, *eager, GRAPH_TOLERANCE, f"{backend} graph replay {i} against eager")
-        del tp, graph
+
+    _bfloat16_backends_agree(model, prompts, "", replays_match_eager)
+
+
+def _bfloat16_backends_agree(model, prompts, what, also=None):
+    """The model in bfloat16 on each backend: its greedy generation (decode graphed) the same on
+    every rank and, torch's and fused's, agreeing with nccl's; also(backend, tp) checks more."""
+    model.to(torch.bfloat16)
+    results = {}
+    for backend in BACKENDS:
+        tp = TPLlama.from_hf(model, backend=backend)
+        results[backend] = tp.generate(prompts, NEW_TOKENS, cuda_graph=True, return_logits=True)
+        _same_on_all_ranks(results[backend][0], f"{backend} tokens")
+        _same_on_all_ranks(results[backend][1], f"{backend} logits")
+        if also is not None:
+            also(backend, tp)
+        del tp
     for backend in BACKENDS[1:]:
-        assert_greedy_agree(*results[backend], *results["nccl"], BFLOAT16_TOLERANCE, f"bfloat16 {backend} against nccl")
+        assert_greedy_agree(*results[backend], *results["nccl"], BFLOAT16_TOLERANCE, f"bfloat16 {backend} against nccl{what}")
 
 
 def test_greedy_generation_with_cuda_graphs_per_backend():
@@ -161,16 +171,7 @@ def _long_prompt_body(rank, world, seed):
     assert err <= FLOAT32_TOLERANCE, f"float32 nccl sequence-parallel prefill against HF: off by {err:.3g}"
     del tp
 
-    model.to(torch.bfloat16)
-    results = {}
-    for backend in BACKENDS:
-        tp = TPLlama.from_hf(model, backend=backend)
-        results[backend] = tp.generate(prompts, NEW_TOKENS, cuda_graph=True, return_logits=True)
-        _same_on_all_ranks(results[backend][0], f"{backend} tokens")
-        del tp
-    for backend in BACKENDS[1:]:
-        assert_greedy_agree(*results[backend], *results["nccl"], BFLOAT16_TOLERANCE,
-                            f"bfloat16 {backend} against nccl, sequence-parallel prefill")  # fmt: skip
+    _bfloat16_backends_agree(model, prompts, ", sequence-parallel prefill")
 
 
 def test_long_prompts_prefill_sequence_parallel_per_backend():

@@ -186,6 +186,9 @@ class TPLlama:
         self.info = resolve_group(group)
         self.dims = dims = model_dims(config, self.info.world_size, num_layers)
         self.config, self.dtype, self.device, self.backend = config, dtype, torch.device(device), backend
+        # Prefill rows from which the layers run sequence parallel (module docstring); another
+        # value moves the switch (benchmarks/prefill_layouts.py times both layouts).
+        self.sequence_parallel_min_tokens = SEQUENCE_PARALLEL_MIN_TOKENS
         self.eps = config.rms_norm_eps
         self.scaling = dims.head_dim**-0.5
         from transformers.activations import ACT2FN
@@ -403,7 +406,7 @@ class TPLlama:
     def sequence_parallel(self, tokens: int) -> bool:
         """Whether a prefill of `tokens` rows in all runs sequence parallel (module docstring)."""
         world = self.dims.world
-        return world > 1 and tokens >= SEQUENCE_PARALLEL_MIN_TOKENS and tokens % world == 0
+        return world > 1 and tokens >= self.sequence_parallel_min_tokens and tokens % world == 0
 
     def _column(self, x: torch.Tensor, weight, bias, sequence_parallel: bool) -> torch.Tensor:
         """A column-parallel GEMM of every row: the row blocks gathered inside it when sequence parallel."""

@@ -87,8 +87,10 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -271,8 +273,6 @@ def merge_into_shipped(source: str | os.PathLike, target: str | os.PathLike | No
 
 def _tune_results(text: str) -> dict | None:
     """The envelope of a `fluxtp tune --out` results file, None for any other text."""
-    import json
-
     try:
         data = json.loads(text)
     except ValueError:
@@ -299,8 +299,6 @@ def entries_from_results(results: dict, shapes: tuple[str, ...] = ()) -> list:
 def _varied_in(command: str) -> list[str]:
     """The fields `--vary` named in a recorded `fluxtp tune` command (rows before "varied" was
     recorded in them)."""
-    import shlex
-
     words = shlex.split(command)
     for i, word in enumerate(words):
         if word == "--vary" and i + 1 < len(words):
@@ -1014,7 +1012,8 @@ def main(argv: list[str] | None = None) -> int:
         "merge-defaults",
         help="merge a `fluxtp tune` cache file into the shipped table",
         description="Merge the measured entries of a `fluxtp tune` cache file (FLUXTP_CACHE_DIR=D fluxtp tune ... "
-        "writes D/configs.json) into the shipped table; entries with the same key are replaced.",
+        "writes D/configs.json), or the tuned rows of its --out results file, into the shipped table; entries with "
+        "the same key are replaced.",
     )
     merge.add_argument("file", help="the cache file to merge (schema fluxtp.tune/1), or a `fluxtp tune --out` results "
                        "file (its tuned rows)")

@@ -15,9 +15,9 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import itertools
 import multiprocessing
 import os
-import itertools
 import re
 import subprocess
 import tempfile

@@ -7,6 +7,7 @@ Tokens must be identical, every step's logits equal within TOLERANCE.
 """
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -159,6 +160,20 @@ def check_from_pretrained(rank, model, checkpoint, seed):
     check_generation(tp, model, prompts_for(seed + 2, 2, 5, 128), "from_pretrained")
 
 
+@contextlib.contextmanager
+def calls_to(module, names):
+    """The names of `module`'s functions `names` (those it has) called inside the block, in order;
+    each still runs."""
+    calls, originals = [], {name: getattr(module, name) for name in names if hasattr(module, name)}
+    for name, original in originals.items():
+        setattr(module, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or _original(*a, **k))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather", "reduce_scatter_tensor")
 
 
@@ -168,21 +183,13 @@ def check_no_comm_backend_issues_no_collective(model, seed):
     tp = TPLlama.from_hf(model)
     tp.allocate_cache(2, 8)
     prompts = prompts_for(seed, 2, 6, 128)
-    calls, originals = [], {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    try:
-        for name, original in originals.items():
-            setattr(
-                dist, name, lambda *a, _name=name, _original=original, **k: calls.append(_name) or _original(*a, **k)
-            )
+    with calls_to(dist, COLLECTIVES) as calls:
         ref = tp.prefill(prompts), tp.decode_step(prompts[:, -1])
         assert calls, "the counters see no collective of the communicating model"
         calls.clear()
         tp.backend = NO_COMM
         local = tp.prefill(prompts), tp.decode_step(prompts[:, -1])
         assert calls == [], f"backend {NO_COMM!r} still called {calls}"
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
     for out, want in zip(local, ref):
         assert out.shape == want.shape and torch.isfinite(out).all()
 
@@ -198,16 +205,11 @@ def check_long_prefill_runs_sequence_parallel(world, model, seed):
     assert tp.sequence_parallel(prompts.numel()) == (world > 1)
     assert not tp.sequence_parallel(prompts.numel() - 1) and not tp.sequence_parallel(prompts.numel() + world - 1)
     tp.allocate_cache(32, prompts.shape[1])
-    calls, originals = collections.Counter(), {name: getattr(fluxtp, name) for name in SHARDED_OPS}
-    try:
-        for name, original in originals.items():
-            setattr(fluxtp, name, lambda *a, _name=name, _original=original, **k: calls.update([_name]) or _original(*a, **k))
+    with calls_to(fluxtp, SHARDED_OPS) as calls:
         tp.prefill(prompts)
-    finally:
-        for name, original in originals.items():
-            setattr(fluxtp, name, original)
     layers = len(tp.layers)
-    assert calls == {"all_gather_matmul": 2 * layers, "matmul_reduce_scatter": 2 * layers}, calls
+    counts = collections.Counter(calls)
+    assert counts == {"all_gather_matmul": 2 * layers, "matmul_reduce_scatter": 2 * layers}, counts
     tag = f"llama W={world}, {prompts.numel()} prompt tokens sequence parallel"
     with torch.no_grad():
         err = rel_error(tp.prefill(prompts), model(input_ids=prompts).logits[:, -1])

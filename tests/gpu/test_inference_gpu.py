@@ -99,9 +99,9 @@ def _build(seed, device):
     return model.to(device)
 
 
-def _prompts(seed, device):
+def _prompts(seed, device, batch=BATCH, length=PROMPT_LEN):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, CONFIG["vocab_size"], (BATCH, PROMPT_LEN), generator=g).to(device)
+    return torch.randint(0, CONFIG["vocab_size"], (batch, length), generator=g).to(device)
 
 
 def _body(rank, world, seed):
@@ -158,8 +158,7 @@ LONG_BATCH, LONG_PROMPT = 2, 1024  # 2048 rows: a sequence-parallel prefill at a
 def _long_prompt_body(rank, world, seed):
     device = torch.device("cuda", rank)
     model = _build(seed, device)
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, CONFIG["vocab_size"], (LONG_BATCH, LONG_PROMPT), generator=g).to(device)
+    prompts = _prompts(seed, device, LONG_BATCH, LONG_PROMPT)
 
     # float32, nccl: the prefill's logits against HF's forward.
     tp = TPLlama.from_hf(model, backend="nccl")

@@ -49,8 +49,8 @@ def test_all_gathers_of_wide_weights_need_more_tokens_from_tp4(world):
     assert fused.preferred(AG, x, narrow, info)
     assert fused.preferred(AG, x, wide, info) == (x.shape[0] * world >= least_tokens_wide)
     assert fused.preferred(AG, torch.empty(-(-least_tokens_wide // world), 64, device="meta"), wide, info)
-    if world in (2, 4):  # the measured degrees fuse from 1024 tokens, wide weights at TP=4 from 2048
-        assert least_tokens == 1024 and least_tokens_wide == (1024 if world == 2 else 2048)
+    if world in (2, 4):  # the measured degrees: TP=2 from 512 tokens, TP=4 from 1024, wide weights 2048
+        assert (least_tokens, least_tokens_wide) == ((512, 512) if world == 2 else (1024, 2048))
 
 
 def test_matmul_reduce_scatter_counts_rows_at_any_width():
@@ -64,11 +64,13 @@ def test_matmul_reduce_scatter_counts_rows_at_any_width():
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_fp8_reduce_scatters_always_fused_all_gathers_from_the_measured_tokens(world):
     """Reduce-scatters of either accumulation (the FP8 recipe's forward and its gradients) at any
-    size; all-gathers that keep nothing from the fewest tokens measured alone (1024), below that to
-    NCCL then torch._scaled_mm; either scaling and accumulation alike."""
+    size; all-gathers that keep nothing from the fewest tokens where they won alone (TP=2: 512, more
+    ranks: 1024, the fewest measured), below that to NCCL then torch._scaled_mm; either scaling and
+    accumulation alike."""
     info = GroupInfo(None, 0, world)
     w = torch.empty(14336, 8192, device="meta")
-    least = fused.AUTO_MIN_TOKENS["all_gather_scaled_matmul"][0]
+    least = fused.AUTO_MIN_TOKENS["all_gather_scaled_matmul"][0 if world == 2 else 1]
+    assert least == (512 if world == 2 else 1024)
     fast = {"out_dtype": torch.bfloat16, "use_fast_accum": True}
     for row_wise in (True, False):
         for accumulation in (fast, {**fast, "use_fast_accum": False}):
@@ -91,12 +93,13 @@ def test_unmeasured_tp_degrees_keep_the_older_all_gather_thresholds():
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_reduce_scatters_from_the_same_tokens_at_any_tp(world):
-    """The training step at TP 2 and 4 gained with its reduce-scatters fused (more ranks: as TP=4)."""
+def test_reduce_scatters_by_tp_degree(world):
+    """At TP=2 the op alone won from 256 tokens (H200; LLaMA-70B's down projection lost at 128); the
+    training step at TP 4 gained with its reduce-scatters fused from 1024 (more ranks: as TP=4)."""
     info = GroupInfo(None, 0, world)
     w = torch.empty(8192, 64, device="meta")
-    least = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"][0]
-    assert fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"] == (least, least)
+    least = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"][0 if world == 2 else 1]
+    assert least == (256 if world == 2 else 1024)
     assert not fused.preferred("matmul_reduce_scatter", torch.empty(least - world, 64, device="meta"), w, info)
     assert fused.preferred("matmul_reduce_scatter", torch.empty(least, 64, device="meta"), w, info)
 

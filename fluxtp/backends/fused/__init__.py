@@ -19,21 +19,22 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # of global tokens on (the reduce-scatter's at TP >= 4 from the training step on H100s); below,
 # host cost and GEMM efficiency lose to NCCL.
 # "auto" keeps these thresholds while capturing a CUDA graph (where the fused ops won from the
-# same 1024 tokens, 4x H200): a capture that picked fused after an nccl warm-up would run the
+# same tokens, 4x and 2x H200): a capture that picked fused after an nccl warm-up would run the
 # fused op's first call (allocation, rendezvous, compile) inside the capture; for fewer tokens
 # pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's
 # exact key decides over them where it is clear (configs.measured_verdict). The measurements:
 # docs/perf-log.md, "Where the auto thresholds come from".
-AUTO_MIN_TOKENS = {  # (TP=2, TP>=4)
-    "matmul_reduce_scatter": (1024, 1024),
-    "all_gather_scaled_matmul": (1024, 1024),
+AUTO_MIN_TOKENS = {  # (TP=2, TP>=4); at TP=2 each op lost at half its floor on some weight
+    "matmul_reduce_scatter": (256, 1024),
+    "all_gather_scaled_matmul": (512, 1024),
 }
 # The bf16 / fp16 all-gather alone, by TP degree (2, up to 4, more): (least global tokens, least
 # output elements a rank, least tokens where a rank's weight has more than AUTO_WIDE_COLUMNS
-# columns). TP 2 and 4 won at every size measured from 1024 tokens x 1024 columns a rank (H200;
-# H100 at TP=4) but for wide weights at TP=4 and 1024 tokens (H100 0.95-0.98x, GPT-3 / LLaMA-405B);
-# more ranks were never measured and keep the thresholds of before the call plans.
-AUTO_ALL_GATHER = {2: (1024, 1 << 20, 1024), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
+# columns). TP=2 won at every size measured from 512 tokens (H200; 256 lost at LLaMA-70B's q/k/v),
+# TP=4 from 1024 tokens x 1024 columns a rank (H200; H100) but for wide weights at 1024 tokens (H100
+# 0.95-0.98x, GPT-3 / LLaMA-405B); more ranks were never measured and keep the thresholds of before
+# the call plans.
+AUTO_ALL_GATHER = {2: (512, 1 << 20, 512), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
 AUTO_WIDE_COLUMNS = 8192
 # An all-gather whose caller keeps the gathered rows is a training layer's (fluxtp.nn keeps them for
 # the weight gradient): the bf16 and FP8 training steps at TP 2 and 4 gained with those fused from
@@ -104,12 +105,16 @@ def preferred_by_thresholds(op: str, tokens: int, columns: int, world: int) -> b
         return True
     if op == "all_gather_scaled_matmul":
         # Alone it ran fused 1.02-2.5x faster than NCCL then torch._scaled_mm at 1024-16384 tokens,
-        # TP 2 and 4, either scaling and accumulation (docs/fp8.md); fewer tokens are not measured.
-        return tokens >= AUTO_MIN_TOKENS[op][0]
+        # TP 2 and 4, either scaling and accumulation, and at TP=2 from 512 (docs/fp8.md).
+        return tokens >= _least_tokens(op, world)
     if op == "all_gather_matmul":
         return _all_gather_fuses(tokens, columns, world)
+    return tokens >= _least_tokens(op, world)
+
+
+def _least_tokens(op: str, world: int) -> int:
     two, more = AUTO_MIN_TOKENS[op]
-    return tokens >= (two if world <= 2 else more)
+    return two if world <= 2 else more
 
 
 def _all_gather_fuses(tokens: int, columns: int, world: int) -> bool:

@@ -97,10 +97,21 @@ def test_wide_bf16_all_gather_tiles_move_to_the_warp_specialized_kernel():
     assert not _config_for(x, w, 2, None).warp_specialized
 
 
-def test_reduce_scatter_heuristic_is_the_wide_tile_everywhere():
+def test_reduce_scatter_heuristic_is_the_wide_tile_but_in_grids_of_half_a_wave_or_less():
+    """128x256 tiles from a wave of them on (every grid case), 128x128 ones (NARROW_TILING) where
+    those fit in the one wave that the wide ones would leave at least half idle."""
     for m in (1024, 4096, 16384):
         config = MatmulReduceScatterConfig.heuristic(m, 8192, 3584, 8)
         assert (config.block_m, config.block_n, config.num_warps, config.num_stages) == (128, 256, 8, 3)
+    wide = MatmulReduceScatterConfig.heuristic(512, 8192, 14336, 2)  # 4 x 32 = 128 wide tiles
+    assert (wide.block_n, wide.fits_grid(512, 8192)) == (256, True)
+    for m, n in ((256, 4096), (512, 4096), (256, 8192), (640, 3072)):  # 32, 64, 64 and 60 wide tiles
+        narrow = MatmulReduceScatterConfig.heuristic(m, n, 7168, 2)
+        assert (narrow.block_m, narrow.block_n, narrow.num_warps, narrow.num_stages, narrow.epilogue_split) == (
+            128, 128, 4, 5, 2)
+        assert narrow.fits_grid(m, n) and not MatmulReduceScatterConfig().fits_grid(m, n)
+        assert narrow.transport == "push"  # a single wave: the copy engine's bands would wait for it
+    assert MatmulReduceScatterConfig.heuristic(256, 10240, 7168, 2).block_n == 256  # 80: narrow takes 2 waves
 
 
 def test_one_gpu_candidates_fit_start_at_the_heuristic_and_keep_its_communication_rule():

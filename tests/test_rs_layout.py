@@ -127,6 +127,12 @@ def test_a_tiling_with_no_room_for_a_unit_is_refused():
     assert "shared memory" in reducer_unsupported(deep, 8192, 8, 2, 2)
 
 
+def test_the_reducer_kernel_refuses_tiles_of_other_than_128_rows():
+    """Its two consumer warpgroups take 64 rows each: a 64-row tiling is refused before it compiles."""
+    short = MatmulReduceScatterConfig(block_m=64, block_n=128, warp_specialized=True, transport="push")
+    assert "128 rows" in reducer_unsupported(short, 8192, 4, 2)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_a_push_unit_loads_its_adjacent_slots_in_one_copy(world):
     """Push: the W-1 incoming slots and the own one are slots 0..W-1, so one TMA box of W slots

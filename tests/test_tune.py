@@ -225,6 +225,26 @@ def test_a_field_optional_in_tables_may_be_left_out_and_means_its_default():
         tune.parse(json.dumps(data))
 
 
+def test_a_reduce_scatter_entry_of_another_bucket_gives_way_where_its_tiles_leave_the_grid_idle(cache):
+    """A 128x256 tiling tuned at 1024 tokens leaves a 256-token call (2 x 16 tiles at N 4096) a
+    quarter of a wave: the call takes the heuristic's narrow tiles; the entry's own bucket, a call
+    whose grid it fills, an FP8 entry and one on the reducer kernel keep the entry."""
+    tuned = dict(op=RS, n=4096, k=14336, m=1024, num_stages=4, group_m=4, transport="copy_engine")
+    fp8 = dict(tuned, dtype="float8_e4m3fn")  # its tilings were tuned apart (key_dtype)
+    tune.write_entries([entry(**tuned), entry(**fp8), entry(**tuned, warp_specialized=True, world=4),
+                        entry(**tuned, gpu="cpu")])  # fmt: skip
+    for m in (256, 512):
+        choice = tune.choose(RS, H200, 2, "bfloat16", m, 4096, 14336)
+        assert choice.source == "nearest"
+        assert choice.config == MatmulReduceScatterConfig.heuristic(m, 4096, 7168, 2) and choice.config.block_n == 128
+        x, w = torch.empty(m, 7168, dtype=torch.bfloat16), torch.empty(4096, 7168, dtype=torch.bfloat16)
+        assert tune.tuned_config(RS, x, w, 2) == choice.config  # what the launcher takes (on a "cpu" key)
+    assert tune.choose(RS, H200, 2, "bfloat16", 1024, 4096, 14336).config == entry(**tuned).config
+    assert tune.choose(RS, H200, 2, "bfloat16", 2048, 4096, 14336).config == entry(**tuned).config  # 256 tiles
+    assert tune.choose(RS, H200, 2, "float8_e4m3fn", 256, 4096, 14336).config == entry(**fp8).config
+    assert tune.choose(RS, H200, 4, "bfloat16", 256, 4096, 14336).config.warp_specialized
+
+
 def test_writes_merge_and_replace_equal_keys(cache):
     tune.write_entries([entry(m=1024, block_n=128), entry(m=4096)])
     tune.write_entries([entry(m=4096, group_m=16), entry(m=16384)])

@@ -335,6 +335,10 @@ REDUCER_FP8_FAST_MIN_ROWS = 4096
 # The reducer kernel's bf16 / fp16 tiling (its shared memory holds no more stages), with the
 # num_warps and epilogue_split of its Triton twin (the kernel ignores both: one config a tiling).
 REDUCER_TILING = {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "num_warps": 8, "epilogue_split": 4}
+# The Triton reduce-scatter's bf16 / fp16 tiling where 128x256 tiles leave the grid mostly idle
+# (narrow_tiles_win): one H200 at TP 2, 256-640 rows, 0.57-0.68x the wide tiles' time at grids of
+# 32-64 of them, 1.08-1.18x at 80 (docs/perf-log.md, "Few tiles").
+NARROW_TILING = {"block_n": 128, "num_warps": 4, "num_stages": 5, "epilogue_split": 2}
 
 
 def epilogue_split_for(block_n: int) -> int:
@@ -370,11 +374,22 @@ class MatmulReduceScatterConfig(GemmTiling):
         return self.transport == "copy_engine"
 
     @staticmethod
-    def heuristic(m_total: int, n: int, k: int, world: int) -> MatmulReduceScatterConfig:
-        """128x256x64, 8 warps, 3 stages at every shape (at the one-GPU grid on H200 and H100 it
-        read 1.000-1.007x the best screened tiling in geometric mean: docs/perf-log.md); the copy
-        engine's transport where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
-        return MatmulReduceScatterConfig().with_communication_heuristic(m_total, n, world)
+    def heuristic(m_total: int, n: int, k: int, world: int, sms: int = HOPPER_SMS) -> MatmulReduceScatterConfig:
+        """128x256x64, 8 warps, 3 stages (at the one-GPU grid on H200 and H100 it read 1.000-1.007x
+        the best screened tiling in geometric mean: docs/perf-log.md), NARROW_TILING where 128x128
+        tiles win (narrow_tiles_win: grids of half a wave of wide tiles or less); the copy engine's
+        transport where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
+        config = MatmulReduceScatterConfig()
+        if narrow_tiles_win(cdiv(m_total, config.block_m), n, sms):
+            config = MatmulReduceScatterConfig(**NARROW_TILING)
+        return config.with_communication_heuristic(m_total, n, world)
+
+    def fits_grid(self, m_total: int, n: int, sms: int = HOPPER_SMS) -> bool:
+        """Whether this tiling suits an [m_total, n] output as well as the heuristic's would: not
+        the Triton kernel's bf16 / fp16 128x256 tiles where narrow tiles win. A table entry tuned
+        at another M bucket that does not is launched as the heuristic instead."""
+        wide = (self.block_m, self.block_n, self.block_k, self.warp_specialized) == (128, 256, 64, False)
+        return not (wide and narrow_tiles_win(cdiv(m_total, self.block_m), n, sms))
 
     @staticmethod
     def heuristic_fp8(m_total: int, n: int, k: int, world: int, precise_acc: bool) -> MatmulReduceScatterConfig:

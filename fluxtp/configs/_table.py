@@ -368,7 +368,12 @@ def _global_sizes(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) ->
 
 def _as_launched(entry: Entry, m_total: int, n: int, world: int):
     """An entry's config as a call launches it. An entry tuned on one GPU (GEMM-only) measured its
-    tiling alone: it takes the heuristic's communication knobs of today, not those of its day."""
+    tiling alone: it takes the heuristic's communication knobs of today, not those of its day. A
+    bf16 / fp16 reduce-scatter's entry of another M bucket whose tiles leave the call's grid
+    mostly idle (fits_grid) gives way to the heuristic."""
+    if (entry.key.op == "matmul_reduce_scatter" and entry.key.dtype in ("bfloat16", "float16")
+            and entry.key.M_bucket != m_bucket(m_total) and not entry.config.fits_grid(m_total, n)):  # fmt: skip
+        return heuristic(entry.key.op, m_total, n, entry.key.K, world)
     if entry.measured.get("mode") != GEMM_ONLY_MODE:
         return entry.config
     if entry.key.op == "all_gather_matmul":

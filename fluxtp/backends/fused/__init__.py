@@ -30,11 +30,11 @@ AUTO_MIN_TOKENS = {  # (TP=2, TP>=4); at TP=2 each op lost at half its floor on 
 }
 # The bf16 / fp16 all-gather alone, by TP degree (2, up to 4, more): (least global tokens, least
 # output elements a rank, least tokens where a rank's weight has more than AUTO_WIDE_COLUMNS
-# columns). TP=2 won at every size measured from 512 tokens (H200; 256 lost at LLaMA-70B's q/k/v),
-# TP=4 from 1024 tokens x 1024 columns a rank (H200; H100) but for wide weights at 1024 tokens (H100
-# 0.95-0.98x, GPT-3 / LLaMA-405B); more ranks were never measured and keep the thresholds of before
-# the call plans.
-AUTO_ALL_GATHER = {2: (512, 1 << 20, 512), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
+# columns). TP 2 and 4 won at every size measured from 1024 tokens x 1024 columns a rank (H200;
+# H100 at TP=4) but for wide weights at TP=4 and 1024 tokens (H100 0.95-0.98x, GPT-3 / LLaMA-405B);
+# at 512 tokens TP=2 lost at LLaMA-70B's q/k/v (0.91x, eager and under CUDA graphs, 2x H200). More
+# ranks were never measured and keep the thresholds of before the call plans.
+AUTO_ALL_GATHER = {2: (1024, 1 << 20, 1024), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
 AUTO_WIDE_COLUMNS = 8192
 # An all-gather whose caller keeps the gathered rows is a training layer's (fluxtp.nn keeps them for
 # the weight gradient): the bf16 and FP8 training steps at TP 2 and 4 gained with those fused from

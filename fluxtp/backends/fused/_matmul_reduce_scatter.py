@@ -548,6 +548,8 @@ def reducer_unsupported(config: MatmulReduceScatterConfig, n: int, world: int, i
     from fluxtp.kernels._matmul_reduce_scatter_reducer import MAX_PUSH_WORLD
 
     partial_size = partial_size or itemsize
+    if config.block_m != 128:
+        return f"its tiles have 128 rows (two consumer warpgroups of 64), not {config.block_m}"
     if config.transport == "pull":
         return "it hands partials over by push or the copy engine, not pull"
     if config.transport == "push" and world > MAX_PUSH_WORLD.value:

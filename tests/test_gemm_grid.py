@@ -108,7 +108,7 @@ def test_reduce_scatter_heuristic_is_the_wide_tile_but_in_grids_of_half_a_wave_o
     for m, n in ((256, 4096), (512, 4096), (256, 8192), (640, 3072)):  # 32, 64, 64 and 60 wide tiles
         narrow = MatmulReduceScatterConfig.heuristic(m, n, 7168, 2)
         assert (narrow.block_m, narrow.block_n, narrow.num_warps, narrow.num_stages, narrow.epilogue_split) == (
-            128, 128, 4, 5, 2)
+            128, 128, 8, 5, 2)
         assert narrow.fits_grid(m, n) and not MatmulReduceScatterConfig().fits_grid(m, n)
         assert narrow.transport == "push"  # a single wave: the copy engine's bands would wait for it
     assert MatmulReduceScatterConfig.heuristic(256, 10240, 7168, 2).block_n == 256  # 80: narrow takes 2 waves

@@ -336,9 +336,10 @@ REDUCER_FP8_FAST_MIN_ROWS = 4096
 # num_warps and epilogue_split of its Triton twin (the kernel ignores both: one config a tiling).
 REDUCER_TILING = {"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 3, "num_warps": 8, "epilogue_split": 4}
 # The Triton reduce-scatter's bf16 / fp16 tiling where 128x256 tiles leave the grid mostly idle
-# (narrow_tiles_win): one H200 at TP 2, 256-640 rows, 0.57-0.68x the wide tiles' time at grids of
-# 32-64 of them, 1.08-1.18x at 80 (docs/perf-log.md, "Few tiles").
-NARROW_TILING = {"block_n": 128, "num_warps": 4, "num_stages": 5, "epilogue_split": 2}
+# (narrow_tiles_win): one H200 at TP 2, 256-640 rows, 0.57-0.69x the wide tiles' time at grids of
+# 32-64 of them, 1.09-1.19x at 80 (docs/perf-log.md, "Few tiles"). 8 warps: on 4 (as fast under
+# Triton 3.6) Triton 3.8's ptxas spills.
+NARROW_TILING = {"block_n": 128, "num_warps": 8, "num_stages": 5, "epilogue_split": 2}
 
 
 def epilogue_split_for(block_n: int) -> int:

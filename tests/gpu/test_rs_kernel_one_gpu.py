@@ -27,7 +27,7 @@ from tests._rs_simulation import owner_with_late_partials, simulate
 pytestmark = pytest.mark.gpus(1)
 
 WIDE = MatmulReduceScatterConfig()  # 128x256x64, 3 stages, 8 warps: the large-M heuristic
-NARROW = MatmulReduceScatterConfig(**NARROW_TILING)  # 128x128, 4 warps, 5 stages: the heuristic in few-tile grids
+NARROW = MatmulReduceScatterConfig(**NARROW_TILING)  # 128x128, 5 stages: the heuristic in few-tile grids
 DEEP = MatmulReduceScatterConfig(num_stages=4, group_m=4)  # the shipped table's deepest wide pipeline
 REDUCER = MatmulReduceScatterConfig(warp_specialized=True)  # the reducer kernel (bf16 / fp16, Hopper; push, copy engine)
 GATE_DELAY_S = 0.003

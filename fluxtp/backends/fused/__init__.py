@@ -24,8 +24,8 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's
 # exact key decides over them where it is clear (configs.measured_verdict). The measurements:
 # docs/perf-log.md, "Where the auto thresholds come from".
-AUTO_MIN_TOKENS = {  # (TP=2, TP>=4); at TP=2 each op lost at half its floor on some weight
-    "matmul_reduce_scatter": (256, 1024),
+AUTO_MIN_TOKENS = {  # (TP=2, TP>=4); at TP=2 each op lost at half its floor at some weight (2x H200)
+    "matmul_reduce_scatter": (512, 1024),
     "all_gather_scaled_matmul": (512, 1024),
 }
 # The bf16 / fp16 all-gather alone, by TP degree (2, up to 4, more): (least global tokens, least

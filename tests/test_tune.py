@@ -237,9 +237,11 @@ def test_a_reduce_scatter_entry_of_another_bucket_gives_way_where_its_tiles_leav
         choice = tune.choose(RS, H200, 2, "bfloat16", m, 4096, 14336)
         assert choice.source == "nearest"
         assert choice.config == MatmulReduceScatterConfig.heuristic(m, 4096, 7168, 2) and choice.config.block_n == 128
+        assert "mostly idle: the heuristic's instead" in choice.why
         x, w = torch.empty(m, 7168, dtype=torch.bfloat16), torch.empty(4096, 7168, dtype=torch.bfloat16)
         assert tune.tuned_config(RS, x, w, 2) == choice.config  # what the launcher takes (on a "cpu" key)
-    assert tune.choose(RS, H200, 2, "bfloat16", 1024, 4096, 14336).config == entry(**tuned).config
+    kept = tune.choose(RS, H200, 2, "bfloat16", 1024, 4096, 14336)
+    assert kept.config == entry(**tuned).config and "idle" not in kept.why
     assert tune.choose(RS, H200, 2, "bfloat16", 2048, 4096, 14336).config == entry(**tuned).config  # 256 tiles
     assert tune.choose(RS, H200, 2, "float8_e4m3fn", 256, 4096, 14336).config == entry(**fp8).config
     assert tune.choose(RS, H200, 4, "bfloat16", 256, 4096, 14336).config.warp_specialized

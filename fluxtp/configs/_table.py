@@ -284,6 +284,8 @@ def choose(op, gpu, world, dtype, m_total, n, k, path=None, shipped_table=None, 
                 why = f"{origin}: nearest M bucket {entry.key.M_bucket} (none for bucket {key.M_bucket})"
             if entry.key.weight_layout != weight_layout:
                 why += f", from the {entry.key.weight_layout} layout (none tuned for {weight_layout})"
+            if _gives_way(entry, m_total, n):
+                why += ", whose tiles would leave this grid mostly idle: the heuristic's instead"
             return Choice(_as_launched(entry, m_total, n, world), source, why, entry, origin)
         if problem is not None:
             missing.append(f"the {'shipped table' if shipped else 'cache file'} is ignored ({problem})")
@@ -366,13 +368,18 @@ def _global_sizes(op: str, x: torch.Tensor, weight: torch.Tensor, world: int) ->
     return x.shape[0], weight.shape[0], x.shape[1] * world
 
 
+def _gives_way(entry: Entry, m_total: int, n: int) -> bool:
+    """Whether a bf16 / fp16 reduce-scatter's entry tuned at another M bucket has tiles that leave
+    this call's grid mostly idle (MatmulReduceScatterConfig.fits_grid)."""
+    return (entry.key.op == "matmul_reduce_scatter" and entry.key.dtype in ("bfloat16", "float16")
+            and entry.key.M_bucket != m_bucket(m_total) and not entry.config.fits_grid(m_total, n))  # fmt: skip
+
+
 def _as_launched(entry: Entry, m_total: int, n: int, world: int):
     """An entry's config as a call launches it. An entry tuned on one GPU (GEMM-only) measured its
-    tiling alone: it takes the heuristic's communication knobs of today, not those of its day. A
-    bf16 / fp16 reduce-scatter's entry of another M bucket whose tiles leave the call's grid
-    mostly idle (fits_grid) gives way to the heuristic."""
-    if (entry.key.op == "matmul_reduce_scatter" and entry.key.dtype in ("bfloat16", "float16")
-            and entry.key.M_bucket != m_bucket(m_total) and not entry.config.fits_grid(m_total, n)):  # fmt: skip
+    tiling alone: it takes the heuristic's communication knobs of today, not those of its day. An
+    entry that gives way (_gives_way) yields the heuristic."""
+    if _gives_way(entry, m_total, n):
         return heuristic(entry.key.op, m_total, n, entry.key.K, world)
     if entry.measured.get("mode") != GEMM_ONLY_MODE:
         return entry.config

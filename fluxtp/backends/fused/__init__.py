@@ -18,8 +18,8 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS: from a number
 # of global tokens on (the reduce-scatter's at TP >= 4 from the training step on H100s); below,
 # host cost and GEMM efficiency lose to NCCL.
-# "auto" keeps these thresholds while capturing a CUDA graph (where the fused ops won from the
-# same tokens, 4x and 2x H200): a capture that picked fused after an nccl warm-up would run the
+# "auto" keeps these thresholds while capturing a CUDA graph (where the bf16 fused ops won from
+# the same tokens, 4x and 2x H200): a capture that picked fused after an nccl warm-up would run the
 # fused op's first call (allocation, rendezvous, compile) inside the capture; for fewer tokens
 # pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's
 # exact key decides over them where it is clear (configs.measured_verdict). The measurements:
@@ -32,7 +32,8 @@ AUTO_MIN_TOKENS = {  # (TP=2, TP>=4); at TP=2 each op lost at half its floor at 
 # output elements a rank, least tokens where a rank's weight has more than AUTO_WIDE_COLUMNS
 # columns). TP 2 and 4 won at every size measured from 1024 tokens x 1024 columns a rank (H200;
 # H100 at TP=4) but for wide weights at TP=4 and 1024 tokens (H100 0.95-0.98x, GPT-3 / LLaMA-405B);
-# at 512 tokens TP=2 lost at LLaMA-70B's q/k/v (0.91x, eager and under CUDA graphs, 2x H200). More
+# at 512 tokens TP=2 lost at LLaMA-70B's q/k/v (0.91x under CUDA graphs and in one of two eager
+# runs, 2x H200). More
 # ranks were never measured and keep the thresholds of before the call plans.
 AUTO_ALL_GATHER = {2: (1024, 1 << 20, 1024), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
 AUTO_WIDE_COLUMNS = 8192

@@ -24,7 +24,10 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's
 # exact key decides over them where it is clear (configs.measured_verdict). The measurements:
 # docs/perf-log.md, "Where the auto thresholds come from".
-AUTO_MIN_TOKENS = {  # (TP=2, TP>=4); at TP=2 each op lost at half its floor at some weight (2x H200)
+# (TP=2, TP>=4). At TP=2 (2x H200) the reduce-scatter won or was level from 512 tokens, eagerly
+# and under CUDA graphs, and lost under graphs at 256 at one weight; the FP8 all-gather won at 256
+# and 512 eagerly (graphs unmeasured: the floor the larger).
+AUTO_MIN_TOKENS = {
     "matmul_reduce_scatter": (512, 1024),
     "all_gather_scaled_matmul": (512, 1024),
 }

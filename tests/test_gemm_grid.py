@@ -2,13 +2,12 @@
 shipped tables' coverage of the grid (CPU only: the timing itself needs a GPU)."""
 
 import dataclasses
-import subprocess
-import sys
+import types
 
 import pytest
 import torch
 
-from fluxtp import tune, tune_gemm
+from fluxtp import cli, tune, tune_gemm
 from fluxtp.configs import AllGatherMatmulConfig, MatmulReduceScatterConfig, narrow_tiles_win
 from fluxtp.bench.gemm_grid import GRIDS, GemmCase, case_inputs, expected_rows, gathered, grid, parse_cases
 
@@ -316,9 +315,14 @@ def test_shipped_table_answers_every_fp8_reduce_scatter_of_the_grid_on_h200(fast
         assert tune_gemm.with_communication_heuristic(case, config) in tune_gemm.candidates(case, warp_specialized=True)
 
 
-def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu():
+def test_cli_one_gpu_mode_checks_its_options_and_needs_a_gpu(capsys):
     def fluxtp(*args):
-        return subprocess.run([sys.executable, "-m", "fluxtp", *args], capture_output=True, text=True, timeout=120)
+        """`fluxtp ARGS` in this process (as the console script calls it): its exit status and stderr."""
+        try:
+            returncode = cli.main(list(args))
+        except SystemExit as exit_:
+            returncode = exit_.code
+        return types.SimpleNamespace(returncode=returncode, stderr=capsys.readouterr().err)
 
     proc = fluxtp("tune", "--one-gpu")
     assert proc.returncode == 2 and "--one-gpu needs --grid, or --op and --shapes" in proc.stderr

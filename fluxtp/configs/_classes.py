@@ -378,7 +378,7 @@ class MatmulReduceScatterConfig(GemmTiling):
     def heuristic(m_total: int, n: int, k: int, world: int, sms: int = HOPPER_SMS) -> MatmulReduceScatterConfig:
         """128x256x64, 8 warps, 3 stages (at the one-GPU grid on H200 and H100 it read 1.000-1.007x
         the best screened tiling in geometric mean: docs/perf-log.md), NARROW_TILING where 128x128
-        tiles win (narrow_tiles_win: grids of half a wave of wide tiles or less); the copy engine's
+        tiles win (narrow_tiles_win; measured at grids of half a wave of wide tiles or less); the copy engine's
         transport where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
         config = MatmulReduceScatterConfig()
         if narrow_tiles_win(cdiv(m_total, config.block_m), n, sms):

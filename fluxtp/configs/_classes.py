@@ -381,7 +381,7 @@ class MatmulReduceScatterConfig(GemmTiling):
         tiles win (narrow_tiles_win; measured at grids of half a wave of wide tiles or less); the copy engine's
         transport where a segment of rows has MIN_COPY_ENGINE_TILES tiles or more, else push."""
         config = MatmulReduceScatterConfig()
-        if narrow_tiles_win(cdiv(m_total, config.block_m), n, sms):
+        if not config.fits_grid(m_total, n, sms):
             config = MatmulReduceScatterConfig(**NARROW_TILING)
         return config.with_communication_heuristic(m_total, n, world)
 

@@ -36,8 +36,7 @@ AUTO_MIN_TOKENS = {
 # columns). TP 2 and 4 won at every size measured from 1024 tokens x 1024 columns a rank (H200;
 # H100 at TP=4) but for wide weights at TP=4 and 1024 tokens (H100 0.95-0.98x, GPT-3 / LLaMA-405B);
 # at 512 tokens TP=2 lost at LLaMA-70B's q/k/v (0.91x under CUDA graphs and in one of two eager
-# runs, 2x H200). More
-# ranks were never measured and keep the thresholds of before the call plans.
+# runs, 2x H200). More ranks were never measured and keep the thresholds of before the call plans.
 AUTO_ALL_GATHER = {2: (1024, 1 << 20, 1024), 4: (1024, 1 << 20, 2048), 8: (8192, 1 << 25, 8192)}
 AUTO_WIDE_COLUMNS = 8192
 # An all-gather whose caller keeps the gathered rows is a training layer's (fluxtp.nn keeps them for

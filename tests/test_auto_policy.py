@@ -54,7 +54,7 @@ def test_all_gathers_of_wide_weights_need_more_tokens_from_tp4(world):
 
 
 def test_matmul_reduce_scatter_counts_rows_at_any_width():
-    threshold = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"][0]
+    threshold = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"][2]
     for n in (8, 12288):  # GPT-3 dims (N 12288) won too with the copy-engine transport
         w = torch.empty(n, 64, device="meta")
         assert not fused.preferred("matmul_reduce_scatter", torch.empty(threshold - 2, 64, device="meta"), w, TWO)
@@ -69,7 +69,7 @@ def test_fp8_reduce_scatters_always_fused_all_gathers_from_the_measured_tokens(w
     accumulation alike."""
     info = GroupInfo(None, 0, world)
     w = torch.empty(14336, 8192, device="meta")
-    least = fused.AUTO_MIN_TOKENS["all_gather_scaled_matmul"][0 if world == 2 else 1]
+    least = configs.by_ranks(fused.AUTO_MIN_TOKENS["all_gather_scaled_matmul"], world)
     assert least == (512 if world == 2 else 1024)
     fast = {"out_dtype": torch.bfloat16, "use_fast_accum": True}
     for row_wise in (True, False):
@@ -94,13 +94,13 @@ def test_unmeasured_tp_degrees_keep_the_older_all_gather_thresholds():
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_reduce_scatters_by_tp_degree(world):
-    """At TP=2 the op alone won from 512 tokens, eagerly and under CUDA graphs (2x H200; at 256
-    LLaMA-8B's down projection lost under graphs); the training step at TP 4 gained with its
-    reduce-scatters fused from 1024 (more ranks: as TP=4)."""
+    """At TP 2 and 4 the op alone won from 512 tokens, eagerly and under CUDA graphs (2x and 4x
+    H200; at 256 it lost under graphs); TP=8, unmeasured, from 1024, where the training step at
+    TP=4 gained with its reduce-scatters fused."""
     info = GroupInfo(None, 0, world)
     w = torch.empty(8192, 64, device="meta")
-    least = fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"][0 if world == 2 else 1]
-    assert least == (512 if world == 2 else 1024)
+    least = configs.by_ranks(fused.AUTO_MIN_TOKENS["matmul_reduce_scatter"], world)
+    assert least == (1024 if world == 8 else 512)
     assert not fused.preferred("matmul_reduce_scatter", torch.empty(least - world, 64, device="meta"), w, info)
     assert fused.preferred("matmul_reduce_scatter", torch.empty(least, 64, device="meta"), w, info)
 

@@ -16,20 +16,20 @@ from fluxtp.configs import all_reduce_one_shot_max_bytes, by_ranks, measured_ver
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 # "auto" takes a fused kernel only where it measured faster than NCCL-then-cuBLAS: from a number
-# of global tokens on (the reduce-scatter's at TP >= 4 from the training step on H100s); below,
-# host cost and GEMM efficiency lose to NCCL.
+# of global tokens on; below, host cost and GEMM efficiency lose to NCCL.
 # "auto" keeps these thresholds while capturing a CUDA graph (where the bf16 fused ops won from
 # the same tokens, 4x and 2x H200): a capture that picked fused after an nccl warm-up would run the
 # fused op's first call (allocation, rendezvous, compile) inside the capture; for fewer tokens
 # pass backend="fused" and warm up before capture instead. A tuned entry measured at the call's
 # exact key decides over them where it is clear (configs.measured_verdict). The measurements:
 # docs/perf-log.md, "Where the auto thresholds come from".
-# (TP=2, TP>=4). At TP=2 (2x H200) the reduce-scatter won or was level from 512 tokens, eagerly
-# and under CUDA graphs, and lost under graphs at 256 at one weight; the FP8 all-gather won at 256
-# and 512 eagerly (graphs unmeasured: the floor the larger).
+# {ranks: least global tokens}, read by by_ranks. At TP 2 and 4 (2x and 4x H200) the reduce-scatter
+# won or was level from 512 tokens, eagerly and under CUDA graphs, and lost under graphs at 256
+# (TP=2 at one weight, TP=4 at both measured); TP=8 is unmeasured and keeps 1024. The FP8
+# all-gather won at 256 and 512 at TP=2 eagerly (graphs unmeasured: the floor the larger).
 AUTO_MIN_TOKENS = {
-    "matmul_reduce_scatter": (512, 1024),
-    "all_gather_scaled_matmul": (512, 1024),
+    "matmul_reduce_scatter": {2: 512, 4: 512, 8: 1024},
+    "all_gather_scaled_matmul": {2: 512, 8: 1024},
 }
 # The bf16 / fp16 all-gather alone, by TP degree (2, up to 4, more): (least global tokens, least
 # output elements a rank, least tokens where a rank's weight has more than AUTO_WIDE_COLUMNS
@@ -116,8 +116,7 @@ def preferred_by_thresholds(op: str, tokens: int, columns: int, world: int) -> b
 
 
 def _least_tokens(op: str, world: int) -> int:
-    two, more = AUTO_MIN_TOKENS[op]
-    return two if world <= 2 else more
+    return by_ranks(AUTO_MIN_TOKENS[op], world)
 
 
 def _all_gather_fuses(tokens: int, columns: int, world: int) -> bool:

@@ -189,16 +189,26 @@ def _inputs(m: int, n: int, k: int, fp8: bool):
 REDUCER = MatmulReduceScatterConfig(warp_specialized=True)
 
 
+def _as_a_call(launch: _launch.Launch) -> _launch.Launch:
+    """A captured GEMM-only launch as a call's plan makes it: the reducer kernel without its own
+    region's reset (the call's step 1 zeroes it); any other kernel as it is."""
+    if "RESET_OWN" not in launch.constexprs:
+        return launch
+    return _launch.Launch(launch.kernel, launch.grid, **{**launch.constexprs, "RESET_OWN": False})
+
+
 @pytest.mark.parametrize(
-    "world, m, n, k, fp8, transport",
+    "world, m, n, k, fp8, transport, call",
     [
-        (8, 1024, 4096, 1792, False, "push"),  # a tail after the join; one copy a unit
-        (4, 2048, 4096, 3584, False, "copy_engine"),  # a copy a slot
-        (8, 4096, 4096, 1792, "precise", "push"),  # FP8 precise: two units in flight
-        (4, 1024, 4096, 3584, "fast", "push"),  # FP8 fast: the wide tiling at TP=4
+        (8, 1024, 4096, 1792, False, "push", True),  # a tail after the join; one copy a unit
+        (4, 2048, 4096, 3584, False, "copy_engine", False),  # a copy a slot
+        (8, 4096, 4096, 1792, "precise", "push", False),  # FP8 precise: two units in flight
+        (4, 1024, 4096, 3584, "fast", "push", True),  # FP8 fast: the wide tiling at TP=4
     ],
 )
-def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k, fp8, transport):
+def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k, fp8, transport, call):
+    """The GEMM-only mode's launch (the kernel resets its own region as it ends), or with `call`
+    the same launch as a call's plan makes it (its step 1 zeroes the flags: RESET_OWN off)."""
     x, w, scaled = _inputs(m, n, k, bool(fp8))
     fp8_call = _scaled.Scaled.of(*scaled["scales"], torch.bfloat16, fp8 == "fast") if fp8 else None
     config = dataclasses.replace(REDUCER, transport=transport)
@@ -208,8 +218,8 @@ def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k,
     rs.gemm_only(x, w, None, GroupInfo(None, 0, world), config, use_fast_accum=fp8 == "fast", **scaled)()
     launch, args = captured_launch[-1]
     assert launch.kernel.__name__ == "matmul_reduce_scatter_reducer_kernel"
-    assert launch.constexprs["PRECISE_ACC"] == (fp8 == "precise")
-    compiled = _compile(launch, args)
+    assert launch.constexprs["PRECISE_ACC"] == (fp8 == "precise") and launch.constexprs["RESET_OWN"]
+    compiled = _compile(_as_a_call(launch) if call else launch, args)
     part = rs.partial_dtype(x, fp8_call)
     modelled = rs.reducer_smem_bytes(config, world, x.element_size(), part.itemsize, launch.constexprs["UNITS_IN_FLIGHT"],
                                      launch.constexprs["SPLIT_ACC"])  # fmt: skip
@@ -421,7 +431,8 @@ def compile_pool():
 @pytest.mark.parametrize("op", list(SWEEP_SHAPES))
 def test_every_heuristic_launch_fits_shared_memory_and_spills_little(captured_launch, compile_pool, op):
     """What an untuned call launches on an H100 / H200 (each kernel specialization compiled once,
-    Triton's and the warp-specialized ones) fits sm_90's shared memory: a tiling whose epilogue
+    Triton's and the warp-specialized ones, captured from the GEMM-only modes as a call launches
+    them: _as_a_call) fits sm_90's shared memory: a tiling whose epilogue
     does not fit fails its launch with OutOfResources on the GPU (the FP8 fast all-gather's
     128x256 Triton tiles with a float32 output did, at TP=4). And it spills at most
     MAX_SPILL_OPS (its comment has the measurements): the Triton release your torch brings may
@@ -440,6 +451,7 @@ def test_every_heuristic_launch_fits_shared_memory_and_spills_little(captured_la
                 module.gemm_only(x, w, None, GroupInfo(None, 0, world), scales=scales, out_dtype=out_dtype,
                                  use_fast_accum=accumulation == "fast")()  # fmt: skip
             launch, args = captured_launch[-1]
+            launch = _as_a_call(launch)
             jobs.setdefault(CompileJob.of(launch, args), (what, launch.constexprs))
     for (what, constexprs), (shared, spills, ordered) in zip(jobs.values(), compile_pool.map(_sweep_check, jobs)):
         assert shared <= SMEM_LIMIT_BYTES, f"{what}: {constexprs} needs {shared} bytes of shared memory"

@@ -49,9 +49,11 @@ only with the own step).
 Workspace (fluxtp/backends/fused/_matmul_reduce_scatter.py's Layout with an own region): slots
 [2W-1, m, N] (W-1 incoming, W-1 outgoing, own) with the copy engine's flags and band counters, or
 (push) [W, m, N] (W-1 incoming, own) with a counter per (incoming slot, band); then at own_offset
-the own-tile flags [tiles of a segment] and a done counter. The last program out resets the
-own-tile flags and the counter for the next launch (they must read 0 before the first); the
-others keep the Triton kernel's contract (0 before the launch: the launcher resets them).
+the own-tile flags [tiles of a segment] and a done counter. Every flag must read 0 before a
+launch, as for the Triton kernel: a call zeroes them all before its barrier. With RESET_OWN (a
+launch without that step: the GEMM-only mode, direct launches) the last program out resets the
+own-tile flags and the counter for the next launch instead (they must read 0 before the first);
+a call skips that count, whose atomics cost 1-2% at one or two waves (docs/perf-log.md).
 
 A wait that gives up writes (rank waited for, tile, this rank) to `report_ptr` (host-pinned) and
 traps; the reducers wait for tiles of other programs of this launch, so the launcher leaves one
@@ -651,6 +653,7 @@ def matmul_reduce_scatter_reducer_kernel(
     SCALING: gl.constexpr,  # 0 unscaled (bf16 / fp16), 1 per tensor, 2 row-wise (FP8 operands)
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted to float32 after each two K blocks (not use_fast_accum)
     SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); slots_desc's block a quarter as wide
+    RESET_OWN: gl.constexpr,  # the last program out zeroes the own region for the next launch (module docstring)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -704,18 +707,19 @@ def matmul_reduce_scatter_reducer_kernel(
     )  # fmt: skip
 
     # Every partition of this program is done: the tail, in the stage ring by all four warps here
-    # (one warp's sums were its critical path), then the last program out resets the own-tile
-    # flags and the counter for the next launch.
+    # (one warp's sums were its critical path), then (RESET_OWN) the last program out resets the
+    # own-tile flags and the counter for the next launch.
     if TAIL_UNITS > 0:
         if last_step == WORLD - 1:
             _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N, stride_om,
                   flags_offset, own_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
                   TAIL_UNITS, HAS_BIAS, PUSH, num_warps)  # fmt: skip
-    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
-    done = own_flags + tiles_per_segment
-    if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
-        offs = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        for start in range(0, tiles_per_segment, 128):
-            gl.store(own_flags + start + offs, 0, mask=start + offs < tiles_per_segment)
-        gl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
+    if RESET_OWN:
+        tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        own_flags = _own_flags(buffer_ptrs, own_offset, RANK)
+        done = own_flags + tiles_per_segment
+        if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
+            offs = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+            for start in range(0, tiles_per_segment, 128):
+                gl.store(own_flags + start + offs, 0, mask=start + offs < tiles_per_segment)
+            gl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")

@@ -84,8 +84,8 @@ class Layout:
     half of a tile on its own: 2). With own_region
     (the reducer kernel, push or copy engine): a last slot for this rank's own partial, push
     counting each peer's tiles per band (a counter per (peer, band) in place of a flag per tile),
-    and at own_offset a flag per own tile and a counter, which that kernel resets itself
-    (fluxtp/kernels/_matmul_reduce_scatter_reducer.py)."""
+    and at own_offset a flag per own tile and a counter, zeroed with the flags by a call, and by
+    the kernel itself after a launch without that step (fluxtp/kernels/_matmul_reduce_scatter_reducer.py)."""
 
     rows_per_rank: int
     n: int
@@ -129,8 +129,7 @@ class Layout:
     @property
     def reset_words(self) -> int:
         """int32 words from flags_offset that a call zeroes: the flags, and with an own region its
-        flags and counter too (the kernel resets them after itself, but the buffer may have served
-        another layout since)."""
+        flags and counter too (a call's kernel leaves them set: _Kernel's zeroed_per_launch)."""
         return (self.nbytes - self.flags_offset) // 4
 
     @property
@@ -320,10 +319,12 @@ def _op_name(scaled) -> str:
 class _Kernel:
     """The persistent kernel's launch for one call signature: grid, constexprs, scalars and
     descriptor layouts resolved once (the layouts at the first launch); a launch binds the call's
-    tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor)."""
+    tensors. x [M, k] TMA-ready, weight [n, k] (or a transposed view of a [k, n] tensor).
+    zeroed_per_launch: the caller zeroes every flag before each launch (a call's step 1), so the
+    reducer kernel leaves its own region as it ends (else it resets it: RESET_OWN)."""
 
     def __init__(self, x, weight, bias, out_stride, buffer_flags_offset, rank, world, config, first_step, last_step,
-                 max_spins, report, scaled=None, own_offset=0, buffers=None):  # fmt: skip
+                 max_spins, report, scaled=None, own_offset=0, buffers=None, zeroed_per_launch=False):  # fmt: skip
         m_total, k = x.shape
         n = weight.shape[0]
         rows_per_rank = m_total // world
@@ -341,7 +342,8 @@ class _Kernel:
             why = _scaled.pingpong_unsupported(x.device, scaled, x.dtype if scaled is None else None)
             if why:
                 raise ValueError(f"{_op_name(scaled)}: config {config} asks for the warp-specialized kernel, but {why}")
-            self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled)
+            self._reducer_kernel(x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled,
+                                 zeroed_per_launch)  # fmt: skip
             return
         self.launch = Launch(
             matmul_reduce_scatter_kernel,
@@ -366,7 +368,8 @@ class _Kernel:
             num_stages=config.num_stages,
         )
 
-    def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled):
+    def _reducer_kernel(self, x, n, rows_per_rank, sms, rank, world, config, bias, own_offset, buffers, scaled,
+                        zeroed_per_launch):  # fmt: skip
         """The reducer kernel's launch (a warp-specialized config): its consumers TMA-store and its
         reducers TMA-load the partial slots (partial_dtype) of the group's `buffers`
         (uint8, every rank's as this GPU sees it, laid out as Layout.of(..., own_region=True)
@@ -405,7 +408,7 @@ class _Kernel:
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, TAIL_UNITS=tail_units,
             HAS_BIAS=bias is not None, B_KN=self.weight.kn, PUSH=config.transport == "push", SPLIT_ACC=split,
-            **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
+            RESET_OWN=not zeroed_per_launch, **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):
@@ -602,8 +605,10 @@ class Plan:
         self.out_shape = (x.shape[0] // world, weight.shape[0])
         self.flags = ws.flags(layout)
         self.barrier = ws.buffer.handle.barrier
+        # Step 1 zeroes the own region too (Layout.reset_words): the reducer kernel need not.
         self.kernel = _Kernel(x, weight, bias, weight.shape[0], layout.flags_offset, rank, world, config, 0, world - 1,
-                              MAX_SPINS, None, scaled, layout.own_offset, ws.peers if layout.own_offset else None)  # fmt: skip
+                              MAX_SPINS, None, scaled, layout.own_offset, ws.peers if layout.own_offset else None,
+                              zeroed_per_launch=True)  # fmt: skip
         # The copy stream records steps 1-2 (they address only the workspace) as one graph, and
         # carries the copy engine's band pushes; the CPU interpreter's plans issue steps 1-2 as they are.
         self.copy_stream = symm.copy_stream(x.device) if x.is_cuda else None

@@ -53,7 +53,7 @@ the own-tile flags [tiles of a segment] and a done counter. Every flag must read
 launch, as for the Triton kernel: a call zeroes them all before its barrier. With RESET_OWN (a
 launch without that step: the GEMM-only mode, direct launches) the last program out resets the
 own-tile flags and the counter for the next launch instead (they must read 0 before the first);
-a call skips that count, whose atomics cost 1-2% at one or two waves (docs/perf-log.md).
+a call skips that count, about 1% of its time at one or two waves (docs/perf-log.md).
 
 A wait that gives up writes (rank waited for, tile, this rank) to `report_ptr` (host-pinned) and
 traps; the reducers wait for tiles of other programs of this launch, so the launcher leaves one

@@ -779,8 +779,9 @@ def gemm_only(x, weight, bias, info: GroupInfo, config: MatmulReduceScatterConfi
     """The fused kernel with communication switched off, for the benchmark (scales=(scale_x,
     scale_w): scaled_matmul_reduce_scatter's kernel, with out_dtype and use_fast_accum).
 
-    Returns a zero-argument callable that launches exactly the kernel matmul_reduce_scatter
-    launches for these inputs, with every rank's buffer address pointing at local memory: the
+    Returns a zero-argument callable that launches the kernel matmul_reduce_scatter launches for
+    these inputs (the reducer kernel with its end-of-launch reset: nothing zeroes its own flags
+    between these launches), with every rank's buffer address pointing at local memory: the
     partial tiles of peers' rows go to a local scratch buffer, and the own rows read zero
     partials whose flags are preset. It returns this rank's rows of its own partial plus bias.
     """

@@ -92,8 +92,8 @@ NO_SUMS = [  # the units still wait and load; nothing is summed or stored
 ]
 OWN_FLAG_ONLY = [("    waited = lanes < count * WORLD\n", "    waited = (lanes < count * WORLD) & (srcs == RANK)\n")]
 NO_WAITS = [("    waited = lanes < count * WORLD\n", "    waited = lanes < 0\n")]
-DONE_COUNT = '    if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:\n'
-NO_DONE_COUNT = [(DONE_COUNT, "    if gl.program_id(0) < 0:\n")]  # no program counts itself out (nothing reset)
+DONE_COUNT = '        if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:\n'
+NO_DONE_COUNT = [(DONE_COUNT, "        if gl.program_id(0) < 0:\n")]  # no program counts itself out (nothing reset)
 RELAXED_DONE_COUNT = [(DONE_COUNT, DONE_COUNT.replace('"acq_rel"', '"relaxed"'))]
 ONE_UNIT_A_WAIT = [  # the reducer's wait reads one unit's flags, not the next ones' too
     ("count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)",

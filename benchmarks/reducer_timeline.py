@@ -110,11 +110,9 @@ def _stamp(event):
          "    if C == 0:\n        _stamp(29)\n"),
         ("    a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)\n",
          "    _stamp(60)\n    a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)\n"),
-        ("        gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n",
-         "        gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n    _stamp(61)\n"),
-        ("    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags",
-         "    _stamp(31)\n"
-         "    tiles_per_segment = gl.cdiv(rows_per_rank, BLOCK_M) * gl.cdiv(N, BLOCK_N)\n    own_flags"),
+        ("            gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n",
+         "            gl.atomic_xchg(done, 0, sem=\"relaxed\", scope=\"gpu\")\n    _stamp(61)\n"),
+        ("    if RESET_OWN:\n", "    _stamp(31)\n    if RESET_OWN:\n"),
     ]
 
 

@@ -7,4 +7,32 @@ Set here, before any rank is spawned: the children inherit it; a caller's own va
 
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Worker processes for the whole suite on a host without CUDA (pytest-xdist, one file per worker).
+# Most of the suite's time is one core's (kernel compiles, the Triton interpreter): on CI's two
+# cores it ran in 595 s against 1003 s in one process. At most this many: each imports torch.
+MAX_CPU_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`python -m pytest` with no paths on a host without CUDA runs the suite on every core (up to
+    MAX_CPU_WORKERS), where pytest-xdist is installed and no `-n` was given. Never on GPU hosts:
+    the multi-GPU files' ranks take every GPU, and two files' kernels on one GPU would slow each
+    other's bounded waits. A run of named files or tests stays in one process."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if "PYTEST_XDIST_WORKER" in os.environ or hasattr(config, "workerinput"):  # a worker runs its files itself
+        return
+    if config.getoption("numprocesses", None) is not None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    config.option.numprocesses = "auto"
+    config.option.maxprocesses = MAX_CPU_WORKERS
+    config.option.dist = "loadfile"

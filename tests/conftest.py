@@ -11,9 +11,9 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Worker processes for the whole suite on a host without CUDA (pytest-xdist, one file per worker).
-# Most of the suite's time is one core's (kernel compiles, the Triton interpreter): on CI's two
-# cores it ran in 595 s against 1003 s in one process. At most this many: each imports torch.
+# Worker processes for the whole suite on a host without CUDA (pytest-xdist, one file per worker):
+# most of its time is one core's (kernel compiles, the Triton interpreter), so files side by side
+# take about two thirds of the time on CI's two cores. At most this many: each imports torch.
 MAX_CPU_WORKERS = 4
 
 

@@ -25,7 +25,7 @@ def pytest_cmdline_main(config):
     other's bounded waits. A run of named files or tests stays in one process."""
     if config.args_source != pytest.Config.ArgsSource.TESTPATHS or not config.pluginmanager.hasplugin("xdist"):
         return
-    if "PYTEST_XDIST_WORKER" in os.environ or hasattr(config, "workerinput"):  # a worker runs its files itself
+    if hasattr(config, "workerinput"):  # an xdist worker runs its files itself
         return
     if config.getoption("numprocesses", None) is not None:
         return

@@ -64,17 +64,14 @@ from fluxtp.backends.fused._launch import descriptor, num_sms, weight_operand
 from fluxtp.bench.gemm_grid import (
     GRIDS,
     GemmCase,
-    case_inputs,
     case_of,
-    cublas_reference,
-    fp8_case_inputs,
+    case_runs,
+    check_close,
     expected_rows,
     gathered,
     gemm_only_case,
     grid,
-    launched_config,
     parse_cases,
-    relative_error,
 )
 from fluxtp.bench import gpu_state
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds, measure_sustained
@@ -177,46 +174,23 @@ def plain_matmul(x: torch.Tensor, weight: torch.Tensor, config, pointer_split: i
     return run
 
 
-def _fp8_runs(case: GemmCase):
-    """(runs, x, weight, config, scales) of an FP8 case: torch._scaled_mm and the fused GEMM-only
-    mode, both with the case's accumulation."""
-    x, weight, scale_x, scale_w = fp8_case_inputs(case, "cuda")
-    full, full_scales = gathered(case, x), gathered(case, scale_x)  # the row scales travel with the rows
-    scales = (scale_x, scale_w)
-    config = launched_config(case, x, weight, scales)
-    fused = gemm_only_case(case, x, weight, scales=scales)
-    cublas = lambda: cublas_reference(full, weight, (full_scales, scale_w), case.fast_accum)  # noqa: E731
-    return {"cublas": cublas, "fused": fused}, x, weight, config, scales
-
-
 def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: bool = False, any_bits: bool = False):
     """(the variants of one case, the config used, {varied label: why it cannot run here}): each
     output checked against cuBLAS's (and each varied one against the fused kernel's bits, unless
     any_bits); a varied config that does not fit this case (shared memory, a kernel's refusal) is
     left out with its reason, not the run."""
-    scales = None
-    if case.fp8:
-        runs, x, weight, config, scales = _fp8_runs(case)
-        ref = runs["cublas"]().float()
-    else:
-        x, weight = case_inputs(case, "cuda")
-        full = gathered(case, x)  # what cuBLAS multiplies after the collective
-        config = launched_config(case, x, weight)
-        fused = gemm_only_case(case, x, weight)
-        cublas = lambda: cublas_reference(full, weight)  # noqa: E731
-        ref = cublas().float()
-        runs = {"cublas": cublas, "fused": fused, "plain": plain_matmul(full, weight, config)}
+    prepared = case_runs(case, "cuda")  # cuBLAS and the fused GEMM-only mode, the latter checked
+    runs, config, ref = dict(prepared.runs), prepared.config, prepared.reference
+    x, weight, scales = prepared.x, prepared.weight, prepared.scales
+    if not case.fp8:  # the plain twins have no FP8 form
+        full = gathered(case, x)
+        runs["plain"] = plain_matmul(full, weight, config)
+        if pointer_epilogue:
+            runs["plain_ptr_epilogue"] = plain_matmul(full, weight, config,
+                                                      pointer_split=getattr(config, "epilogue_split", 2))  # fmt: skip
+        for name in runs.keys() - {"cublas", "fused"}:
+            check_close(case, name, runs[name](), ref)
     fused = runs["fused"]
-    if pointer_epilogue and not case.fp8:
-        runs["plain_ptr_epilogue"] = plain_matmul(full, weight, config, pointer_split=getattr(config, "epilogue_split", 2))
-
-    def check_close(name, out, want):
-        err = relative_error(out, want)
-        if not err < 1e-2:
-            raise AssertionError(f"{case.label()}: {name} differs from cuBLAS (relative error {err:.2e})")
-
-    for name, run in runs.items():
-        check_close(name, run(), expected_rows(case, ref) if name == "fused" else ref)
     variants = [Variant(name, (graphed(run),)) for name, run in runs.items()]
     skipped = {}
     for spec in vary:
@@ -228,7 +202,7 @@ def case_variants(case: GemmCase, vary: tuple[str, ...] = (), pointer_epilogue: 
         except (OutOfResources, ValueError) as error:
             skipped[label] = f"{type(error).__name__}: {error}"
             continue
-        check_close(label, out, expected_rows(case, ref))
+        check_close(case, label, out, expected_rows(case, ref))
         if not any_bits and not torch.equal(out, fused()):
             raise AssertionError(f"{case.label()}: {label} changes the fused kernel's output bits")
         variants.append(Variant(f"fused_{label}", (graphed(varied),)))

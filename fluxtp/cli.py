@@ -2,6 +2,7 @@
 
     fluxtp info                      versions, GPUs and their links, which backends run here
     fluxtp bench [ops] [options]     verify, then time the ops on every local GPU (a gloo demo on CPU)
+    fluxtp bench gemm [options]      the fused ops' GEMMs against cuBLAS on one GPU (the default there)
     fluxtp tune --op OP --shapes ... measure the fused kernels' configs, write the winners to the cache
     fluxtp tune --one-gpu --grid G   the same for the GEMM tiling alone, on one GPU (no peers)
     fluxtp info --configs            which config each shape would use, and why (no GPU needed)
@@ -173,13 +174,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="verify, then time the ops (or a later scenario) on every local GPU",
+        help="verify, then time the ops (or another scenario) on every local GPU",
         description="Verify every backend against the nccl reference, then time it with fluxtp.bench.harness's "
         "protocol (CUDA events, interleaved rounds, median per rank, slowest rank). Without a CUDA GPU: a "
-        "2-process gloo demo on small shapes.",
+        "2-process gloo demo on small shapes. gemm: the fused ops' GEMMs alone against cuBLAS on one GPU (the "
+        "default on a host with one GPU).",
     )
     bench.add_argument(
-        "scenario", nargs="?", default="ops", choices=tuple(SCENARIOS), help="what to run (default: ops)"
+        "scenario",
+        nargs="?",
+        choices=tuple(SCENARIOS),
+        help="what to run (default: ops; gemm on a host with one GPU, where the ops have no peers)",
     )
     common = bench.add_argument_group("common options")
     common.add_argument(
@@ -211,6 +216,12 @@ def _add_bench_parser(subparsers) -> None:
     bench.set_defaults(func=cmd_bench, parser=bench)
 
 
+def default_scenario(device_type: str, n_gpus: int, nproc: int | None, torchrun: bool) -> str:
+    """`fluxtp bench`'s scenario when none is named: gemm on a host with one GPU and no --nproc
+    or torchrun (the ops would run a world of one, nothing communicated), else ops."""
+    return "gemm" if device_type == "cuda" and n_gpus == 1 and nproc is None and not torchrun else "ops"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     parser = args.parser
     if args.rounds is not None and args.rounds < 1:
@@ -218,12 +229,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and matplotlib_missing():
         parser.error(matplotlib_missing())
     device_type = local_device_type()
+    if args.scenario is None:
+        args.scenario = default_scenario(device_type, torch.cuda.device_count(), args.nproc, under_torchrun())
+        if args.scenario != "ops":
+            print("fluxtp bench: one GPU here, so the fused kernels alone against cuBLAS (fluxtp bench gemm); "
+                  "the ops need 2+ GPUs (fluxtp bench ops --nproc 1: a world of one)", file=sys.stderr)  # fmt: skip
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if args.nproc is not None and args.nproc != world:
             print(f"fluxtp bench: --nproc {args.nproc} ignored: torchrun started {world} ranks", file=sys.stderr)
     else:
         world = args.nproc if args.nproc is not None else (torch.cuda.device_count() if device_type == "cuda" else 2)
+        if args.scenario == "gemm" and args.nproc is None:
+            world = 1  # one GPU, one process
         if world < 1:
             parser.error(f"--nproc must be at least 1, got {world}")
         if device_type == "cuda" and world > torch.cuda.device_count():
@@ -235,7 +253,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     launch = Launch(args.scenario, config, args.out, args.plot, args.command_line)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone
         print(intro(launch, world, device_type), flush=True)
-    if world == 1:
+    if world == 1 and args.scenario != "gemm":
         print(
             "fluxtp bench: a world of one process: every op is a plain linear, nothing is communicated", file=sys.stderr
         )

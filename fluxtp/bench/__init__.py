@@ -32,8 +32,13 @@ REORDERED = "nccl_reordered"
 backends.register(NO_COMM, no_comm)
 backends.register(REORDERED, nccl_reordered)
 
-# Later scenarios ("serve") add a line here.
-SCENARIOS = {"ops": "fluxtp.bench.ops", "train": "fluxtp.bench.train", "serve": "fluxtp.bench.serve"}
+# Later scenarios add a line here.
+SCENARIOS = {
+    "ops": "fluxtp.bench.ops",
+    "gemm": "fluxtp.bench.gemm",
+    "train": "fluxtp.bench.train",
+    "serve": "fluxtp.bench.serve",
+}
 
 
 class BenchError(RuntimeError):

@@ -261,3 +261,49 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.float(), want.float()
     err = ((got - want).norm() / want.norm()).item()
     return err if math.isfinite(err) else math.inf
+
+
+# The fused output's largest relative error against cuBLAS's (float32 sums in another order,
+# rounded once to 16 bits either way: errors run to about 1e-3).
+CHECK_TOLERANCE = 1e-2
+
+
+def check_close(case: GemmCase, name: str, out: torch.Tensor, want: torch.Tensor) -> None:
+    """AssertionError naming the case and `name` where out is not want within CHECK_TOLERANCE."""
+    err = relative_error(out, want)
+    if not err < CHECK_TOLERANCE:
+        raise AssertionError(f"{case.label()}: {name} differs from cuBLAS (relative error {err:.2e})")
+
+
+@dataclass
+class CaseRuns:
+    """One case ready to time on one GPU: `runs` holds zero-argument launches of cuBLAS's GEMM
+    ("cublas": F.linear of the whole per-rank operands, torch._scaled_mm for FP8) and of the fused
+    op's GEMM-only mode ("fused"), whose output was checked against cuBLAS's."""
+
+    runs: dict
+    x: torch.Tensor  # this rank's operands (FP8: and their row-wise scales)
+    weight: torch.Tensor
+    scales: tuple | None
+    config: object  # the config the fused op launches for the case
+    reference: torch.Tensor  # cuBLAS's output in float32, for checking further variants
+
+
+def case_runs(case: GemmCase, device) -> CaseRuns:
+    """The case's cuBLAS and fused GEMM-only launches on fresh random operands, the fused output
+    checked (check_close)."""
+    scales = None
+    if case.fp8:
+        x, weight, scale_x, scale_w = fp8_case_inputs(case, device)
+        scales = (scale_x, scale_w)
+        full, full_scales = gathered(case, x), gathered(case, scale_x)  # the row scales travel with the rows
+        cublas = lambda: cublas_reference(full, weight, (full_scales, scale_w), case.fast_accum)  # noqa: E731
+    else:
+        x, weight = case_inputs(case, device)
+        full = gathered(case, x)  # what cuBLAS multiplies after the collective
+        cublas = lambda: cublas_reference(full, weight)  # noqa: E731
+    fused = gemm_only_case(case, x, weight, scales=scales)
+    reference = cublas().float()
+    check_close(case, "fused", fused(), expected_rows(case, reference))
+    return CaseRuns({"cublas": cublas, "fused": fused}, x, weight, scales, launched_config(case, x, weight, scales),
+                    reference)  # fmt: skip

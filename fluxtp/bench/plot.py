@@ -82,3 +82,30 @@ def plot_ops(rows: list[dict], path: str, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     save_figure(fig, path, title)
+
+
+def plot_gemm(rows: list[dict], path: str, title: str) -> None:
+    """`fluxtp bench gemm`'s rows: one panel per op, fused/cuBLAS time against M, a line per TP
+    degree (and layer and dtype where the rows hold several)."""
+    plt = _pyplot()
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.2), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        op_rows = sorted((r for r in rows if r["op"] == op), key=lambda r: r["M"])
+        lines: dict[tuple, list] = {}
+        for r in op_rows:
+            lines.setdefault((r["world"], r["N"], r["K"], r["dtype"]), []).append((r["M"], r["fused_vs_cublas"]))
+        several_layers = len({key[1:] for key in lines}) > 1
+        for (world, n, k, dtype), points in lines.items():
+            ax.plot(*zip(*points), marker="o", label=f"TP={world}" + (f" N={n} K={k} {dtype}" if several_layers else ""))
+        ax.set_xscale("log", base=2)
+        ms = sorted({r["M"] for r in op_rows})
+        ax.set_xticks(ms, [str(m) for m in ms])  # the measured M values, not powers of two
+        ax.minorticks_off()
+        ax.axhline(1.0, color="grey", linewidth=0.8)  # 1: cuBLAS's time
+        ax.set_xlabel("M (tokens, global)")
+        ax.set_ylabel("fused / cuBLAS time (below 1: faster)")
+        ax.set_title(op, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, path, title)

@@ -78,7 +78,9 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> GemmC
     if device_type != "cuda":
         raise ValueError("fluxtp bench gemm times the fused kernels on an NVIDIA GPU; this host has none")
     if world != 1:
-        raise ValueError(f"fluxtp bench gemm runs on one GPU, in one process: got {world} (leave out --nproc and torchrun)")
+        raise ValueError(
+            f"fluxtp bench gemm runs on one GPU, in one process: got {world} (leave out --nproc and torchrun)"
+        )
     if getattr(args, "backends", None):
         raise ValueError("--backends: fluxtp bench gemm times the fused kernel and cuBLAS, no backends")
     fp8, fast_accum = getattr(args, "fp8", None), bool(getattr(args, "fast_accum", False))

@@ -97,7 +97,8 @@ def plot_gemm(rows: list[dict], path: str, title: str) -> None:
             lines.setdefault((r["world"], r["N"], r["K"], r["dtype"]), []).append((r["M"], r["fused_vs_cublas"]))
         several_layers = len({key[1:] for key in lines}) > 1
         for (world, n, k, dtype), points in lines.items():
-            ax.plot(*zip(*points), marker="o", label=f"TP={world}" + (f" N={n} K={k} {dtype}" if several_layers else ""))
+            layer = f" N={n} K={k} {dtype}" if several_layers else ""
+            ax.plot(*zip(*points), marker="o", label=f"TP={world}{layer}")
         ax.set_xscale("log", base=2)
         ms = sorted({r["M"] for r in op_rows})
         ax.set_xticks(ms, [str(m) for m in ms])  # the measured M values, not powers of two

@@ -25,8 +25,7 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `one_unit_a_wait`: the reducer's waits read one unit's flags, not the next ones' too;
 - `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
-- `one_reducer_warp`, `two_reducer_warps`: the reducer partition of one or two warps, a row each in
-  turn, whatever the launcher's reducer_warps asks (two for precise FP8, one elsewhere);
+- `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn;
 - `consumer_lag_1`, `consumer_lag_2` (fast accumulation, bf16, fp16): consumer 1 starts one or two
   K blocks after consumer 0, so that each one's epilogue (scales, staging, store, count) runs
   beside the other's MMAs, not with the tensor cores idle (short K a rank: 14-28 blocks a tile).
@@ -108,13 +107,7 @@ ATOMIC_READS = [  # the flags read by atomic adds of 0 with acquire (the waited 
      "        arrived = arrived | (gl.atomic_add(flag_ptrs, gl.zeros_like(expected), mask=waited & ~arrived,\n"
      "                                           sem='acquire', scope='sys') == expected)\n"),
 ]
-
-
-def reducer_warps(warps: int) -> list:
-    """The reducer partition of `warps` warps, whatever the launcher's reducer_warps asks."""
-    stages = "    a_bufs, b_bufs, ready, empty = allocate_stages(a_desc, b_desc, NUM_STAGES)\n    c_bufs = "
-    return [(stages, f"    REDUCER_WARPS: gl.constexpr = {warps}\n" + stages)]
-
+TWO_REDUCER_WARPS = [("REDUCER_WARPS = gl.constexpr(1)", "REDUCER_WARPS = gl.constexpr(2)")]
 
 # The reducer warp's units another way (the tail after the GEMM keeps its TMA loads): where
 # loading the W slots' rows into shared memory costs an FP8 GEMM its time (HBM, L2 to the SMs, or
@@ -248,8 +241,7 @@ VARIANTS = {
     "one_unit_a_wait": ONE_UNIT_A_WAIT,
     "atomic_reads": ATOMIC_READS,
     "one_unit_atomic_reads": ONE_UNIT_A_WAIT + ATOMIC_READS,
-    "one_reducer_warp": reducer_warps(1),
-    "two_reducer_warps": reducer_warps(2),
+    "two_reducer_warps": TWO_REDUCER_WARPS,
     "units_by_pointers": BY_POINTERS,
     "units_prefetched_to_l2": PREFETCH_TO_L2,
     "units_waited_only": WAITS_ONLY,

@@ -82,6 +82,10 @@ from fluxtp.kernels._pingpong import (
 TILE_ARRIVALS = gl.constexpr(2)  # one count per consumer warpgroup (its half of the tile)
 MAX_PUSH_WORLD = gl.constexpr(8)  # push stores through a descriptor per rank, passed one by one
 REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
+# The reducer partition's warps, each summing a unit's rows in turn (two fill the loader's and
+# counter's warpgroup at no cost in registers): one, as two halved the sums but not the kernel's
+# time, which its loads set (docs/perf-log.md).
+REDUCER_WARPS = gl.constexpr(1)
 
 
 @gluon.jit
@@ -394,8 +398,7 @@ def _give_up(report_ptr, missing, first_unit, tiles_m, tiles_n, RANK: gl.constex
 @gluon.jit
 def _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, tiles_m, tiles_n, flags_offset, max_spins,
                 RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr,
-                REDUCER_WARPS: gl.constexpr):  # fmt: skip
+                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
     """The reducer's wait for `unit` (of this program's units below `last`): none where it is below
     ready_below (this program's units below it have arrived), else one that reads the flags of
     the units after it too; returns the new ready_below."""
@@ -491,9 +494,8 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
              flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
              BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              UNITS_IN_FLIGHT: gl.constexpr, TAIL_UNITS: gl.constexpr, HAS_BIAS: gl.constexpr,
-             PUSH: gl.constexpr, REDUCER_WARPS: gl.constexpr):  # fmt: skip
-    """This program's reduction units beside the MMAs, in order (module docstring), up to the tail's,
-    by REDUCER_WARPS warps, a row each in turn."""
+             PUSH: gl.constexpr):  # fmt: skip
+    """This program's reduction units beside the MMAs, in order (module docstring), up to the tail's."""
     if last_step == WORLD - 1:
         UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
         gl.static_assert(BLOCK_M % UNIT_ROWS == 0)
@@ -520,7 +522,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
             if (unit < tail_first) & (row0 < rows_per_rank):
                 ready_below = _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, tiles_m, tiles_n,
                                           flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
-                                          UNIT_ROWS, PUSH, REDUCER_WARPS)  # fmt: skip
+                                          UNIT_ROWS, PUSH)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)
         phases = 0  # bit b: the phase buffer b's barrier completes next
         buffer = 0
@@ -533,7 +535,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
                 if next_valid:
                     ready_below = _await_unit(ready_below, unit + AHEAD, last, buffer_ptrs, own_flags, report_ptr,
                                               tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS,
-                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, REDUCER_WARPS)  # fmt: skip
+                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
                 phases ^= 1 << buffer
@@ -543,7 +545,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
                 if UNITS_IN_FLIGHT > 1:
                     ready_below = _await_unit(ready_below, unit + AHEAD, last, buffer_ptrs, own_flags, report_ptr,
                                               tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS,
-                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, REDUCER_WARPS)  # fmt: skip
+                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
                 if REDUCER_WARPS > 1:  # every warp is done reading the buffer before TMA overwrites it
                     partition_barrier()
                 _issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,
@@ -652,7 +654,6 @@ def matmul_reduce_scatter_reducer_kernel(
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted to float32 after each two K blocks (not use_fast_accum)
     SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); slots_desc's block a quarter as wide
     RESET_OWN: gl.constexpr,  # the last program out zeroes the own region for the next launch (module docstring)
-    REDUCER_WARPS: gl.constexpr,  # the reducer partition's warps, a unit row each in turn (reducer_warps)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -694,7 +695,7 @@ def matmul_reduce_scatter_reducer_kernel(
                        WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, SPLIT_ACC)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
                         stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS,
-                        NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS, HAS_BIAS, PUSH, REDUCER_WARPS)),
+                        NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS, HAS_BIAS, PUSH)),
             (_counter, (buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first_step, last_step, RANK, WORLD,
                         BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, PUSH)),
         ],

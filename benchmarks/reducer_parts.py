@@ -26,6 +26,8 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
 - `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn;
+  wrong under late partials with two units in flight (NaN rows: docs/perf-log.md), so its timings
+  here, with every flag preset, are of a kernel no call may launch;
 - `consumer_lag_1`, `consumer_lag_2` (fast accumulation, bf16, fp16): consumer 1 starts one or two
   K blocks after consumer 0, so that each one's epilogue (scales, staging, store, count) runs
   beside the other's MMAs, not with the tensor cores idle (short K a rank: 14-28 blocks a tile).

@@ -231,7 +231,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     device_type = local_device_type()
     if args.scenario is None:
         args.scenario = default_scenario(device_type, torch.cuda.device_count(), args.nproc, under_torchrun())
-        if args.scenario != "ops":
+        if args.scenario == "gemm":
             print("fluxtp bench: one GPU here, so the fused kernels alone against cuBLAS (fluxtp bench gemm); "
                   "the ops need 2+ GPUs (fluxtp bench ops --nproc 1: a world of one)", file=sys.stderr)  # fmt: skip
     if under_torchrun():

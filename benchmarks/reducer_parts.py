@@ -25,9 +25,8 @@ cases, row-wise scales, bf16 out), as CUDA graph replays interleaved by the benc
 - `one_unit_a_wait`: the reducer's waits read one unit's flags, not the next ones' too;
 - `atomic_reads`: the flags read by atomic adds of 0 (acquire), not acquire loads;
 - `one_unit_atomic_reads`: both, the reducer's waits as they were before the two changes;
-- `two_reducer_warps`: the reducer partition of two warps (REDUCER_WARPS), a row each in turn;
-  wrong under late partials with two units in flight (NaN rows: docs/perf-log.md), so its timings
-  here, with every flag preset, are of a kernel no call may launch;
+- `one_reducer_warp`, `two_reducer_warps`: the reducer partition of one or two warps, a unit row each
+  in turn, whatever the launcher's reducer_warps asks;
 - `consumer_lag_1`, `consumer_lag_2` (fast accumulation, bf16, fp16): consumer 1 starts one or two
   K blocks after consumer 0, so that each one's epilogue (scales, staging, store, count) runs
   beside the other's MMAs, not with the tensor cores idle (short K a rank: 14-28 blocks a tile).
@@ -98,7 +97,7 @@ DONE_COUNT = '        if gl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == N
 NO_DONE_COUNT = [(DONE_COUNT, "        if gl.program_id(0) < 0:\n")]  # no program counts itself out (nothing reset)
 RELAXED_DONE_COUNT = [(DONE_COUNT, DONE_COUNT.replace('"acq_rel"', '"relaxed"'))]
 ONE_UNIT_A_WAIT = [  # the reducer's wait reads one unit's flags, not the next ones' too
-    ("count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)",
+    ("count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 // WORLD)",
      "count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 1)"),
 ]
 ATOMIC_READS = [  # the flags read by atomic adds of 0 with acquire (the waited ones), not by acquire loads
@@ -109,7 +108,13 @@ ATOMIC_READS = [  # the flags read by atomic adds of 0 with acquire (the waited 
      "        arrived = arrived | (gl.atomic_add(flag_ptrs, gl.zeros_like(expected), mask=waited & ~arrived,\n"
      "                                           sem='acquire', scope='sys') == expected)\n"),
 ]
-TWO_REDUCER_WARPS = [("REDUCER_WARPS = gl.constexpr(1)", "REDUCER_WARPS = gl.constexpr(2)")]
+
+
+def reducer_warps(warps: int) -> list:
+    """The reducer partition of `warps` warps, whatever the launcher's reducer_warps asks."""
+    return [("        [4, 1, REDUCER_WARPS, 1],\n", f"        [4, 1, {warps}, 1],\n"),
+            ("HAS_BIAS, PUSH, REDUCER_WARPS)),\n", f"HAS_BIAS, PUSH, gl.constexpr({warps}))),\n")]
+
 
 # The reducer warp's units another way (the tail after the GEMM keeps its TMA loads): where
 # loading the W slots' rows into shared memory costs an FP8 GEMM its time (HBM, L2 to the SMs, or
@@ -243,7 +248,8 @@ VARIANTS = {
     "one_unit_a_wait": ONE_UNIT_A_WAIT,
     "atomic_reads": ATOMIC_READS,
     "one_unit_atomic_reads": ONE_UNIT_A_WAIT + ATOMIC_READS,
-    "two_reducer_warps": TWO_REDUCER_WARPS,
+    "one_reducer_warp": reducer_warps(1),
+    "two_reducer_warps": reducer_warps(2),
     "units_by_pointers": BY_POINTERS,
     "units_prefetched_to_l2": PREFETCH_TO_L2,
     "units_waited_only": WAITS_ONLY,
@@ -251,7 +257,7 @@ VARIANTS = {
     "consumer_lag_2": consumer_lag(2),
 }
 COMPUTES_THE_OP = ("fused", "own_flag_only", "one_unit_a_wait", "atomic_reads", "one_unit_atomic_reads",
-                   "two_reducer_warps", "units_by_pointers", "consumer_lag_1", "consumer_lag_2")
+                   "one_reducer_warp", "two_reducer_warps", "units_by_pointers", "consumer_lag_1", "consumer_lag_2")
 KERNEL = "matmul_reduce_scatter_reducer_kernel"
 KERNEL_FILE = "_matmul_reduce_scatter_reducer.py"
 

@@ -82,10 +82,6 @@ from fluxtp.kernels._pingpong import (
 TILE_ARRIVALS = gl.constexpr(2)  # one count per consumer warpgroup (its half of the tile)
 MAX_PUSH_WORLD = gl.constexpr(8)  # push stores through a descriptor per rank, passed one by one
 REDUCE_WIDTH = gl.constexpr(256)  # columns a reduction step covers at most: 8 per lane, 16-byte accesses
-# The reducer partition's warps, each summing a unit's rows in turn (two fill the loader's and
-# counter's warpgroup at no cost in registers): one, as two halved the sums but not the kernel's
-# time, which its loads set (docs/perf-log.md).
-REDUCER_WARPS = gl.constexpr(1)
 
 
 @gluon.jit
@@ -352,15 +348,16 @@ def _wait_flags(flag_ptrs, waited, expected, lanes, needed, max_spins):
 def _wait_units(buffer_ptrs, own_flags, first_unit, count, needed, tiles_m, tiles_n, flags_offset, max_spins,
                 RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr,
                 NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr,
-                WARPS: gl.constexpr = 1):  # fmt: skip
-    """Of the `count` (at most 32 * WARPS // W) units first_unit, first_unit + NUM_PROGRAMS, ...,
+                WARPS: gl.constexpr, LANES: gl.constexpr):  # fmt: skip
+    """Of the `count` (at most LANES // W) units first_unit, first_unit + NUM_PROGRAMS, ...,
     how many in a row have arrived (this rank's own partial of its tile and every peer's band of
     it; acquire), waiting until the first `needed` have: every flag read at once by the calling
-    WARPS warps, thread k * W + r for unit k and rank r, one round trip for them all (a reducer
+    WARPS warps, lane k * W + r for unit k and rank r, one round trip for them all (a reducer
     behind the GEMM learns of several ready units from one); gives up after max_spins rounds.
-    Returns the first lane whose flag has not arrived (count * W or more: none): below needed * W
-    it gave up, and the caller traps (_give_up)."""
-    LANES: gl.constexpr = 32 * WARPS
+    LANES: 32 * WARPS (a lane a thread), or 32 (every warp reads the same flags and finds the same
+    answer without a reduction across warps). Returns the first lane whose flag has not arrived
+    (count * W or more: none): below needed * W it gave up, and the caller traps (_give_up)."""
+    gl.static_assert((LANES == 32) | (LANES == 32 * WARPS))
     gl.static_assert(WORLD <= LANES)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     lanes = gl.arange(0, LANES, layout=layout)
@@ -398,15 +395,16 @@ def _give_up(report_ptr, missing, first_unit, tiles_m, tiles_n, RANK: gl.constex
 @gluon.jit
 def _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, tiles_m, tiles_n, flags_offset, max_spins,
                 RANK: gl.constexpr, WORLD: gl.constexpr, BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr):  # fmt: skip
+                BLOCK_M: gl.constexpr, UNIT_ROWS: gl.constexpr, PUSH: gl.constexpr,
+                REDUCER_WARPS: gl.constexpr):  # fmt: skip
     """The reducer's wait for `unit` (of this program's units below `last`): none where it is below
     ready_below (this program's units below it have arrived), else one that reads the flags of
     the units after it too; returns the new ready_below."""
     if unit >= ready_below:
-        count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 * REDUCER_WARPS // WORLD)
+        count = gl.minimum(gl.cdiv(last - unit, NUM_PROGRAMS), 32 // WORLD)
         missing = _wait_units(buffer_ptrs, own_flags, unit, count, 1, tiles_m, tiles_n, flags_offset,
                               max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH,
-                              REDUCER_WARPS)  # fmt: skip
+                              REDUCER_WARPS, 32)  # fmt: skip
         if missing < WORLD:
             _give_up(report_ptr, missing, unit, tiles_m, tiles_n, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
                      UNIT_ROWS)  # fmt: skip
@@ -494,8 +492,9 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
              flags_offset, own_offset, last_step, max_spins, RANK: gl.constexpr, WORLD: gl.constexpr,
              BAND_ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              UNITS_IN_FLIGHT: gl.constexpr, TAIL_UNITS: gl.constexpr, HAS_BIAS: gl.constexpr,
-             PUSH: gl.constexpr):  # fmt: skip
-    """This program's reduction units beside the MMAs, in order (module docstring), up to the tail's."""
+             PUSH: gl.constexpr, REDUCER_WARPS: gl.constexpr):  # fmt: skip
+    """This program's reduction units beside the MMAs, in order (module docstring), up to the tail's,
+    by REDUCER_WARPS warps, a row each in turn."""
     if last_step == WORLD - 1:
         UNIT_ROWS: gl.constexpr = units_desc.block_type.shape[1]
         gl.static_assert(BLOCK_M % UNIT_ROWS == 0)
@@ -522,7 +521,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
             if (unit < tail_first) & (row0 < rows_per_rank):
                 ready_below = _await_unit(ready_below, unit, last, buffer_ptrs, own_flags, report_ptr, tiles_m, tiles_n,
                                           flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS, BLOCK_M,
-                                          UNIT_ROWS, PUSH)  # fmt: skip
+                                          UNIT_ROWS, PUSH, REDUCER_WARPS)  # fmt: skip
                 _issue_unit(units_desc, unit_bufs, j, unit_bar.index(j), row0, pid_n * BLOCK_N, WORLD, PUSH)
         phases = 0  # bit b: the phase buffer b's barrier completes next
         buffer = 0
@@ -535,7 +534,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
                 if next_valid:
                     ready_below = _await_unit(ready_below, unit + AHEAD, last, buffer_ptrs, own_flags, report_ptr,
                                               tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS,
-                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, REDUCER_WARPS)  # fmt: skip
             if row0 < rows_per_rank:
                 mbarrier.wait(unit_bar.index(buffer), (phases >> buffer) & 1)
                 phases ^= 1 << buffer
@@ -545,7 +544,7 @@ def _reducer(units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, re
                 if UNITS_IN_FLIGHT > 1:
                     ready_below = _await_unit(ready_below, unit + AHEAD, last, buffer_ptrs, own_flags, report_ptr,
                                               tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS,
-                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH)  # fmt: skip
+                                              NUM_PROGRAMS, BLOCK_M, UNIT_ROWS, PUSH, REDUCER_WARPS)  # fmt: skip
                 if REDUCER_WARPS > 1:  # every warp is done reading the buffer before TMA overwrites it
                     partition_barrier()
                 _issue_unit(units_desc, unit_bufs, buffer, unit_bar.index(buffer), next_row0, next_n * BLOCK_N, WORLD,
@@ -586,7 +585,7 @@ def _tail(units_desc, b_bufs, tail_bar, out_ptr, bias_ptr, buffer_ptrs, report_p
             if gave_up_unit < 0:
                 missing = _wait_units(buffer_ptrs, own_flags, first + k0 * NUM_PROGRAMS, batch, batch,
                                       tiles_m, tiles_n, flags_offset, max_spins, RANK, WORLD, BAND_ROWS, NUM_PROGRAMS,
-                                      BLOCK_M, UNIT_ROWS, PUSH, WARPS)  # fmt: skip
+                                      BLOCK_M, UNIT_ROWS, PUSH, WARPS, 32 * WARPS)  # fmt: skip
                 if missing < batch * WORLD:
                     gave_up_unit = first + k0 * NUM_PROGRAMS
                     gave_up_lane = missing
@@ -654,6 +653,7 @@ def matmul_reduce_scatter_reducer_kernel(
     PRECISE_ACC: gl.constexpr,  # FP8 products promoted to float32 after each two K blocks (not use_fast_accum)
     SPLIT_ACC: gl.constexpr,  # PRECISE_ACC in column halves (fluxtp.kernels._pingpong); slots_desc's block a quarter as wide
     RESET_OWN: gl.constexpr,  # the last program out zeroes the own region for the next launch (module docstring)
+    REDUCER_WARPS: gl.constexpr,  # the reducer partition's warps, a unit row each in turn (reducer_warps)
     num_warps: gl.constexpr,  # 4: consumer 0 (the default partition)
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -695,7 +695,7 @@ def matmul_reduce_scatter_reducer_kernel(
                        WORLD, BAND_ROWS, NUM_PROGRAMS, B_KN, SPLIT_ACC)),
             (_reducer, (units_desc, unit_bufs, unit_bar, out_ptr, bias_ptr, buffer_ptrs, report_ptr, rows_per_rank, N,
                         stride_om, flags_offset, own_offset, last_step, max_spins, RANK, WORLD, BAND_ROWS,
-                        NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS, HAS_BIAS, PUSH)),
+                        NUM_PROGRAMS, BLOCK_M, BLOCK_N, UNITS_IN_FLIGHT, TAIL_UNITS, HAS_BIAS, PUSH, REDUCER_WARPS)),
             (_counter, (buffer_ptrs, stored, counted, rows_per_rank, N, flags_offset, first_step, last_step, RANK, WORLD,
                         BAND_ROWS, NUM_PROGRAMS, BLOCK_M, BLOCK_N, PUSH)),
         ],

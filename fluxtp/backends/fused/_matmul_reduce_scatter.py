@@ -188,6 +188,15 @@ def reducer_units_in_flight(config: MatmulReduceScatterConfig, world: int, items
     return units
 
 
+def reducer_warps(scaled: _scaled.Scaled | None) -> int:
+    """Warps of the reducer kernel's reducer partition, each summing a unit's rows in turn (two
+    fill the loader's and counter's warpgroup at no cost in registers): two for precise FP8, whose
+    reducer falls behind the most (0.989 / 0.990x the time at TP 2 / 4 in geomean, one H200); one
+    elsewhere, where two were level (fast FP8 at TP 2 / 4) or halved the sums but not the kernel's
+    time (TP=8, one H100; docs/perf-log.md)."""
+    return 2 if scaled is not None and scaled.precise_acc else 1
+
+
 def reducer_tail_units(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
                        split: bool = False) -> int:  # fmt: skip
     """Reduction units the reducer kernel's tail loads at once into its idle weight stages after
@@ -408,7 +417,8 @@ class _Kernel:
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, TAIL_UNITS=tail_units,
             HAS_BIAS=bias is not None, B_KN=self.weight.kn, PUSH=config.transport == "push", SPLIT_ACC=split,
-            RESET_OWN=not zeroed_per_launch, **_scaled.constexprs(scaled), **_scaled.PINGPONG_WARPS,
+            RESET_OWN=not zeroed_per_launch, REDUCER_WARPS=reducer_warps(scaled), **_scaled.constexprs(scaled),
+            **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 
     def __call__(self, x, weight, bias, out, buffer_ptrs, scales=(None, None)):

@@ -219,6 +219,8 @@ def test_the_reducer_kernel_compiles_for_hopper(captured_launch, world, m, n, k,
     launch, args = captured_launch[-1]
     assert launch.kernel.__name__ == "matmul_reduce_scatter_reducer_kernel"
     assert launch.constexprs["PRECISE_ACC"] == (fp8 == "precise") and launch.constexprs["RESET_OWN"]
+    # Two reducer warps for precise calls in 256-wide tiles (the split accumulator), else one.
+    assert launch.constexprs["REDUCER_WARPS"] == (2 if launch.constexprs["SPLIT_ACC"] else 1)
     compiled = _compile(_as_a_call(launch) if call else launch, args)
     part = rs.partial_dtype(x, fp8_call)
     modelled = rs.reducer_smem_bytes(config, world, x.element_size(), part.itemsize, launch.constexprs["UNITS_IN_FLIGHT"],
@@ -241,6 +243,7 @@ def test_the_precise_reducer_kernel_compiles_with_wide_tiles(captured_launch, wo
     launch, args = captured_launch[-1]
     assert launch.constexprs["SPLIT_ACC"] and launch.constexprs["PRECISE_ACC"]
     assert (launch.constexprs["TAIL_UNITS"] > 0) == (world == 8)
+    assert launch.constexprs["REDUCER_WARPS"] == 2
     compiled = _compile(launch, args)
     modelled = rs.reducer_smem_bytes(config, world, 1, 2, launch.constexprs["UNITS_IN_FLIGHT"], split=True)
     assert compiled.metadata.shared <= modelled <= SMEM_LIMIT_BYTES

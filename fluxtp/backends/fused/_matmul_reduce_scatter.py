@@ -188,13 +188,13 @@ def reducer_units_in_flight(config: MatmulReduceScatterConfig, world: int, items
     return units
 
 
-def reducer_warps(scaled: _scaled.Scaled | None) -> int:
+def reducer_warps(scaled: _scaled.Scaled | None, split: bool) -> int:
     """Warps of the reducer kernel's reducer partition, each summing a unit's rows in turn (two
-    fill the loader's and counter's warpgroup at no cost in registers): two for precise FP8, whose
-    reducer falls behind the most (0.989 / 0.990x the time at TP 2 / 4 in geomean, one H200); one
-    elsewhere, where two were level (fast FP8 at TP 2 / 4) or halved the sums but not the kernel's
-    time (TP=8, one H100; docs/perf-log.md)."""
-    return 2 if scaled is not None and scaled.precise_acc else 1
+    fill the loader's and counter's warpgroup at no cost in registers): two for a precise FP8 call
+    in 256-wide tiles (split: _scaled.split_accumulator), whose reducer's sums, rows twice as long,
+    fall behind the GEMM: 0.98x the time there at TP 2, 4 and 8 (one H200, 46 grid cases, 45
+    faster); one elsewhere: in 128-wide tiles two lost up to 9% at TP=4 (docs/perf-log.md)."""
+    return 2 if scaled is not None and scaled.precise_acc and split else 1
 
 
 def reducer_tail_units(config: MatmulReduceScatterConfig, world: int, itemsize: int, partial_size: int,
@@ -417,7 +417,7 @@ class _Kernel:
             matmul_reduce_scatter_reducer_kernel, grid, RANK=rank, WORLD=world, BAND_ROWS=layout.band_rows,
             NUM_PROGRAMS=grid, NUM_STAGES=config.num_stages, UNITS_IN_FLIGHT=units_in_flight, TAIL_UNITS=tail_units,
             HAS_BIAS=bias is not None, B_KN=self.weight.kn, PUSH=config.transport == "push", SPLIT_ACC=split,
-            RESET_OWN=not zeroed_per_launch, REDUCER_WARPS=reducer_warps(scaled), **_scaled.constexprs(scaled),
+            RESET_OWN=not zeroed_per_launch, REDUCER_WARPS=reducer_warps(scaled, split), **_scaled.constexprs(scaled),
             **_scaled.PINGPONG_WARPS,
         )  # fmt: skip
 

@@ -15,7 +15,8 @@ tensor-core time:
 - a counter warp counts each peer tile's two halves into its band's counter (here, or push: the
   owner's) under one system-scope fence, off the consumers (there, the fences cost 8-17% of an
   FP8 GEMM at TP=8; docs/perf-log.md);
-- a reducer warp sums this rank's rows while the consumers compute: units of a few rows of an
+- a reducer warp (two, a row each in turn, for precise calls in 256-wide tiles: the launcher's
+  reducer_warps) sums this rank's rows while the consumers compute: units of a few rows of an
   own tile (units_desc's block: the launcher's reducer_unit_rows), unit u going to program
   u % NUM_PROGRAMS, in order. A unit waits (acquire loads, bounded) for its tile's own flag and
   its band from every peer (copy engine: the band's flag; push: the band's counter at all its
@@ -355,7 +356,8 @@ def _wait_units(buffer_ptrs, own_flags, first_unit, count, needed, tiles_m, tile
     WARPS warps, lane k * W + r for unit k and rank r, one round trip for them all (a reducer
     behind the GEMM learns of several ready units from one); gives up after max_spins rounds.
     LANES: 32 * WARPS (a lane a thread), or 32 (every warp reads the same flags and finds the same
-    answer without a reduction across warps). Returns the first lane whose flag has not arrived
+    answer: with a reduction across the reducer's two warps, it read rows before they arrived;
+    docs/perf-log.md). Returns the first lane whose flag has not arrived
     (count * W or more: none): below needed * W it gave up, and the caller traps (_give_up)."""
     gl.static_assert((LANES == 32) | (LANES == 32 * WARPS))
     gl.static_assert(WORLD <= LANES)

@@ -239,9 +239,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.nproc is not None and args.nproc != world:
             print(f"fluxtp bench: --nproc {args.nproc} ignored: torchrun started {world} ranks", file=sys.stderr)
     else:
-        world = args.nproc if args.nproc is not None else (torch.cuda.device_count() if device_type == "cuda" else 2)
-        if args.scenario == "gemm" and args.nproc is None:
+        if args.nproc is not None:
+            world = args.nproc
+        elif args.scenario == "gemm":
             world = 1  # one GPU, one process
+        else:
+            world = torch.cuda.device_count() if device_type == "cuda" else 2
         if world < 1:
             parser.error(f"--nproc must be at least 1, got {world}")
         if device_type == "cuda" and world > torch.cuda.device_count():

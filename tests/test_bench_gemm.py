@@ -5,7 +5,7 @@ import pytest
 
 from fluxtp import cli
 from fluxtp.bench import gemm
-from fluxtp.bench.gemm_grid import GemmCase, grid
+from fluxtp.bench.gemm_grid import TP_DEGREES, GemmCase, grid
 from fluxtp.bench.harness import GPU_PROTOCOL
 from fluxtp.bench.ops import DEFAULT_SHAPES
 
@@ -19,12 +19,12 @@ def test_default_cases_are_the_ops_layers_at_every_tp_degree():
     expected = {
         GemmCase(op, s.M, s.N, s.K, w)
         for op in gemm.GEMM_OPS
-        for w in gemm.DEFAULT_TP
+        for w in TP_DEGREES
         for s in DEFAULT_SHAPES["cuda"][op]
     }
     assert set(config.cases) == expected and len(config.cases) == len(expected) == 24
     assert config.protocol == GPU_PROTOCOL
-    assert gemm.DEFAULT_TP == (2, 4, 8)
+    assert TP_DEGREES == (2, 4, 8)  # what --tp's help says
 
 
 def test_options_choose_the_cases():

@@ -26,15 +26,13 @@ from tabulate import tabulate
 
 from fluxtp._dist import GroupInfo
 from fluxtp._terminal import terminal_width
-from fluxtp.bench.gemm_grid import FP8_DTYPE_NAMES, GRIDS, GemmCase, case_runs, grid
+from fluxtp.bench.gemm_grid import DTYPE_NAMES, FP8_DTYPE_NAMES, GRIDS, TP_DEGREES, GemmCase, case_runs, grid
 from fluxtp.bench.harness import GPU_PROTOCOL, Protocol, Variant, graphed, measure_rounds
 from fluxtp.bench.ops import DEFAULT_SHAPES, parse_shapes
 from fluxtp.bench.progress import describe as describe_bar
 from fluxtp.bench.progress import progress_bar
 
 GEMM_OPS = ("all_gather_matmul", "matmul_reduce_scatter")  # the ops with a GEMM-only mode
-DEFAULT_TP = (2, 4, 8)
-DTYPES = ("bfloat16", "float16")
 LEGEND = (
     "Per layer (M, N, K: its global sizes) and TP degree, the GEMM one rank runs in a call: the fused op's "
     "kernel with its communication switched off, and cuBLAS on the same per-rank operands. fused/cuBLAS = "
@@ -65,7 +63,7 @@ def add_arguments(group) -> None:
 
 def _tp_degrees(text: str | None) -> tuple[int, ...]:
     if text is None:
-        return DEFAULT_TP
+        return TP_DEGREES
     degrees = []
     for item in text.split(","):
         if not item.strip().isdigit() or int(item) < 1:
@@ -108,8 +106,8 @@ def make_config(args: argparse.Namespace, world: int, device_type: str) -> GemmC
         if fp8 is not None and dtype_name not in (None, "bfloat16"):
             raise ValueError("--fp8 quantizes bfloat16 data: leave --dtype at its default")
         dtype = next(iter(FP8_DTYPE_NAMES)) if fp8 else (dtype_name or "bfloat16")
-        if dtype not in (*DTYPES, *FP8_DTYPE_NAMES):
-            raise ValueError(f"--dtype: the fused kernels take {' or '.join(DTYPES)} (or --fp8), not {dtype}")
+        if dtype not in (*DTYPE_NAMES, *FP8_DTYPE_NAMES):
+            raise ValueError(f"--dtype: the fused kernels take {' or '.join(DTYPE_NAMES)} (or --fp8), not {dtype}")
         degrees = _tp_degrees(tp)
         layer_shapes = {o: parse_shapes(shapes) if shapes else DEFAULT_SHAPES["cuda"][o] for o in ops}
         # GemmCase checks that the sizes divide by the TP degree (ValueError naming the case).
